@@ -1,0 +1,1 @@
+//! Conversion pipeline. STUB.

@@ -1,0 +1,182 @@
+//! GGUF v3: value types, a bounds-checked reader, and header serialization for the
+//! virtual GGUF layout. Reading treats the file as hostile: every count and offset is
+//! checked against the file size before anything is allocated.
+
+use serde::{Deserialize, Serialize};
+
+pub mod reader;
+pub mod writer;
+
+pub use reader::{GgufError, GgufFile, GgufTensorInfo};
+pub use writer::{GgufHeader, GgufTensorEntry};
+
+/// ggml tensor types, with the numeric ids GGUF stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[allow(non_camel_case_types)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    BF16,
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        use GgmlType::*;
+        Some(match id {
+            0 => F32,
+            1 => F16,
+            2 => Q4_0,
+            3 => Q4_1,
+            6 => Q5_0,
+            7 => Q5_1,
+            8 => Q8_0,
+            9 => Q8_1,
+            10 => Q2_K,
+            11 => Q3_K,
+            12 => Q4_K,
+            13 => Q5_K,
+            14 => Q6_K,
+            15 => Q8_K,
+            30 => BF16,
+            _ => return None,
+        })
+    }
+    pub fn id(self) -> u32 {
+        use GgmlType::*;
+        match self {
+            F32 => 0,
+            F16 => 1,
+            Q4_0 => 2,
+            Q4_1 => 3,
+            Q5_0 => 6,
+            Q5_1 => 7,
+            Q8_0 => 8,
+            Q8_1 => 9,
+            Q2_K => 10,
+            Q3_K => 11,
+            Q4_K => 12,
+            Q5_K => 13,
+            Q6_K => 14,
+            Q8_K => 15,
+            BF16 => 30,
+        }
+    }
+    /// (elements per block, bytes per block)
+    pub fn block(self) -> (u64, u64) {
+        use GgmlType::*;
+        match self {
+            F32 => (1, 4),
+            F16 | BF16 => (1, 2),
+            Q4_0 => (32, 18),
+            Q4_1 => (32, 20),
+            Q5_0 => (32, 22),
+            Q5_1 => (32, 24),
+            Q8_0 => (32, 34),
+            Q8_1 => (32, 36),
+            Q2_K => (256, 84),
+            Q3_K => (256, 110),
+            Q4_K => (256, 144),
+            Q5_K => (256, 176),
+            Q6_K => (256, 210),
+            Q8_K => (256, 292),
+        }
+    }
+    /// Bytes of a row of `n` elements, or None when `n` is not a whole number of blocks.
+    pub fn row_bytes(self, n: u64) -> Option<u64> {
+        let (be, bb) = self.block();
+        if n % be != 0 {
+            return None;
+        }
+        (n / be).checked_mul(bb)
+    }
+}
+
+/// A GGUF metadata value. Serialized into META as externally tagged JSON so GGUF
+/// metadata survives a round trip through an archive verbatim.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    String(String),
+    /// Arrays are homogeneous; element type kept so an empty array round-trips.
+    Array(GgufArray),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GgufArray {
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    U16(Vec<u16>),
+    I16(Vec<i16>),
+    U32(Vec<u32>),
+    I32(Vec<i32>),
+    F32(Vec<f32>),
+    Bool(Vec<bool>),
+    String(Vec<String>),
+    U64(Vec<u64>),
+    I64(Vec<i64>),
+    F64(Vec<f64>),
+}
+
+impl GgufValue {
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            GgufValue::U8(v) => Some(v as u64),
+            GgufValue::U16(v) => Some(v as u64),
+            GgufValue::U32(v) => Some(v as u64),
+            GgufValue::U64(v) => Some(v),
+            GgufValue::I8(v) if v >= 0 => Some(v as u64),
+            GgufValue::I16(v) if v >= 0 => Some(v as u64),
+            GgufValue::I32(v) if v >= 0 => Some(v as u64),
+            GgufValue::I64(v) if v >= 0 => Some(v as u64),
+            _ => None,
+        }
+    }
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v as f64),
+            GgufValue::F64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as f64),
+        }
+    }
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            GgufValue::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+/// Look a key up in GGUF metadata kept as an ordered list.
+pub fn meta_get<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a GgufValue> {
+    meta.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+}

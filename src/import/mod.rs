@@ -1,0 +1,40 @@
+//! Importers: read a source model (a Hugging Face directory or a GGUF file) into a
+//! [`ModelDesc`] plus access to each tensor's data in canonical (HF) row order.
+
+use std::path::Path;
+
+use crate::model::ModelDesc;
+
+pub mod gguf;
+pub mod hf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("{path}: {reason}")]
+    Invalid { path: String, reason: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A source model opened for conversion.
+pub trait SourceModel: Send + Sync {
+    fn desc(&self) -> &ModelDesc;
+    /// The tensor's bytes as stored in the source (`desc().tensors[i].source`), rows in
+    /// canonical (HF) order.
+    fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError>;
+    /// The tensor dequantized to f32, canonical row order.
+    fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError>;
+}
+
+/// Open a HF directory (config.json + *.safetensors) or a `.gguf` file.
+pub fn open_source(path: &Path) -> Result<Box<dyn SourceModel>, ImportError> {
+    if path.is_dir() {
+        Ok(Box::new(hf::HfSource::open(path)?))
+    } else {
+        Ok(Box::new(gguf::GgufSource::open(path)?))
+    }
+}

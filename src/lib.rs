@@ -1,0 +1,24 @@
+//! cawsfs: mount compressed LLM weight archives as plain model files.
+//!
+//! The data path runs one way:
+//! ```text
+//! archive bytes (mmap) ─► archive reader ─► codec: reconstruct rows r0..r1 of tensor T
+//!                                  │
+//! model description (model): tensors, architecture config, tokenizer
+//!                                  │
+//! virtual layouts (layout): safetensors / GGUF / config.json / tokenizer.json
+//!                                  │
+//! export (today) · chunk cache + FUSE adapter + control socket (next)
+//! ```
+//! Importers (`import`) feed `convert`, which encodes tensors with a codec and writes an
+//! archive. Each module knows only the ones below it.
+
+pub mod archive;
+pub mod codec;
+pub mod convert;
+pub mod gguf;
+pub mod import;
+pub mod layout;
+pub mod model;
+pub mod names;
+pub mod quant;
