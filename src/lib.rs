@@ -16,6 +16,7 @@
 pub mod archive;
 pub mod codec;
 pub mod convert;
+pub mod export;
 pub mod gguf;
 pub mod import;
 pub mod layout;

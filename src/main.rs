@@ -1,1 +1,420 @@
-fn main() {}
+//! The `cawsfs` command line: parses arguments and calls the library. Every error
+//! reaches the user as one line naming the thing and the problem.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use cawsfs::archive::{Archive, Compression};
+use cawsfs::convert::{self, ConvertOptions};
+use cawsfs::layout::{self, GgufOutType};
+use cawsfs::model::{FloatType, RowSource};
+
+#[derive(Parser)]
+#[command(name = "cawsfs", version, about = "Mount compressed LLM weight archives as plain model files")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Convert a Hugging Face directory or a GGUF file into a .cawsf archive.
+    Convert(ConvertArgs),
+    /// Show an archive's sections, model and tensors.
+    Inspect {
+        archive: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// With --json: list each block's file offset and stored length.
+        #[arg(long)]
+        blocks: bool,
+    },
+    /// Check every checksum in an archive; exits non-zero naming the first bad one.
+    Verify { archive: PathBuf },
+    /// Write a virtual file (or a Hugging Face directory) out of an archive.
+    Export(ExportArgs),
+    /// Compute y = Ŵx for one tensor straight from its compressed components.
+    Apply {
+        archive: PathBuf,
+        /// Tensor name (Hugging Face convention).
+        #[arg(long)]
+        tensor: String,
+        /// x: little-endian f32 values, or whitespace-separated numbers if the name ends in .txt.
+        #[arg(long)]
+        x: PathBuf,
+        /// Write y as little-endian f32 here instead of printing it.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct ConvertArgs {
+    /// Hugging Face model directory or .gguf file.
+    src: PathBuf,
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Rank of the low-rank component L.
+    #[arg(long, default_value_t = 16)]
+    rank: u32,
+    /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
+    #[arg(long, default_value_t = 0.999)]
+    outlier_q: f32,
+    /// PQ sub-vectors per row (must divide every coded tensor's width); overrides --pq-dim.
+    #[arg(long)]
+    pq_m: Option<u32>,
+    /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256).
+    #[arg(long, default_value_t = 4)]
+    pq_dim: u32,
+    /// PQ centroids per codebook (at most 256).
+    #[arg(long, default_value_t = 256)]
+    pq_k: u32,
+    #[arg(long, default_value_t = 12)]
+    kmeans_iters: u32,
+    /// Store tensors matching this `*` pattern as bit-exact passthrough (repeatable).
+    /// 1-D tensors, the token embedding and the output head always are unless
+    /// --no-default-passthrough is given.
+    #[arg(long = "passthrough", value_name = "PATTERN")]
+    passthrough: Vec<String>,
+    #[arg(long)]
+    no_default_passthrough: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Compression of row blocks.
+    #[arg(long, value_enum, default_value_t = Comp::Zstd)]
+    compression: Comp,
+    /// Also write the per-tensor report as JSON here.
+    #[arg(long)]
+    report_json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Comp {
+    Zstd,
+    Lz4,
+    None,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Format {
+    Safetensors,
+    Gguf,
+    HfDir,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    archive: PathBuf,
+    #[arg(long, value_enum)]
+    format: Format,
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Tensor dtype of model.safetensors (default: the source's float type, f16 for quantized sources).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Tensor type of 2-D weights in model.gguf.
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
+    gguf_type: Dtype,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CAWSFS_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cawsfs: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Convert(a) => cmd_convert(a),
+        Cmd::Inspect { archive, json, blocks } => cmd_inspect(&archive, json, blocks),
+        Cmd::Verify { archive } => cmd_verify(&archive),
+        Cmd::Export(a) => cmd_export(a),
+        Cmd::Apply {
+            archive,
+            tensor,
+            x,
+            output,
+        } => cmd_apply(&archive, &tensor, &x, output.as_deref()),
+    }
+}
+
+fn init_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    Ok(())
+}
+
+fn bar(len: u64, template: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb
+}
+
+fn cmd_convert(a: ConvertArgs) -> Result<()> {
+    init_threads(a.threads)?;
+    let src = cawsfs::import::open_source(&a.src)?;
+    let mut opts = ConvertOptions::default();
+    opts.ndsq.rank = a.rank;
+    opts.ndsq.outlier_q = a.outlier_q;
+    opts.ndsq.pq_m = a.pq_m;
+    opts.ndsq.pq_dim = a.pq_dim;
+    opts.ndsq.pq_k = a.pq_k;
+    opts.ndsq.kmeans_iters = a.kmeans_iters;
+    opts.ndsq.seed = a.seed;
+    if a.no_default_passthrough {
+        opts.passthrough.clear();
+    }
+    opts.passthrough.extend(a.passthrough);
+    opts.compression = match a.compression {
+        Comp::Zstd => Compression::Zstd(3),
+        Comp::Lz4 => Compression::Lz4,
+        Comp::None => Compression::None,
+    };
+    let n = src.desc().tensors.len();
+    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report = convert::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    })
+    .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    println!("{:<52} {:>16} {:>24} {:>12} {:>7} {:>9}", "tensor", "shape", "codec", "bytes", "bpw", "rel_err");
+    for t in &report.tensors {
+        println!(
+            "{:<52} {:>16} {:>24} {:>12} {:>7.3} {:>9.5}",
+            t.name,
+            format!("{:?}", t.shape),
+            t.codec,
+            t.bytes,
+            t.bits_per_weight,
+            t.rel_err
+        );
+    }
+    println!(
+        "total: {} weights, archive {} bytes, {:.3} bits per weight, NDSQ rel_err mean {:.5} max {:.5} -> {}",
+        report.total_weights,
+        report.archive_bytes,
+        report.bits_per_weight,
+        report.mean_rel_err,
+        report.max_rel_err,
+        a.output.display()
+    );
+    if let Some(p) = a.report_json {
+        std::fs::write(&p, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
+    let ar = Archive::open(path)?;
+    let m = ar.model();
+    let rel = ar.extra().get("rel_err");
+    if json {
+        let tensors: Vec<_> = m
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let info = ar.tensor_info(i);
+                let locations: Option<Vec<(u64, u64)>> =
+                    blocks.then(|| (0..info.n_blocks).map(|b| ar.block_location(i, b)).collect());
+                serde_json::json!({
+                    "block_locations": locations,
+                    "name": t.name, "shape": t.shape, "source": t.source,
+                    "codec": info.codec, "rows_per_block": info.rows_per_block,
+                    "blocks": info.n_blocks, "bytes": info.stored_bytes,
+                    "rel_err": rel.and_then(|r| r.get(&t.name)),
+                })
+            })
+            .collect();
+        let sections: Vec<_> = ar
+            .sections()
+            .iter()
+            .map(|s| serde_json::json!({"kind": s.kind, "offset": s.offset, "size": s.size, "flags": s.flags}))
+            .collect();
+        let v = serde_json::json!({"sections": sections, "arch": m.arch, "tensors": tensors, "extra": ar.extra()});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("archive: {}", path.display());
+    println!("sections:");
+    for s in ar.sections() {
+        println!("  {:<11} offset {:>12} size {:>12} flags {:#x}", s.kind, s.offset, s.size, s.flags);
+    }
+    let a = &m.arch;
+    println!(
+        "model: {} ({}) layers {} hidden {} ffn {} heads {}/{} vocab {} ctx {} tied {}",
+        a.model_type,
+        a.gguf_arch,
+        a.n_layers,
+        a.hidden_size,
+        a.intermediate_size,
+        a.n_heads,
+        a.n_kv_heads,
+        a.vocab_size,
+        a.context_length,
+        a.tie_word_embeddings
+    );
+    println!(
+        "files kept: hf {:?}, gguf metadata keys {}",
+        m.hf_files.keys().collect::<Vec<_>>(),
+        m.gguf_meta.len()
+    );
+    println!("tensors: {}", m.tensors.len());
+    println!("  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9}", "name", "shape", "source", "codec", "blocks", "bytes", "bpw", "rel_err");
+    let mut total = 0;
+    for (i, t) in m.tensors.iter().enumerate() {
+        let info = ar.tensor_info(i);
+        total += info.stored_bytes;
+        let r = rel.and_then(|r| r.get(&t.name)).and_then(|v| v.as_f64()).unwrap_or(0.0);
+        println!(
+            "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5}",
+            t.name,
+            format!("{:?}", t.shape),
+            format!("{:?}", t.source).to_lowercase(),
+            convert::codec_label(&info.codec),
+            info.n_blocks,
+            info.stored_bytes,
+            info.stored_bytes as f64 * 8.0 / t.numel().max(1) as f64,
+            r
+        );
+    }
+    println!("total tensor bytes: {total}");
+    Ok(())
+}
+
+fn cmd_verify(path: &Path) -> Result<()> {
+    let ar = Archive::open(path)?;
+    ar.verify().map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let blocks: usize = (0..ar.model().tensors.len()).map(|i| ar.tensor_info(i).n_blocks).sum();
+    println!(
+        "{}: ok ({} sections, {} tensors, {} blocks verified)",
+        path.display(),
+        ar.sections().len(),
+        ar.model().tensors.len(),
+        blocks
+    );
+    Ok(())
+}
+
+fn float_of(d: Dtype) -> FloatType {
+    match d {
+        Dtype::F32 => FloatType::F32,
+        Dtype::F16 => FloatType::F16,
+        Dtype::Bf16 => FloatType::BF16,
+    }
+}
+
+fn cmd_export(a: ExportArgs) -> Result<()> {
+    init_threads(a.threads)?;
+    let ar = Archive::open(&a.archive)?;
+    let model = ar.model();
+    let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {
+        let pb = bar(vf.size, "{elapsed_precise} [{bar:40}] {bytes}/{total_bytes} {msg}");
+        pb.set_message(vf.name.clone());
+        cawsfs::export::export_file(vf, &ar as &dyn RowSource, path, &|done| pb.set_position(done))?;
+        pb.finish_and_clear();
+        println!("wrote {} ({} bytes)", path.display(), vf.size);
+        Ok(())
+    };
+    match a.format {
+        Format::Gguf => {
+            let ty = match a.gguf_type {
+                Dtype::F32 => GgufOutType::F32,
+                Dtype::F16 => GgufOutType::F16,
+                Dtype::Bf16 => GgufOutType::BF16,
+            };
+            export(&layout::gguf_file(model, ty)?, &a.output)
+        }
+        Format::Safetensors => export(&layout::safetensors_file(model, a.dtype.map(float_of))?, &a.output),
+        Format::HfDir => {
+            std::fs::create_dir_all(&a.output).with_context(|| format!("{}", a.output.display()))?;
+            for (name, bytes) in layout::hf_metadata_files(model)? {
+                let p = a.output.join(&name);
+                std::fs::write(&p, bytes).with_context(|| format!("{}", p.display()))?;
+                println!("wrote {}", p.display());
+            }
+            export(
+                &layout::safetensors_file(model, a.dtype.map(float_of))?,
+                &a.output.join("model.safetensors"),
+            )
+        }
+    }
+}
+
+fn read_vector(path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "txt") {
+        let text = String::from_utf8(bytes).map_err(|_| anyhow!("{}: not UTF-8 text", path.display()))?;
+        return text
+            .split_whitespace()
+            .map(|w| w.parse::<f32>().map_err(|_| anyhow!("{}: {w:?} is not a number", path.display())))
+            .collect();
+    }
+    if bytes.len() % 4 != 0 {
+        bail!("{}: {} bytes is not a whole number of f32 values", path.display(), bytes.len());
+    }
+    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Result<()> {
+    let ar = Archive::open(path)?;
+    let i = ar
+        .model()
+        .tensor_index(tensor)
+        .ok_or_else(|| anyhow!("{}: no tensor named {tensor}", path.display()))?;
+    let cols = ar.model().tensors[i].cols();
+    let xv = read_vector(x)?;
+    if xv.len() as u64 != cols {
+        bail!("{}: x has {} values but tensor {tensor} has {cols} columns", x.display(), xv.len());
+    }
+    let y = ar.apply(i, &xv).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    match output {
+        Some(o) => {
+            let bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+            std::fs::write(o, bytes).with_context(|| format!("{}", o.display()))?;
+            println!("wrote {} values to {}", y.len(), o.display());
+        }
+        None => {
+            for v in &y {
+                println!("{v}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,19 +1,225 @@
-//! Hugging Face directory importer. STUB: to be implemented.
+//! Hugging Face directory importer: `config.json`, `model.safetensors` or shards listed
+//! in `model.safetensors.index.json`, and the tokenizer files, kept verbatim.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
 
 use super::{ImportError, SourceModel};
-use crate::model::ModelDesc;
+use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
+
+/// Side files copied into the archive verbatim when present.
+const KEPT_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Side files larger than this are refused: they are tokenizers and configs, not weights.
+const MAX_SIDE_FILE: u64 = 64 << 20;
 
 pub struct HfSource {
     desc: ModelDesc,
+    shards: Vec<Mmap>,
+    /// Per tensor: (shard index, byte range within the shard's data).
+    locations: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> ImportError {
+    ImportError::Invalid {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn io(path: &Path, source: std::io::Error) -> ImportError {
+    ImportError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn read_small(path: &Path) -> Result<Vec<u8>, ImportError> {
+    let len = std::fs::metadata(path).map_err(|e| io(path, e))?.len();
+    if len > MAX_SIDE_FILE {
+        return Err(invalid(path, format!("{len} bytes is too large for a metadata file")));
+    }
+    std::fs::read(path).map_err(|e| io(path, e))
 }
 
 impl HfSource {
-    pub fn open(path: &Path) -> Result<HfSource, ImportError> {
-        let _ = path;
-        todo!()
+    pub fn open(dir: &Path) -> Result<HfSource, ImportError> {
+        let cfg_path = dir.join("config.json");
+        if !cfg_path.exists() {
+            return Err(invalid(dir, "not a Hugging Face model directory: config.json is missing"));
+        }
+        let mut hf_files = BTreeMap::new();
+        for name in KEPT_FILES {
+            let p = dir.join(name);
+            if p.is_file() {
+                hf_files.insert(name.to_string(), read_small(&p)?);
+            }
+        }
+        let config: Value = serde_json::from_slice(&hf_files["config.json"])
+            .map_err(|e| invalid(&cfg_path, format!("not valid JSON: {e}")))?;
+
+        let shard_paths = shard_paths(dir)?;
+        let mut shards = Vec::new();
+        let mut tensors = Vec::new();
+        let mut locations = Vec::new();
+        for (si, p) in shard_paths.iter().enumerate() {
+            let f = File::open(p).map_err(|e| io(p, e))?;
+            // SAFETY: the source file is only read; a concurrent writer could change the
+            // bytes under us, which yields wrong values but not memory unsafety in the
+            // bounds-checked code below.
+            let map = unsafe { Mmap::map(&f) }.map_err(|e| io(p, e))?;
+            let (header_len, _) = SafeTensors::read_metadata(&map)
+                .map_err(|e| invalid(p, format!("not a valid safetensors file: {e}")))?;
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| invalid(p, format!("not a valid safetensors file: {e}")))?;
+            let data_start = 8 + header_len;
+            let mut names: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+            names.sort_by(|a, b| a.0.cmp(&b.0));
+            for (name, view) in names {
+                let source = match view.dtype() {
+                    Dtype::F32 => SourceType::F32,
+                    Dtype::F16 => SourceType::F16,
+                    Dtype::BF16 => SourceType::BF16,
+                    other => {
+                        return Err(invalid(p, format!("tensor {name}: unsupported dtype {other:?}")))
+                    }
+                };
+                let bytes = view.data();
+                let start = bytes.as_ptr() as usize - map.as_ptr() as usize;
+                debug_assert!(start >= data_start);
+                tensors.push(TensorDesc {
+                    name,
+                    shape: view.shape().iter().map(|&d| d as u64).collect(),
+                    source,
+                });
+                locations.push((si, start..start + bytes.len()));
+            }
+            shards.push(map);
+        }
+        // Canonical order: by layer, then name, so archives group a layer's tensors.
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by_key(|&i| sort_key(&tensors[i].name));
+        let tensors: Vec<TensorDesc> = order.iter().map(|&i| tensors[i].clone()).collect();
+        let locations = order.iter().map(|&i| locations[i].clone()).collect();
+        if let Some(dup) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+            return Err(invalid(dir, format!("tensor {} appears in two shards", dup[0].name)));
+        }
+        let arch = arch_from_config(&cfg_path, &config, &tensors)?;
+        Ok(HfSource {
+            desc: ModelDesc {
+                arch,
+                tensors,
+                hf_files,
+                gguf_meta: Vec::new(),
+            },
+            shards,
+            locations,
+        })
     }
+}
+
+/// (non-layer first, layer number, name): embeddings, then layers in order, then the rest.
+fn sort_key(name: &str) -> (u8, u32, String) {
+    match crate::names::layer_of(name) {
+        Some(l) => (1, l, name.to_string()),
+        None if name.contains("embed") => (0, 0, name.to_string()),
+        None => (2, 0, name.to_string()),
+    }
+}
+
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let v: Value = serde_json::from_slice(&read_small(&index)?)
+            .map_err(|e| invalid(&index, format!("not valid JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid(&index, "no weight_map object"))?;
+        let mut files: Vec<String> = Vec::new();
+        for (tensor, file) in map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| invalid(&index, format!("weight_map entry {tensor} is not a file name")))?;
+            if file.contains('/') || file.contains("..") {
+                return Err(invalid(&index, format!("weight_map entry {tensor} points outside the directory: {file}")));
+            }
+            if !files.iter().any(|f| f == file) {
+                files.push(file.to_string());
+            }
+        }
+        files.sort();
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        if let Some(missing) = paths.iter().find(|p| !p.is_file()) {
+            return Err(invalid(&index, format!("shard {} is missing", missing.display())));
+        }
+        return Ok(paths);
+    }
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    Err(invalid(dir, "no model.safetensors or model.safetensors.index.json"))
+}
+
+fn arch_from_config(path: &Path, c: &Value, tensors: &[TensorDesc]) -> Result<ArchConfig, ImportError> {
+    let model_type = c
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(path, "missing model_type"))?
+        .to_string();
+    let gguf_arch = match model_type.as_str() {
+        "llama" | "mistral" => "llama",
+        "qwen2" => "qwen2",
+        other => return Err(invalid(path, format!("unsupported model_type {other} (llama, mistral, qwen2 are)"))),
+    }
+    .to_string();
+    let u = |key: &str| -> Result<u32, ImportError> {
+        c.get(key)
+            .and_then(Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+            .ok_or_else(|| invalid(path, format!("missing or invalid {key}")))
+    };
+    let opt_u = |key: &str| c.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
+    let f = |key: &str, default: f64| c.get(key).and_then(Value::as_f64).unwrap_or(default) as f32;
+    let hidden_size = u("hidden_size")?;
+    let n_heads = u("num_attention_heads")?;
+    if n_heads == 0 || hidden_size % n_heads != 0 && opt_u("head_dim").is_none() {
+        return Err(invalid(path, format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {n_heads}")));
+    }
+    let has_lm_head = tensors.iter().any(|t| t.name == "lm_head.weight");
+    Ok(ArchConfig {
+        model_type,
+        gguf_arch,
+        n_layers: u("num_hidden_layers")?,
+        hidden_size,
+        intermediate_size: u("intermediate_size")?,
+        n_heads,
+        n_kv_heads: opt_u("num_key_value_heads").unwrap_or(n_heads),
+        head_dim: opt_u("head_dim").unwrap_or(hidden_size / n_heads),
+        vocab_size: u("vocab_size")?,
+        context_length: opt_u("max_position_embeddings").unwrap_or(2048),
+        rope_theta: f("rope_theta", 10000.0),
+        rms_norm_eps: f("rms_norm_eps", 1e-6),
+        tie_word_embeddings: !has_lm_head,
+        bos_token_id: opt_u("bos_token_id"),
+        eos_token_id: opt_u("eos_token_id"),
+        pad_token_id: opt_u("pad_token_id"),
+    })
 }
 
 impl SourceModel for HfSource {
@@ -21,11 +227,31 @@ impl SourceModel for HfSource {
         &self.desc
     }
     fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
-        let _ = i;
-        todo!()
+        let (s, r) = &self.locations[i];
+        Ok(self.shards[*s][r.clone()].to_vec())
     }
     fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
-        let _ = i;
-        todo!()
+        let (s, r) = &self.locations[i];
+        let bytes = &self.shards[*s][r.clone()];
+        Ok(to_f32(self.desc.tensors[i].source, bytes))
+    }
+}
+
+/// Widen little-endian f32/f16/bf16 bytes to f32 (exact).
+pub fn to_f32(source: SourceType, bytes: &[u8]) -> Vec<f32> {
+    match source {
+        SourceType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        SourceType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        SourceType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        SourceType::Ggml(_) => unreachable!("HF sources hold float tensors only"),
     }
 }

@@ -1,0 +1,77 @@
+//! `cawsfs export`: stream a virtual file into a real one through the same
+//! [`VirtualFile::read_at`] the mount serves, so the two are byte-identical.
+
+use std::io::Write;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use crate::layout::VirtualFile;
+use crate::model::{ReadError, RowSource};
+
+/// Bytes produced per read; several are produced in parallel, then written in order.
+const CHUNK: u64 = 8 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("{file}: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: ReadError,
+    },
+    #[error("{path}: {source}")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Write `vf` to `path` (via `path.tmp` and a rename, so a failure leaves no partial
+/// file). `progress(bytes_done)` is called after each batch.
+pub fn export_file(
+    vf: &VirtualFile,
+    src: &dyn RowSource,
+    path: &Path,
+    progress: &dyn Fn(u64),
+) -> Result<(), ExportError> {
+    let werr = |source| ExportError::Write {
+        path: path.display().to_string(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let file = std::fs::File::create(&tmp).map_err(werr)?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let batch = (rayon::current_num_threads() as u64 * 2).max(2);
+    let n_chunks = vf.size.div_ceil(CHUNK);
+    let mut c = 0;
+    while c < n_chunks {
+        let end = (c + batch).min(n_chunks);
+        let bufs: Vec<Result<Vec<u8>, ReadError>> = (c..end)
+            .into_par_iter()
+            .map(|i| {
+                let off = i * CHUNK;
+                let len = CHUNK.min(vf.size - off) as usize;
+                let mut buf = vec![0u8; len];
+                let got = vf.read_at(src, off, &mut buf)?;
+                buf.truncate(got);
+                Ok(buf)
+            })
+            .collect();
+        for b in bufs {
+            let b = b.map_err(|source| ExportError::Read {
+                file: vf.name.clone(),
+                source,
+            })?;
+            out.write_all(&b).map_err(werr)?;
+        }
+        c = end;
+        progress((c * CHUNK).min(vf.size));
+    }
+    let file = out.into_inner().map_err(|e| werr(e.into_error()))?;
+    file.sync_all().map_err(werr)?;
+    drop(file);
+    std::fs::rename(&tmp, path).map_err(werr)?;
+    Ok(())
+}

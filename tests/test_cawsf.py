@@ -1,0 +1,215 @@
+"""The .cawsf archive end to end on the real test model (SmolLM2-135M-Instruct Q4_1):
+convert, verify, inspect, determinism, corruption, and real clients reading exports."""
+import json
+import os
+import random
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import PROMPT, SETTINGS, convert, llama_generate, run, run_status
+
+
+def gguf_tensors(path):
+    r = gguf.GGUFReader(str(path))
+    return {t.name: t for t in r.tensors}
+
+
+def test_convert_verify_inspect(cawsfs, archives, model_gguf):
+    src = gguf_tensors(model_gguf)
+    for name, (path, report) in archives.items():
+        p = run([cawsfs, "verify", path])
+        assert "ok" in p.stdout
+        info = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
+        assert len(info["tensors"]) == len(src) == len(report["tensors"])
+        # Every source tensor is listed, in Hugging Face orientation.
+        got = sorted(tuple(t["shape"]) for t in info["tensors"])
+        want = sorted(tuple(int(d) for d in reversed(t.shape.tolist())) if len(t.shape) > 1
+                      else (int(t.shape[0]),) for t in src.values())
+        assert got == want
+        kinds = [s["kind"] for s in info["sections"]]
+        for k in ("META", "CODEBOOKS", "SHARD_BANK", "ROUTING"):
+            assert k in kinds, (name, kinds)
+        text = run([cawsfs, "inspect", path]).stdout
+        assert "model.layers.29.mlp.down_proj.weight" in text
+
+
+def test_bits_per_weight(archives):
+    bpw = {name: rep["bits_per_weight"] for name, (_, rep) in archives.items()}
+    ndsq = lambda rep: [t for t in rep["tensors"] if t["codec"].startswith("ndsq")]
+    # 2-D projection weights are NDSQ-coded; embeddings and norms are passthrough.
+    assert len(ndsq(archives["default"][1])) == 210
+    q4 = [t["bits_per_weight"] for t in ndsq(archives["q4"][1])]
+    assert 3.5 < np.mean(q4) < 5.5, np.mean(q4)
+    df = [t["bits_per_weight"] for t in ndsq(archives["default"][1])]
+    assert np.mean(df) < np.mean(q4)
+    assert archives["q4"][1]["mean_rel_err"] < archives["default"][1]["mean_rel_err"] < 0.5
+    assert archives["exact"][1]["max_rel_err"] == 0.0
+    print("bits per weight", bpw)
+
+
+def test_deterministic(cawsfs, archives, model_gguf, work):
+    """Same input, options and seed give the same bytes, whatever the thread count."""
+    path, _ = archives["default"]
+    again = work / "again.cawsf"
+    convert(cawsfs, model_gguf, again, "--threads", "1", *SETTINGS["default"])
+    assert again.read_bytes() == path.read_bytes()
+    other = work / "seed7.cawsf"
+    convert(cawsfs, model_gguf, other, "--seed", "7", *SETTINGS["default"])
+    assert other.read_bytes() != path.read_bytes()
+
+
+def block_table(cawsfs, path):
+    info = json.loads(run([cawsfs, "inspect", path, "--json", "--blocks"]).stdout)
+    return [(t["name"], i, off, ln) for t in info["tensors"] for i, (off, ln) in enumerate(t["block_locations"])]
+
+
+@pytest.mark.parametrize("setting", ["default", "exact"])
+def test_corrupt_block_is_named(cawsfs, archives, work, setting):
+    path, _ = archives[setting]
+    blocks = block_table(cawsfs, path)
+    rng = random.Random(1234)
+    for name, idx, off, ln in rng.sample(blocks, 6):
+        bad = work / f"bad-{setting}.cawsf"
+        shutil.copy(path, bad)
+        with open(bad, "r+b") as f:
+            pos = off + rng.randrange(ln)
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x40]))
+        p = run_status([cawsfs, "verify", bad])
+        assert p.returncode != 0
+        assert f"tensor {name}" in p.stderr and f"block {idx}" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        # Reconstructing those rows fails too: export reads every row.
+        e = run_status([cawsfs, "export", bad, "--format", "safetensors", "-o", work / "bad.safetensors"])
+        assert e.returncode != 0 and name in e.stderr, e.stderr
+        assert not (work / "bad.safetensors").exists()
+
+
+def test_bad_archives_give_one_line_errors(cawsfs, archives, work):
+    path, _ = archives["default"]
+    data = path.read_bytes()
+    cases = {
+        "empty": b"",
+        "magic": b"NOTCAWSF" + data[8:],
+        "version": data[:8] + (99).to_bytes(4, "little") + data[12:],
+        "truncated": data[: len(data) // 2],
+        "header_only": data[:100],
+    }
+    for what, blob in cases.items():
+        bad = work / f"{what}.cawsf"
+        bad.write_bytes(blob)
+        for verb in (["verify", bad], ["inspect", bad]):
+            p = run_status([cawsfs, *verb])
+            assert p.returncode != 0, what
+            err = p.stderr.strip()
+            assert len(err.splitlines()) == 1 and str(bad) in err, (what, err)
+            assert "panicked" not in err
+    p = run_status([cawsfs, "verify", work / "does-not-exist.cawsf"])
+    assert p.returncode != 0 and "does-not-exist.cawsf" in p.stderr
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_llama_cpp_generates_from_export(cawsfs, archives, llama_bin, work, setting, model_gguf):
+    path, _ = archives[setting]
+    out = work / f"{setting}.gguf"
+    run([cawsfs, "export", path, "--format", "gguf", "-o", out])
+    text, log = llama_generate(llama_bin, out)
+    assert text.startswith(PROMPT), text
+    gen = text[len(PROMPT):]
+    assert len(gen.split()) >= 5, text
+    if setting == "exact":
+        # Bit-exact weights (F16 of dequantized Q4_1) give the original model's answer.
+        ref, _ = llama_generate(llama_bin, model_gguf)
+        assert gen.split()[:3] == ref[len(PROMPT):].split()[:3], (text, ref)
+    if setting in ("exact", "q4"):
+        assert "Paris" in gen, text
+
+
+def test_gguf_export_types(cawsfs, archives, work):
+    path, _ = archives["exact"]
+    for ty, code in (("f32", 0), ("bf16", 30), ("f16", 1)):
+        out = work / f"t-{ty}.gguf"
+        run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", ty, "-o", out])
+        r = gguf.GGUFReader(str(out))
+        types = {int(t.tensor_type) for t in r.tensors if len(t.shape) > 1}
+        assert types == {code}, (ty, types)
+        assert int(r.fields["general.alignment"].parts[-1][0]) == 32
+        for t in r.tensors:
+            assert t.data_offset % 32 == 0
+
+
+def test_exact_archive_preserves_values(cawsfs, archives, model_gguf, work):
+    """All-passthrough: the safetensors view holds the dequantized source values."""
+    path, _ = archives["exact"]
+    out = work / "exact.safetensors"
+    run([cawsfs, "export", path, "--format", "safetensors", "--dtype", "f32", "-o", out])
+    st = load_file(str(out))
+    src = gguf_tensors(model_gguf)
+    emb = gguf.quants.dequantize(src["token_embd.weight"].data, src["token_embd.weight"].tensor_type)
+    np.testing.assert_array_equal(st["model.embed_tokens.weight"], emb.reshape(49152, 576))
+    v = src["blk.3.attn_v.weight"]
+    np.testing.assert_array_equal(st["model.layers.3.self_attn.v_proj.weight"],
+                                  gguf.quants.dequantize(v.data, v.tensor_type).reshape(192, 576))
+    # Q rows come back in Hugging Face order: undo llama.cpp's rotary permutation.
+    q = gguf.quants.dequantize(src["blk.3.attn_q.weight"].data, src["blk.3.attn_q.weight"].tensor_type)
+    heads = 9
+    hf = q.reshape(heads, 64 // 2, 2, 576).swapaxes(1, 2).reshape(576, 576)
+    np.testing.assert_array_equal(st["model.layers.3.self_attn.q_proj.weight"], hf)
+
+
+def test_safetensors_reads_every_tensor(cawsfs, archives, work):
+    path, _ = archives["q4"]
+    d = work / "hf-q4"
+    run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
+    st = load_file(str(d / "model.safetensors"))
+    info = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
+    assert set(st) == {t["name"] for t in info["tensors"]}
+    for t in info["tensors"]:
+        a = st[t["name"]]
+        assert list(a.shape) == t["shape"]
+        assert np.isfinite(a.astype(np.float32)).all(), t["name"]
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
+
+
+@pytest.mark.parametrize("setting", ["exact", "q4"])
+def test_transformers_generates_from_hf_dir(cawsfs, archives, work, setting):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _ = archives[setting]
+    d = work / f"hf-{setting}-tf"
+    run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0][ids.shape[1]:], skip_special_tokens=True)
+    print(setting, repr(text))
+    assert len(text.split()) >= 3, text
+    assert "Paris" in text, text
+
+
+def test_hf_dir_round_trip(cawsfs, archives, llama_bin, work):
+    """An exported HF directory converts again (HF importer, derived GGUF tokenizer
+    metadata) and llama.cpp generates from that archive's GGUF."""
+    path, _ = archives["exact"]
+    d = work / "hf-rt"
+    run([cawsfs, "export", path, "--format", "hf-dir", "--dtype", "f32", "-o", d])
+    rt = work / "rt.cawsf"
+    convert(cawsfs, d, rt, "--passthrough", "*")
+    run([cawsfs, "verify", rt])
+    out = work / "rt.gguf"
+    run([cawsfs, "export", rt, "--format", "gguf", "-o", out])
+    text, _ = llama_generate(llama_bin, out)
+    ref, _ = llama_generate(llama_bin, work / "exact.gguf") if (work / "exact.gguf").exists() else (None, None)
+    assert text.startswith(PROMPT) and "Paris" in text, text
+    if ref is not None:
+        assert text == ref
