@@ -213,3 +213,24 @@ def test_hf_dir_round_trip(cawsfs, archives, llama_bin, work):
     assert text.startswith(PROMPT) and "Paris" in text, text
     if ref is not None:
         assert text == ref
+
+
+def test_apply_matches_reconstructed_matrix(cawsfs, archives, work):
+    """`cawsfs apply` computes y = Ŵx from the components; it equals the exported Ŵ times x."""
+    path, _ = archives["default"]
+    st_path = work / "default-f32.safetensors"
+    if not st_path.exists():
+        run([cawsfs, "export", path, "--format", "safetensors", "--dtype", "f32", "-o", st_path])
+    st = load_file(str(st_path))
+    rng = np.random.default_rng(5)
+    for name in ("model.layers.7.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.norm.weight"):
+        w = st[name].reshape(st[name].shape[0], -1) if st[name].ndim > 1 else st[name].reshape(1, -1)
+        x = rng.standard_normal(w.shape[1]).astype(np.float32)
+        xf, yf = work / "x.f32", work / "y.f32"
+        x.tofile(xf)
+        run([cawsfs, "apply", path, "--tensor", name, "--x", xf, "-o", yf])
+        y = np.fromfile(yf, dtype=np.float32)
+        np.testing.assert_allclose(y, w @ x, rtol=1e-3, atol=1e-3 * np.abs(w @ x).max())
+    bad = run_status([cawsfs, "apply", path, "--tensor", "nope", "--x", work / "x.f32"])
+    assert bad.returncode != 0 and "nope" in bad.stderr
