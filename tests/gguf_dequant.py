@@ -6,7 +6,8 @@
       (gguf.quants.dequantize of them, little-endian f32), and <dir>/synth.gguf holding
       every <TYPE>.bin as tensor "t.<TYPE>" (GGUFWriter). Blocks are random bytes with
       finite f16 scales (every bit pattern of the quants is exercised) and, for the
-      types gguf can quantize, also quantize()d random floats ("<TYPE>_q").
+      types gguf can quantize, also quantize()d random floats ("<TYPE>_q", with the
+      floats in <TYPE>_q.src.f32).
   gguf_dequant.py real <model.gguf> <dir> <tensor>...
       Writes <dir>/<tensor>.f32: the tensor dequantized by gguf, in GGUF (ggml) order.
   gguf_dequant.py read <file.gguf>
@@ -58,7 +59,13 @@ def synth(out):
         cases[name] = random_blocks(rng, name)
     for name in QUANTIZABLE:
         x = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+        # A zero block and a block with a single nonzero value exercise the d == 0
+        # and amax paths of the quantizers.
+        x[0, :32] = 0.0
+        x[1, :32] = 0.0
+        x[1, 5] = -3.0
         cases[name + "_q"] = gguf.quants.quantize(x, T[name]).reshape(-1)
+        x.astype("<f4").tofile(os.path.join(out, name + "_q.src.f32"))
     for case, blocks in cases.items():
         qt = T[case.removesuffix("_q")]
         # quantize() returns float16 for F16; look at every case as raw bytes.

@@ -12,7 +12,7 @@ use cawsfs::gguf::{GgmlType, GgufArray, GgufFile, GgufHeader, GgufValue};
 use cawsfs::import::gguf::GgufSource;
 use cawsfs::import::SourceModel;
 use cawsfs::names;
-use cawsfs::quant::dequantize;
+use cawsfs::quant::{dequantize, quantize_q8_0};
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -100,6 +100,11 @@ fn dequantize_matches_gguf_python() {
         assert_eq!(f.tensors[i].ne, vec![512, 4], "{case}");
         assert_eq!(f.tensor_data(i), &blocks[..], "{case}");
     }
+    // Our Q8_0 quantizer produces gguf's (= ggml's reference) bytes.
+    let src = read_f32(&dir.path().join("Q8_0_q.src.f32"));
+    let mut q = Vec::new();
+    quantize_q8_0(&src, &mut q);
+    assert_eq!(q, std::fs::read(dir.path().join("Q8_0_q.bin")).unwrap());
 }
 
 /// A header written by us (every value type) is accepted by gguf.GGUFReader, which
@@ -224,6 +229,56 @@ fn real_model_matches_gguf_python() {
         dequantize(f.tensors[i].ty, f.tensor_data(i), &mut got).unwrap();
         assert_bits_eq(n, &got, &want);
     }
+
+    // Our reader agrees with gguf.GGUFReader on the real file's layout and metadata.
+    let js: serde_json::Value =
+        serde_json::from_str(&python(&["read", model.to_str().unwrap()])).unwrap();
+    let kv = js["kv"].as_object().unwrap();
+    let keys: Vec<&str> = kv.keys().map(|k| k.as_str()).collect();
+    let ours: Vec<&str> = f.meta.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ours);
+    for (k, v) in &f.meta {
+        let want = &kv[k]["value"];
+        match v {
+            GgufValue::String(s) => assert_eq!(want, s.as_str(), "{k}"),
+            GgufValue::Array(GgufArray::String(a)) => {
+                assert_eq!(want, &serde_json::json!(a), "{k}")
+            }
+            GgufValue::Array(GgufArray::I32(a)) => assert_eq!(want, &serde_json::json!(a), "{k}"),
+            GgufValue::Bool(b) => assert_eq!(want, b, "{k}"),
+            GgufValue::F32(x) => assert_eq!(want.as_f64().unwrap() as f32, *x, "{k}"),
+            other => assert_eq!(want.as_u64(), other.as_u64(), "{k}"),
+        }
+    }
+    let ts = js["tensors"].as_array().unwrap();
+    assert_eq!(ts.len(), f.tensors.len());
+    for (t, e) in ts.iter().zip(&f.tensors) {
+        assert_eq!(t["name"], e.name.as_str());
+        assert_eq!(t["ne"], serde_json::json!(e.ne));
+        assert_eq!(t["type"], e.ty.id());
+        assert_eq!(t["offset"], f.data_offset + e.offset);
+        assert_eq!(t["n_bytes"], e.n_bytes);
+    }
+    // Our writer lays the same tensors out at the same offsets, and its header (which
+    // adds general.alignment) reads back to the same metadata.
+    let h = GgufHeader::new(
+        f.meta.clone(),
+        f.tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.ne.clone(), t.ty))
+            .collect(),
+        f.alignment,
+    );
+    for (a, b) in h.tensors.iter().zip(&f.tensors) {
+        assert_eq!((a.offset, a.n_bytes), (b.offset, b.n_bytes), "{}", a.name);
+    }
+    let mut rewritten = h.to_bytes();
+    rewritten.resize(rewritten.len() + h.data_size() as usize, 0);
+    let p2 = dir.path().join("rewritten.gguf");
+    std::fs::write(&p2, &rewritten).unwrap();
+    let f2 = GgufFile::open(&p2).unwrap();
+    assert_eq!(f2.meta[..f.meta.len()], f.meta[..]);
+    assert_eq!(f2.meta.len(), f.meta.len() + 1);
 
     let src = GgufSource::open(&model).unwrap();
     let d = src.desc();

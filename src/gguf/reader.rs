@@ -470,6 +470,20 @@ mod tests {
         assert!(GgufFile::open(&path).is_err());
     }
 
+    /// Corrupting any single byte of a valid file never panics.
+    #[test]
+    fn single_byte_corruptions_never_panic() {
+        let (_, bytes) = sample();
+        let mut b = bytes.clone();
+        for i in 0..bytes.len() {
+            for v in [0x00, 0x01, 0x7f, 0x80, 0xff, bytes[i] ^ 0x10] {
+                b[i] = v;
+                let _ = parse_header(&b);
+            }
+            b[i] = bytes[i];
+        }
+    }
+
     /// Header with the given counts followed by `tail`.
     fn header(n_tensors: u64, n_kv: u64, tail: &[u8]) -> Vec<u8> {
         let mut b = b"GGUF".to_vec();
