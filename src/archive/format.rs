@@ -36,6 +36,10 @@ pub const REC_ROW_BLOCK: u8 = 4;
 pub const REC_HEADER: usize = 20;
 pub const INDEX_ENTRY: usize = 32;
 
+/// Largest tensor (elements) a reader accepts: 2^40, far above any real model tensor,
+/// small enough that element and byte counts never overflow.
+pub const MAX_ELEMENTS: u64 = 1 << 40;
+
 /// zstd level for META and BLOCK_INDEX (small, read once at open).
 pub const META_ZSTD_LEVEL: i32 = 9;
 

@@ -381,6 +381,11 @@ impl Archive {
                     d.name
                 )));
             }
+            // Checked first: TensorDesc's helpers multiply without overflow checks.
+            let numel = d.shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
+            if numel.is_none_or(|n| n > MAX_ELEMENTS) {
+                return Err(bad(format!("absurd shape {:?}", d.shape)));
+            }
             if mt.rows != d.rows() || mt.cols != d.cols() {
                 return Err(bad(format!(
                     "table says {}x{} but the model shape {:?} is {}x{}",
@@ -786,6 +791,7 @@ impl RowSource for Archive {
             });
         }
         let cols = t.cols as usize;
+        // rows·cols ≤ MAX_ELEMENTS (checked at open), so this cannot overflow.
         let want = (r1 - r0) as usize * cols;
         if out.len() != want {
             return Err(ReadError::Io(std::io::Error::new(

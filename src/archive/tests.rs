@@ -623,6 +623,12 @@ fn hostile_tables_are_rejected() {
             "disagrees with model tensor 0",
         ),
         (Box::new(|m, _| m["version"] = 2.into()), "META version 2"),
+        (
+            Box::new(|m, _| {
+                m["model"]["tensors"][0]["shape"] = serde_json::json!([1u64 << 32, 1u64 << 32, 16])
+            }),
+            "absurd shape",
+        ),
         (Box::new(|m, _| m["format"] = "zip".into()), "META format"),
         (
             Box::new(|m, _| m["tensors"] = serde_json::json!([])),
