@@ -1,0 +1,353 @@
+//! On-disk constants and the binary records of the `.cawsf` container (docs/FORMAT.md):
+//! header/TOC, block records, block index entries, META's JSON shape, and the
+//! (de)compression helpers shared by the writer and the reader.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::codec::TensorCodec;
+use crate::model::ModelDesc;
+
+use super::Compression;
+
+pub const MAGIC: [u8; 8] = *b"CAWSF\0\0\0";
+pub const VERSION: u32 = 1;
+pub const ALIGN: u64 = 4096;
+pub const HEADER_FIXED: usize = 16;
+pub const TOC_RECORD: usize = 40;
+pub const MAX_SECTIONS: usize = 100;
+
+pub const SEC_META: u32 = 1;
+pub const SEC_CODEBOOKS: u32 = 2;
+pub const SEC_SHARD_BANK: u32 = 3;
+pub const SEC_ROUTING: u32 = 4;
+pub const SEC_BLOCK_INDEX: u32 = 5;
+
+pub const FLAG_ZSTD: u32 = 1 << 0;
+pub const FLAG_LZ4: u32 = 1 << 1;
+
+pub const COMP_RAW: u8 = 0;
+pub const COMP_ZSTD: u8 = 1;
+pub const COMP_LZ4: u8 = 2;
+
+pub const REC_ROW_BLOCK: u8 = 4;
+pub const REC_HEADER: usize = 20;
+pub const INDEX_ENTRY: usize = 32;
+
+/// Largest tensor (elements) a reader accepts: 2^40, far above any real model tensor,
+/// small enough that element and byte counts never overflow.
+pub const MAX_ELEMENTS: u64 = 1 << 40;
+
+/// zstd level for META and BLOCK_INDEX (small, read once at open).
+pub const META_ZSTD_LEVEL: i32 = 9;
+
+pub fn section_name(ty: u32) -> String {
+    match ty {
+        SEC_META => "META".into(),
+        SEC_CODEBOOKS => "CODEBOOKS".into(),
+        SEC_SHARD_BANK => "SHARD_BANK".into(),
+        SEC_ROUTING => "ROUTING".into(),
+        SEC_BLOCK_INDEX => "BLOCK_INDEX".into(),
+        other => format!("type{other}"),
+    }
+}
+
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+pub fn hex64(x: u64) -> String {
+    format!("{x:016x}")
+}
+
+pub fn parse_hex64(s: &str) -> Option<u64> {
+    if s.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(s, 16).ok()
+}
+
+/// One TOC record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TocRecord {
+    pub ty: u32,
+    pub flags: u32,
+    pub offset: u64,
+    pub size: u64,
+    pub usize: u64,
+    pub xxh3: u64,
+}
+
+impl TocRecord {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.ty.to_le_bytes());
+        out.extend_from_slice(&self.flags.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.size.to_le_bytes());
+        out.extend_from_slice(&self.usize.to_le_bytes());
+        out.extend_from_slice(&self.xxh3.to_le_bytes());
+    }
+    /// `b` must be exactly 40 bytes.
+    pub fn parse(b: &[u8]) -> TocRecord {
+        TocRecord {
+            ty: le_u32(&b[0..4]),
+            flags: le_u32(&b[4..8]),
+            offset: le_u64(&b[8..16]),
+            size: le_u64(&b[16..24]),
+            usize: le_u64(&b[24..32]),
+            xxh3: le_u64(&b[32..40]),
+        }
+    }
+}
+
+/// One BLOCK_INDEX entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// Offset of the record header, relative to SHARD_BANK.
+    pub offset: u64,
+    pub csize: u32,
+    pub usize: u32,
+    pub xxh3: u64,
+    pub comp: u8,
+    pub tensor: u32,
+}
+
+impl IndexEntry {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.csize.to_le_bytes());
+        out.extend_from_slice(&self.usize.to_le_bytes());
+        out.extend_from_slice(&self.xxh3.to_le_bytes());
+        out.push(self.comp);
+        out.extend_from_slice(&[0u8; 3]);
+        out.extend_from_slice(&self.tensor.to_le_bytes());
+    }
+    /// `b` must be exactly 32 bytes.
+    pub fn parse(b: &[u8]) -> (IndexEntry, [u8; 3]) {
+        (
+            IndexEntry {
+                offset: le_u64(&b[0..8]),
+                csize: le_u32(&b[8..12]),
+                usize: le_u32(&b[12..16]),
+                xxh3: le_u64(&b[16..24]),
+                comp: b[24],
+                tensor: le_u32(&b[28..32]),
+            },
+            [b[25], b[26], b[27]],
+        )
+    }
+}
+
+/// The 20-byte header in front of each block payload in SHARD_BANK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub ty: u8,
+    pub comp: u8,
+    pub reserved: u16,
+    pub tensor: u32,
+    pub block: u32,
+    pub usize: u32,
+    pub csize: u32,
+}
+
+impl RecordHeader {
+    pub fn to_bytes(self) -> [u8; REC_HEADER] {
+        let mut b = [0u8; REC_HEADER];
+        b[0] = self.ty;
+        b[1] = self.comp;
+        b[2..4].copy_from_slice(&self.reserved.to_le_bytes());
+        b[4..8].copy_from_slice(&self.tensor.to_le_bytes());
+        b[8..12].copy_from_slice(&self.block.to_le_bytes());
+        b[12..16].copy_from_slice(&self.usize.to_le_bytes());
+        b[16..20].copy_from_slice(&self.csize.to_le_bytes());
+        b
+    }
+    /// `b` must be exactly 20 bytes.
+    pub fn parse(b: &[u8]) -> RecordHeader {
+        RecordHeader {
+            ty: b[0],
+            comp: b[1],
+            reserved: u16::from_le_bytes([b[2], b[3]]),
+            tensor: le_u32(&b[4..8]),
+            block: le_u32(&b[8..12]),
+            usize: le_u32(&b[12..16]),
+            csize: le_u32(&b[16..20]),
+        }
+    }
+}
+
+pub fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+pub fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// Where a tensor's global blob lies in CODEBOOKS.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GlobalRef {
+    pub offset: u64,
+    pub csize: u64,
+    pub usize: u64,
+    pub comp: u8,
+    pub xxh3: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MetaTensor {
+    pub name: String,
+    pub codec: TensorCodec,
+    pub rows: u64,
+    pub cols: u64,
+    pub rows_per_block: u64,
+    pub first_block: u64,
+    pub n_blocks: u64,
+    pub global: GlobalRef,
+}
+
+/// META as written. Field order here is the JSON key order.
+#[derive(Serialize)]
+pub struct MetaOut<'a> {
+    pub format: &'a str,
+    pub version: u32,
+    /// `ModelDesc` with `hf_files` emptied (they go to the `hf_files` key below).
+    pub model: serde_json::Value,
+    pub hf_files: BTreeMap<String, serde_json::Value>,
+    pub tensors: &'a [MetaTensor],
+    pub checksum_index: BTreeMap<String, String>,
+    pub extra: &'a serde_json::Value,
+}
+
+/// META as read (unknown keys ignored).
+#[derive(Deserialize)]
+pub struct MetaIn {
+    pub format: String,
+    pub version: u32,
+    pub model: serde_json::Value,
+    #[serde(default)]
+    pub hf_files: BTreeMap<String, serde_json::Value>,
+    pub tensors: Vec<MetaTensor>,
+    pub checksum_index: BTreeMap<String, String>,
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+/// META's `model` + `hf_files` for a model: side files as JSON strings when they are
+/// UTF-8 (they are JSON/text: ~1 byte per byte instead of ~4 as a number array).
+pub fn model_to_meta(
+    model: &ModelDesc,
+) -> serde_json::Result<(serde_json::Value, BTreeMap<String, serde_json::Value>)> {
+    let mut v = serde_json::to_value(model)?;
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(
+            "hf_files".into(),
+            serde_json::Value::Object(Default::default()),
+        );
+    }
+    let files = model
+        .hf_files
+        .iter()
+        .map(|(k, bytes)| {
+            let val = match std::str::from_utf8(bytes) {
+                Ok(s) => serde_json::Value::String(s.to_owned()),
+                Err(_) => serde_json::to_value(bytes).expect("bytes serialize"),
+            };
+            (k.clone(), val)
+        })
+        .collect();
+    Ok((v, files))
+}
+
+/// Inverse of [`model_to_meta`].
+pub fn model_from_meta(
+    model: serde_json::Value,
+    files: BTreeMap<String, serde_json::Value>,
+) -> Result<ModelDesc, String> {
+    let mut m: ModelDesc = serde_json::from_value(model).map_err(|e| format!("model: {e}"))?;
+    for (k, v) in files {
+        let bytes = match v {
+            serde_json::Value::String(s) => s.into_bytes(),
+            other => serde_json::from_value::<Vec<u8>>(other)
+                .map_err(|e| format!("hf_files[{k:?}]: {e}"))?,
+        };
+        m.hf_files.insert(k, bytes);
+    }
+    Ok(m)
+}
+
+/// Compress `data`; returns (comp code, stored bytes). Falls back to raw when the
+/// compressed form is not smaller (or compression fails).
+pub fn compress(data: &[u8], c: Compression) -> (u8, Cow<'_, [u8]>) {
+    let packed = match c {
+        Compression::None => None,
+        Compression::Zstd(level) => zstd::bulk::compress(data, level)
+            .ok()
+            .map(|v| (COMP_ZSTD, v)),
+        Compression::Lz4 => Some((COMP_LZ4, lz4_flex::block::compress(data))),
+    };
+    match packed {
+        Some((code, v)) if v.len() < data.len() => (code, Cow::Owned(v)),
+        _ => (COMP_RAW, Cow::Borrowed(data)),
+    }
+}
+
+/// Decompress `stored` (comp code) into exactly `usize` bytes; never allocates more
+/// than `usize`. Raw data is borrowed.
+pub fn decompress(stored: &[u8], comp: u8, usize: usize) -> Result<Cow<'_, [u8]>, String> {
+    match comp {
+        COMP_RAW => {
+            if stored.len() != usize {
+                return Err(format!(
+                    "raw payload is {} bytes, expected {usize}",
+                    stored.len()
+                ));
+            }
+            Ok(Cow::Borrowed(stored))
+        }
+        COMP_ZSTD => {
+            let v = zstd::bulk::decompress(stored, usize)
+                .map_err(|e| format!("zstd decompression failed: {e}"))?;
+            if v.len() != usize {
+                return Err(format!(
+                    "zstd payload decompressed to {} bytes, expected {usize}",
+                    v.len()
+                ));
+            }
+            Ok(Cow::Owned(v))
+        }
+        COMP_LZ4 => {
+            let mut v = vec![0u8; usize];
+            let n = lz4_flex::block::decompress_into(stored, &mut v)
+                .map_err(|e| format!("lz4 decompression failed: {e}"))?;
+            if n != usize {
+                return Err(format!(
+                    "lz4 payload decompressed to {n} bytes, expected {usize}"
+                ));
+            }
+            Ok(Cow::Owned(v))
+        }
+        other => Err(format!("unknown compression code {other}")),
+    }
+}
+
+pub fn flags_to_comp(flags: u32) -> Option<u8> {
+    match flags {
+        0 => Some(COMP_RAW),
+        FLAG_ZSTD => Some(COMP_ZSTD),
+        FLAG_LZ4 => Some(COMP_LZ4),
+        _ => None,
+    }
+}
+
+pub fn comp_to_flags(comp: u8) -> u32 {
+    match comp {
+        COMP_ZSTD => FLAG_ZSTD,
+        COMP_LZ4 => FLAG_LZ4,
+        _ => 0,
+    }
+}
