@@ -842,11 +842,3 @@ impl RowSource for Archive {
         }
     }
 }
-
-impl Archive {
-    /// Absolute file offset and stored length of a block (for tools and tests).
-    pub fn block_location(&self, tensor: usize, block: usize) -> (u64, u64) {
-        let _ = (tensor, block);
-        todo!()
-    }
-}
