@@ -79,7 +79,7 @@ impl NdsqGlobal {
             return Err(bad(format!("L scale {scale} is not a positive number")));
         }
         let (rank, cols, d, k) = (rank as usize, cols as usize, pq_dim as usize, pq_k as usize);
-        let svt_b = r.take_n(rank.checked_mul(cols).unwrap_or(usize::MAX), 2)?;
+        let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
         let cb_b = r.take_n(k * d, 4)?;
         r.finish()?;
         let mut svt = vec![0f32; rank * cols];
