@@ -7,7 +7,11 @@
 //! Decoding any row range needs the tensor's global blob and only the blocks that
 //! overlap the range.
 //!
-//! STUB: to be implemented (ndsq.rs, pq.rs, passthrough.rs).
+//! Byte layouts of globals and payloads: docs/CODECS.md.
+
+mod ndsq;
+mod passthrough;
+mod pq;
 
 use serde::{Deserialize, Serialize};
 
@@ -65,7 +69,22 @@ pub enum CodecError {
 
 /// A tensor's global blob parsed once, reused for every block of that tensor.
 pub struct DecodedGlobal {
-    _private: (),
+    inner: GlobalInner,
+}
+
+enum GlobalInner {
+    Passthrough,
+    Ndsq(ndsq::NdsqGlobal),
+}
+
+impl DecodedGlobal {
+    /// Heap bytes held by the parsed global (for cache accounting).
+    pub fn heap_bytes(&self) -> usize {
+        match &self.inner {
+            GlobalInner::Passthrough => 0,
+            GlobalInner::Ndsq(g) => g.heap_bytes(),
+        }
+    }
 }
 
 pub fn encode_ndsq(
@@ -75,8 +94,7 @@ pub fn encode_ndsq(
     rows_per_block: u64,
     opts: &NdsqOptions,
 ) -> Result<EncodedTensor, CodecError> {
-    let _ = (w, rows, cols, rows_per_block, opts);
-    todo!()
+    ndsq::encode(w, rows, cols, rows_per_block, opts)
 }
 
 pub fn encode_passthrough(
@@ -86,8 +104,7 @@ pub fn encode_passthrough(
     cols: u64,
     rows_per_block: u64,
 ) -> Result<EncodedTensor, CodecError> {
-    let _ = (raw, format, rows, cols, rows_per_block);
-    todo!()
+    passthrough::encode(raw, format, rows, cols, rows_per_block)
 }
 
 pub fn decode_global(
@@ -96,8 +113,23 @@ pub fn decode_global(
     rows: u64,
     cols: u64,
 ) -> Result<DecodedGlobal, CodecError> {
-    let _ = (codec, global, rows, cols);
-    todo!()
+    let inner = match codec {
+        TensorCodec::Passthrough { .. } => {
+            if !global.is_empty() {
+                return Err(CodecError::Corrupt(format!(
+                    "passthrough global blob must be empty, has {} bytes",
+                    global.len()
+                )));
+            }
+            GlobalInner::Passthrough
+        }
+        TensorCodec::Ndsq {
+            rank, pq_dim, pq_k, ..
+        } => GlobalInner::Ndsq(ndsq::NdsqGlobal::parse(
+            global, rows, cols, *rank, *pq_dim, *pq_k,
+        )?),
+    };
+    Ok(DecodedGlobal { inner })
 }
 
 /// Decode rows `r0..r1` (relative to the block's first row) of a block holding
@@ -114,18 +146,21 @@ pub fn decode_block_rows(
     r1: u64,
     out: &mut [f32],
 ) -> Result<(), CodecError> {
-    let _ = (
-        codec,
-        global,
-        payload,
-        block_first_row,
-        block_rows,
-        cols,
-        r0,
-        r1,
-        out,
-    );
-    todo!()
+    let cols_us = check_range(block_rows, cols, r0, r1, out.len())?;
+    match (codec, &global.inner) {
+        (TensorCodec::Passthrough { format }, GlobalInner::Passthrough) => {
+            passthrough::decode_rows(*format, payload, block_rows, cols_us, r0, r1, out)
+        }
+        (TensorCodec::Ndsq { .. }, GlobalInner::Ndsq(g)) => {
+            g.check_cols(cols)?;
+            let view = ndsq::BlockView::parse(g, payload, block_first_row, block_rows)?;
+            view.decode_rows(g, r0 as usize, r1 as usize, out);
+            Ok(())
+        }
+        _ => Err(CodecError::Params(
+            "decoded global belongs to a different codec".into(),
+        )),
+    }
 }
 
 /// y[block rows] = Ŵ[block rows] · x computed from the components without forming Ŵ.
@@ -140,15 +175,142 @@ pub fn apply_block(
     x: &[f32],
     y: &mut [f32],
 ) -> Result<(), CodecError> {
-    let _ = (
-        codec,
-        global,
-        payload,
-        block_first_row,
-        block_rows,
-        cols,
-        x,
-        y,
-    );
-    todo!()
+    let cols_us =
+        usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))?;
+    if x.len() != cols_us {
+        return Err(CodecError::Params(format!(
+            "x has {} values, cols is {cols}",
+            x.len()
+        )));
+    }
+    if y.len() as u64 != block_rows {
+        return Err(CodecError::Params(format!(
+            "y has {} values, block has {block_rows} rows",
+            y.len()
+        )));
+    }
+    match (codec, &global.inner) {
+        (TensorCodec::Passthrough { format }, GlobalInner::Passthrough) => {
+            passthrough::apply(*format, payload, block_rows, cols_us, x, y)
+        }
+        (TensorCodec::Ndsq { .. }, GlobalInner::Ndsq(g)) => {
+            g.check_cols(cols)?;
+            let view = ndsq::BlockView::parse(g, payload, block_first_row, block_rows)?;
+            view.apply(g, x, y);
+            Ok(())
+        }
+        _ => Err(CodecError::Params(
+            "decoded global belongs to a different codec".into(),
+        )),
+    }
+}
+
+/// Checks a row request against the block and the output buffer; returns cols.
+fn check_range(
+    block_rows: u64,
+    cols: u64,
+    r0: u64,
+    r1: u64,
+    out_len: usize,
+) -> Result<usize, CodecError> {
+    if r0 > r1 || r1 > block_rows {
+        return Err(CodecError::Params(format!(
+            "rows {r0}..{r1} out of range for a block of {block_rows} rows"
+        )));
+    }
+    let need = (r1 - r0)
+        .checked_mul(cols)
+        .ok_or_else(|| CodecError::Params(format!("{} rows × {cols} cols overflows", r1 - r0)))?;
+    if need != out_len as u64 {
+        return Err(CodecError::Params(format!(
+            "output has {out_len} values, rows {r0}..{r1} × {cols} cols need {need}"
+        )));
+    }
+    usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))
+}
+
+/// Rows `start..end` of block `b` of a `rows`-row tensor cut into `rows_per_block`-row blocks.
+pub fn block_row_range(rows: u64, rows_per_block: u64, b: u64) -> (u64, u64) {
+    let start = b.saturating_mul(rows_per_block).min(rows);
+    let end = start.saturating_add(rows_per_block).min(rows);
+    (start, end)
+}
+
+/// Number of row blocks of a `rows`-row tensor (`rows_per_block` ≥ 1).
+pub fn block_count(rows: u64, rows_per_block: u64) -> u64 {
+    rows.div_ceil(rows_per_block.max(1))
+}
+
+/// A little-endian cursor over untrusted bytes: every read is bounds-checked.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8], what: &'static str) -> Self {
+        Reader { buf, pos: 0, what }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
+        match end {
+            Some(end) => {
+                let s = &self.buf[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            None => Err(CodecError::Corrupt(format!(
+                "{}: needs {n} bytes at offset {}, only {} in total",
+                self.what,
+                self.pos,
+                self.buf.len()
+            ))),
+        }
+    }
+    /// `count` items of `size` bytes each.
+    fn take_n(&mut self, count: usize, size: usize) -> Result<&'a [u8], CodecError> {
+        let n = count.checked_mul(size).ok_or_else(|| {
+            CodecError::Corrupt(format!("{}: {count} × {size} bytes overflows", self.what))
+        })?;
+        self.take(n)
+    }
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn f32(&mut self) -> Result<f32, CodecError> {
+        Ok(f32::from_bits(self.u32()?))
+    }
+    fn finish(&self) -> Result<(), CodecError> {
+        if self.pos != self.buf.len() {
+            return Err(CodecError::Corrupt(format!(
+                "{}: {} trailing bytes after offset {}",
+                self.what,
+                self.buf.len() - self.pos,
+                self.pos
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Blocks of a tensor as (first row, rows) pairs.
+fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..block_count(rows, rows_per_block)).map(move |b| {
+        let (s, e) = block_row_range(rows, rows_per_block, b);
+        (s, e - s)
+    })
+}
+
+fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+    }
+}
+
+fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
 }

@@ -1,0 +1,216 @@
+//! Product quantization of the NDSQ residue: one codebook of `k` centroids of length
+//! `d` shared by every sub-vector position of a tensor, trained by k-means++ then
+//! Lloyd iterations on a seeded subsample, and one-byte codes for all sub-vectors.
+//!
+//! Determinism: sampling and seeding come from a ChaCha rng seeded by the caller;
+//! assignment is per point (parallel but order-free); centroid sums run in point order
+//! in f64.
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+/// Sub-vectors used to train the codebook; all sub-vectors are assigned afterwards.
+pub(super) const MAX_TRAIN: usize = 32 * 1024;
+
+/// Nearest-centroid search over a transposed (dimension-major) copy of the codebook,
+/// so the inner loop runs across centroids and vectorizes.
+pub(super) struct Searcher {
+    k: usize,
+    d: usize,
+    /// `t[j * k + c]` = coordinate j of centroid c.
+    t: Vec<f32>,
+}
+
+impl Searcher {
+    /// `codebook` holds at most 256 centroids of length `d`.
+    pub(super) fn new(codebook: &[f32], d: usize) -> Self {
+        let k = (codebook.len() / d).min(256);
+        let mut t = vec![0f32; k * d];
+        for (c, cent) in codebook.chunks_exact(d).take(k).enumerate() {
+            for (j, &x) in cent.iter().enumerate() {
+                t[j * k + c] = x;
+            }
+        }
+        Searcher { k, d, t }
+    }
+
+    /// Index of the centroid nearest to `v` (squared L2; ties go to the lowest index).
+    #[inline]
+    pub(super) fn nearest(&self, v: &[f32]) -> usize {
+        let mut dist = [0f32; 256];
+        let dist = &mut dist[..self.k];
+        for (j, &x) in v.iter().enumerate().take(self.d) {
+            for (dc, &cj) in dist.iter_mut().zip(&self.t[j * self.k..(j + 1) * self.k]) {
+                let t = cj - x;
+                *dc += t * t;
+            }
+        }
+        let mut best = 0;
+        let mut best_d = f32::INFINITY;
+        for (c, &dc) in dist.iter().enumerate() {
+            if dc < best_d {
+                best_d = dc;
+                best = c;
+            }
+        }
+        best
+    }
+}
+
+/// Codes for all sub-vectors (`data.len() / d` of them).
+pub(super) fn assign(codebook: &[f32], d: usize, data: &[f32]) -> Vec<u8> {
+    const CHUNK: usize = 4096;
+    let search = Searcher::new(codebook, d);
+    let mut codes = vec![0u8; data.len() / d];
+    codes
+        .par_chunks_mut(CHUNK)
+        .zip(data.par_chunks(CHUNK * d))
+        .for_each(|(cs, vs)| {
+            for (c, v) in cs.iter_mut().zip(vs.chunks_exact(d)) {
+                *c = search.nearest(v) as u8;
+            }
+        });
+    codes
+}
+
+/// Trains a codebook of at most `k` centroids (fewer when there are fewer training
+/// sub-vectors) for the sub-vectors `data.chunks_exact(d)`. Returns `k_eff × d` values.
+pub(super) fn train(data: &[f32], d: usize, k: usize, iters: u32, seed: u64) -> Vec<f32> {
+    let n = data.len() / d;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5051_5f4b_4d45_414e);
+    let train: Vec<f32> = if n <= MAX_TRAIN {
+        data[..n * d].to_vec()
+    } else {
+        let mut idx = rand::seq::index::sample(&mut rng, n, MAX_TRAIN).into_vec();
+        idx.sort_unstable();
+        idx.iter()
+            .flat_map(|&i| data[i * d..(i + 1) * d].iter().copied())
+            .collect()
+    };
+    let s = train.len() / d;
+    let k = k.min(s).max(1);
+    if s == 0 {
+        return vec![0.0; k * d];
+    }
+
+    // k-means++ seeding.
+    let mut cb = Vec::with_capacity(k * d);
+    let first = rng.random_range(0..s);
+    cb.extend_from_slice(&train[first * d..(first + 1) * d]);
+    let dist2 = |a: &[f32], b: &[f32]| -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| {
+                let t = (x - y) as f64;
+                t * t
+            })
+            .sum()
+    };
+    let mut best: Vec<f64> = train.chunks_exact(d).map(|v| dist2(v, &cb[..d])).collect();
+    while cb.len() < k * d {
+        let total: f64 = best.iter().sum();
+        let pick = if total > 0.0 {
+            let mut target = rng.random::<f64>() * total;
+            let mut pick = s - 1;
+            for (i, &b) in best.iter().enumerate() {
+                if target < b {
+                    pick = i;
+                    break;
+                }
+                target -= b;
+            }
+            pick
+        } else {
+            rng.random_range(0..s)
+        };
+        let c0 = cb.len();
+        cb.extend_from_slice(&train[pick * d..(pick + 1) * d]);
+        for (b, v) in best.iter_mut().zip(train.chunks_exact(d)) {
+            let nd = dist2(v, &cb[c0..c0 + d]);
+            if nd < *b {
+                *b = nd;
+            }
+        }
+    }
+
+    // Lloyd iterations; an empty cluster keeps its centroid.
+    let mut labels = vec![usize::MAX; s];
+    let mut sums = vec![0f64; k * d];
+    let mut counts = vec![0u64; k];
+    for _ in 0..iters {
+        let search = Searcher::new(&cb, d);
+        let new: Vec<usize> = train.par_chunks(d).map(|v| search.nearest(v)).collect();
+        if new == labels {
+            break;
+        }
+        labels = new;
+        sums.iter_mut().for_each(|x| *x = 0.0);
+        counts.iter_mut().for_each(|x| *x = 0);
+        for (&l, v) in labels.iter().zip(train.chunks_exact(d)) {
+            counts[l] += 1;
+            for (s, &x) in sums[l * d..(l + 1) * d].iter_mut().zip(v) {
+                *s += x as f64;
+            }
+        }
+        for c in 0..k {
+            if counts[c] > 0 {
+                for j in 0..d {
+                    cb[c * d + j] = (sums[c * d + j] / counts[c] as f64) as f32;
+                }
+            }
+        }
+    }
+    cb
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kmeans_finds_separated_clusters() {
+        // Four tight clusters in 2-D: k = 4 must find them all.
+        let centers = [[0.0f32, 0.0], [10.0, 0.0], [0.0, 10.0], [10.0, 10.0]];
+        let mut data = Vec::new();
+        for i in 0..400 {
+            let c = centers[i % 4];
+            let jitter = (i as f32 * 0.37).sin() * 0.1;
+            data.extend_from_slice(&[c[0] + jitter, c[1] - jitter]);
+        }
+        let cb = train(&data, 2, 4, 20, 7);
+        assert_eq!(cb.len(), 8);
+        let codes = assign(&cb, 2, &data);
+        for (i, v) in data.chunks_exact(2).enumerate() {
+            let c = &cb[codes[i] as usize * 2..codes[i] as usize * 2 + 2];
+            assert!((c[0] - v[0]).abs() < 0.3 && (c[1] - v[1]).abs() < 0.3);
+        }
+        assert_eq!(train(&data, 2, 4, 20, 7), cb, "deterministic for a seed");
+    }
+
+    #[test]
+    fn fewer_points_than_centroids() {
+        let data = [1.0f32, 2.0, 3.0, 4.0];
+        let cb = train(&data, 2, 256, 5, 1);
+        assert_eq!(cb.len(), 4);
+        assert_eq!(assign(&cb, 2, &data).len(), 2);
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    /// `cargo test --release --lib codec::pq::bench -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn train_timing() {
+        let data: Vec<f32> = (0..32768 * 4).map(|i| ((i as f32) * 0.618).sin()).collect();
+        for iters in [0u32, 15] {
+            let t = std::time::Instant::now();
+            let _ = super::train(&data, 4, 256, iters, 1);
+            println!(
+                "k-means, 32768 × d=4, k=256, {iters} iters: {:.2?}",
+                t.elapsed()
+            );
+        }
+    }
+}
