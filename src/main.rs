@@ -60,7 +60,7 @@ struct ConvertArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// Rank of the low-rank component L.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 4)]
     rank: u32,
     /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
     #[arg(long, default_value_t = 0.999)]
@@ -69,7 +69,7 @@ struct ConvertArgs {
     #[arg(long)]
     pq_m: Option<u32>,
     /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 2)]
     pq_dim: u32,
     /// PQ centroids per codebook (at most 256).
     #[arg(long, default_value_t = 256)]
