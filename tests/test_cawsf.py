@@ -129,7 +129,9 @@ def test_llama_cpp_generates_from_export(cawsfs, archives, llama_bin, work, sett
         # Bit-exact weights (F16 of dequantized Q4_1) give the original model's answer.
         ref, _ = llama_generate(llama_bin, model_gguf)
         assert gen.split()[:3] == ref[len(PROMPT):].split()[:3], (text, ref)
-    if setting in ("exact", "q4"):
+    if setting != "low":
+        # At ~4 bits per weight the model still knows; the 2.7-bit setting is only
+        # required to load and generate (its quality is recorded in docs/QUALITY.md).
         assert "Paris" in gen, text
 
 
@@ -180,7 +182,7 @@ def test_safetensors_reads_every_tensor(cawsfs, archives, work):
     assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
 
 
-@pytest.mark.parametrize("setting", ["exact", "q4"])
+@pytest.mark.parametrize("setting", ["exact", "default"])
 def test_transformers_generates_from_hf_dir(cawsfs, archives, work, setting):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
