@@ -14,6 +14,7 @@
 //! archive. Each module knows only the ones below it.
 
 pub mod archive;
+pub mod cache;
 pub mod codec;
 pub mod convert;
 pub mod export;

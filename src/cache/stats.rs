@@ -1,0 +1,207 @@
+//! Cache statistics: lock-free counters updated on the read path and a serializable
+//! snapshot ([`CacheStats`]) for the control socket and `cawsfs stat`.
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Global counters. Relaxed atomics: each is an independent tally, a snapshot need not
+/// be a consistent cut across them.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub reads: AtomicU64,
+    pub read_errors: AtomicU64,
+    pub hits: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub coalesced: AtomicU64,
+    pub bytes_served: AtomicU64,
+    pub bytes_loaded: AtomicU64,
+    pub loads: AtomicU64,
+    pub load_errors: AtomicU64,
+    pub evictions: AtomicU64,
+    pub not_retained: AtomicU64,
+    pub archive_bytes_decoded: AtomicU64,
+    pub readahead_triggers: AtomicU64,
+    pub prefetch_queued: AtomicU64,
+    pub prefetch_loads: AtomicU64,
+    pub prefetch_skipped: AtomicU64,
+    pub prefetch_dropped: AtomicU64,
+    pub prefetch_errors: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Relaxed);
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Relaxed);
+}
+
+/// Per-file tallies (kept in the cache's per-file state).
+#[derive(Default)]
+pub(crate) struct FileCounters {
+    pub reads: AtomicU64,
+    pub hits: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub bytes_served: AtomicU64,
+}
+
+impl FileCounters {
+    pub fn snapshot(&self, file: u32) -> FileStats {
+        FileStats {
+            file,
+            reads: self.reads.load(Relaxed),
+            hits: self.hits.load(Relaxed),
+            prefetch_hits: self.prefetch_hits.load(Relaxed),
+            misses: self.misses.load(Relaxed),
+            bytes_served: self.bytes_served.load(Relaxed),
+        }
+    }
+}
+
+/// Number of log2 buckets: bucket 0 holds 0 µs, bucket b ≥ 1 holds [2^(b-1), 2^b) µs;
+/// the last bucket also takes everything longer (2^38 µs is about three days).
+const BUCKETS: usize = 40;
+
+/// Read latency histogram, log2-bucketed in microseconds. Percentiles are reported as
+/// the upper edge of the bucket they fall in (so within a factor of two, never below
+/// the truth), capped by the exact maximum.
+pub(crate) struct Histogram {
+    buckets: [AtomicU64; BUCKETS],
+    count: AtomicU64,
+    sum_us: AtomicU64,
+    max_us: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum_us: AtomicU64::new(0),
+            max_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn record(&self, us: u64) {
+        let b = ((u64::BITS - us.leading_zeros()) as usize).min(BUCKETS - 1);
+        self.buckets[b].fetch_add(1, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(us, Relaxed);
+        self.max_us.fetch_max(us, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> LatencyStats {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        let max = self.max_us.load(Relaxed);
+        let pct = |p: f64| -> u64 {
+            if total == 0 {
+                return 0;
+            }
+            let target = ((p * total as f64).ceil() as u64).clamp(1, total);
+            let mut acc = 0u64;
+            for (b, &c) in counts.iter().enumerate() {
+                acc += c;
+                if acc >= target {
+                    let upper = if b == 0 { 0 } else { (1u64 << b) - 1 };
+                    return upper.min(max);
+                }
+            }
+            max
+        };
+        let count = self.count.load(Relaxed);
+        LatencyStats {
+            count,
+            mean_us: if count == 0 {
+                0.0
+            } else {
+                self.sum_us.load(Relaxed) as f64 / count as f64
+            },
+            p50_us: pct(0.50),
+            p90_us: pct(0.90),
+            p99_us: pct(0.99),
+            max_us: max,
+        }
+    }
+}
+
+/// Read latency summary (whole `read` calls, hits and misses together).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyStats {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+/// Per-file counters in a snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FileStats {
+    pub file: u32,
+    pub reads: u64,
+    pub hits: u64,
+    pub prefetch_hits: u64,
+    pub misses: u64,
+    pub bytes_served: u64,
+}
+
+/// A snapshot of the cache's state and counters.
+///
+/// `hits`, `prefetch_hits` and `misses` count *chunk lookups*: a read spanning three
+/// chunks makes three. A miss either ran the loader or waited on someone else's load
+/// of the same chunk (`coalesced`, a subset of `misses`). A prefetch hit is the first
+/// demand lookup served by a chunk that a prefetch or read-ahead loaded.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheStats {
+    pub budget_bytes: u64,
+    pub chunk_size: u64,
+    /// Chunk bytes resident now (unpinned + pinned); never above `budget_bytes`.
+    pub bytes_used: u64,
+    pub unpinned_bytes: u64,
+    /// Bytes reserved by pins (resident or not yet loaded); they count against the budget.
+    pub pinned_bytes: u64,
+    pub pinned_resident_bytes: u64,
+    pub entries: u64,
+    pub pinned_entries: u64,
+    /// Estimated fixed bookkeeping per resident entry, outside the budget.
+    pub entry_overhead_bytes: u64,
+    pub loads_in_flight: u64,
+    pub reads: u64,
+    pub read_errors: u64,
+    pub hits: u64,
+    pub prefetch_hits: u64,
+    pub misses: u64,
+    pub coalesced: u64,
+    /// (hits + prefetch_hits) / lookups, 0 when there were none.
+    pub hit_rate: f64,
+    pub bytes_served: u64,
+    /// Chunk bytes produced by loaders (demand and prefetch).
+    pub bytes_loaded: u64,
+    pub loads: u64,
+    pub load_errors: u64,
+    pub evictions: u64,
+    /// Chunks loaded but not kept because they alone exceed the unpinned budget.
+    pub not_retained: u64,
+    /// Archive (compressed) bytes decoded, reported by the mount via `record_decoded`.
+    pub archive_bytes_decoded: u64,
+    /// archive_bytes_decoded / bytes_served (invariant 2's measure), 0 when nothing served.
+    pub decoded_per_served: f64,
+    pub readahead_triggers: u64,
+    pub prefetch_workers: u64,
+    pub prefetch_queue_len: u64,
+    pub prefetch_queued: u64,
+    pub prefetch_loads: u64,
+    /// Prefetch jobs skipped because the chunk was already resident or loading.
+    pub prefetch_skipped: u64,
+    /// Prefetch requests refused because the queue was full.
+    pub prefetch_dropped: u64,
+    pub prefetch_errors: u64,
+    pub latency_us: LatencyStats,
+    pub files: Vec<FileStats>,
+}

@@ -1,0 +1,619 @@
+//! Unit tests of the chunk cache against an in-memory reference "file".
+
+use super::*;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Barrier;
+
+fn byte(file: u32, pos: u64) -> u8 {
+    (pos.wrapping_mul(31) ^ (pos >> 8) ^ (file as u64 * 97)) as u8
+}
+
+fn reference(file: u32, size: u64) -> Vec<u8> {
+    (0..size).map(|p| byte(file, p)).collect()
+}
+
+/// A loader producing `reference(file, size)` chunk by chunk, counting its calls.
+fn loader(
+    file: u32,
+    size: u64,
+    cs: u64,
+    calls: &AtomicU64,
+) -> impl Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Sync + '_ {
+    move |index, buf| {
+        calls.fetch_add(1, Relaxed);
+        let start = index * cs;
+        assert!(start < size);
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = byte(file, start + i as u64);
+        }
+        Ok(buf.len())
+    }
+}
+
+fn shared_loader(file: u32, size: u64, cs: u64, calls: Arc<AtomicU64>) -> ChunkLoader {
+    Arc::new(move |index, buf| {
+        calls.fetch_add(1, Relaxed);
+        assert!(index * cs < size);
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = byte(file, index * cs + i as u64);
+        }
+        Ok(buf.len())
+    })
+}
+
+fn read_vec(
+    c: &ChunkCache,
+    file: u32,
+    size: u64,
+    off: u64,
+    len: usize,
+    load: &LoadFn<'_>,
+) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let n = c.read(file, size, off, &mut buf, load).unwrap();
+    buf.truncate(n);
+    buf
+}
+
+fn key(file: u32, index: u64) -> ChunkKey {
+    ChunkKey { file, index }
+}
+
+#[test]
+fn bad_chunk_size_is_an_error() {
+    assert!(ChunkCache::new(1024, 1000).is_err());
+    assert!(ChunkCache::new(1024, 0).is_err());
+    assert!(ChunkCache::new(1024, DEFAULT_CHUNK_SIZE).is_ok());
+}
+
+#[test]
+fn hits_misses_and_evictions_are_counted() {
+    let (cs, size) = (16, 200);
+    let c = ChunkCache::new(64, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(1, size, cs, &calls);
+    assert_eq!(read_vec(&c, 1, size, 0, 8, &l), reference(1, 200)[..8]);
+    let s = c.stats();
+    assert_eq!((s.hits, s.misses, s.loads, s.bytes_loaded), (0, 1, 1, 16));
+    read_vec(&c, 1, size, 4, 8, &l);
+    let s = c.stats();
+    assert_eq!((s.hits, s.misses, s.bytes_served), (1, 1, 16));
+    // Touch chunks 1..8: 4 fit, so 8 loaded chunks in all → 4 evictions.
+    for i in 1..8u64 {
+        read_vec(&c, 1, size, i * cs, 1, &l);
+    }
+    let s = c.stats();
+    assert_eq!(s.misses, 8);
+    assert_eq!(s.evictions, 4);
+    assert_eq!(s.bytes_used, 64);
+    assert_eq!(s.entries, 4);
+    assert_eq!(calls.load(Relaxed), 8);
+    assert_eq!(s.files.len(), 1);
+    assert_eq!(s.files[0].misses, 8);
+    assert_eq!(s.files[0].hits, 1);
+    assert_eq!(s.files[0].bytes_served, 16 + 7);
+    assert_eq!(s.reads, 9);
+    assert!(s.latency_us.count == 9 && s.latency_us.p50_us <= s.latency_us.max_us);
+}
+
+#[test]
+fn lru_evicts_least_recently_used() {
+    let (cs, size) = (16, 160);
+    let c = ChunkCache::new(48, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    for i in 0..3 {
+        read_vec(&c, 0, size, i * cs, 1, &l);
+    }
+    read_vec(&c, 0, size, 0, 1, &l); // chunk 0 is now most recent
+    read_vec(&c, 0, size, 3 * cs, 1, &l); // evicts chunk 1
+    assert!(c.contains(key(0, 0)));
+    assert!(!c.contains(key(0, 1)));
+    assert!(c.contains(key(0, 2)));
+    assert!(c.contains(key(0, 3)));
+    read_vec(&c, 0, size, 4 * cs, 1, &l); // evicts chunk 2
+    assert!(!c.contains(key(0, 2)));
+    assert!(c.contains(key(0, 0)));
+}
+
+#[test]
+fn last_chunk_is_short_and_reads_stop_at_eof() {
+    let (cs, size) = (16, 40);
+    let c = ChunkCache::new(1024, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(2, size, cs, &calls);
+    let r = reference(2, size);
+    assert_eq!(read_vec(&c, 2, size, 30, 100, &l), r[30..]);
+    assert_eq!(read_vec(&c, 2, size, 40, 10, &l), Vec::<u8>::new());
+    assert_eq!(
+        read_vec(&c, 2, size, u64::MAX - 3, 10, &l),
+        Vec::<u8>::new()
+    );
+    assert_eq!(c.bytes_used(), 24); // chunk 1 (16) + chunk 2 (8)
+}
+
+#[test]
+fn single_flight_runs_the_loader_once() {
+    let (cs, size) = (1024, 4096);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let slow = |index: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+        calls.fetch_add(1, Relaxed);
+        std::thread::sleep(Duration::from_millis(150));
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = byte(3, index * cs + i as u64);
+        }
+        Ok(buf.len())
+    };
+    let barrier = Barrier::new(16);
+    let r = reference(3, size);
+    std::thread::scope(|s| {
+        for t in 0..16u64 {
+            let (c, slow, barrier, r) = (&c, &slow, &barrier, &r);
+            s.spawn(move || {
+                barrier.wait();
+                let off = 1024 + t * 10;
+                assert_eq!(
+                    read_vec(c, 3, size, off, 50, slow),
+                    r[off as usize..off as usize + 50]
+                );
+            });
+        }
+    });
+    assert_eq!(calls.load(Relaxed), 1);
+    let s = c.stats();
+    assert_eq!((s.loads, s.misses, s.hits), (1, 16, 0));
+    assert_eq!(s.coalesced, 15);
+}
+
+#[test]
+fn errors_reach_every_waiter_and_are_not_cached() {
+    let (cs, size) = (64, 256);
+    let c = ChunkCache::new(1024, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let fail = AtomicBool::new(true);
+    let l = |index: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+        calls.fetch_add(1, Relaxed);
+        std::thread::sleep(Duration::from_millis(100));
+        if fail.load(Relaxed) {
+            return Err(ReadError::Checksum {
+                tensor: "blk.0.attn_q.weight".into(),
+                block: index as usize,
+                stored: 1,
+                computed: 2,
+            });
+        }
+        buf.fill(7);
+        Ok(buf.len())
+    };
+    let barrier = Barrier::new(4);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (c, l, barrier) = (&c, &l, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                let mut buf = [0u8; 8];
+                let e = c.read(0, size, 70, &mut buf, l).unwrap_err();
+                assert!(matches!(e, ReadError::Checksum { block: 1, .. }), "{e}");
+            });
+        }
+    });
+    assert_eq!(calls.load(Relaxed), 1);
+    assert!(!c.contains(key(0, 1)));
+    let s = c.stats();
+    assert_eq!((s.load_errors, s.read_errors, s.bytes_used), (1, 4, 0));
+    fail.store(false, Relaxed);
+    assert_eq!(read_vec(&c, 0, size, 70, 8, &l), vec![7u8; 8]);
+    assert_eq!(calls.load(Relaxed), 2);
+}
+
+#[test]
+fn short_and_panicking_loaders_fail_the_read() {
+    let c = ChunkCache::new(1024, 16).unwrap();
+    let short = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> { Ok(buf.len() - 1) };
+    let mut buf = [0u8; 4];
+    let e = c.read(0, 100, 0, &mut buf, &short).unwrap_err();
+    assert!(
+        e.to_string().contains("loader produced 15 of 16 bytes"),
+        "{e}"
+    );
+    let boom = |_: u64, _: &mut [u8]| -> Result<usize, ReadError> { panic!("codec bug") };
+    let e = c.read(0, 100, 0, &mut buf, &boom).unwrap_err();
+    assert!(e.to_string().contains("panicked"), "{e}");
+    let calls = AtomicU64::new(0);
+    let good = loader(0, 100, 16, &calls);
+    assert_eq!(read_vec(&c, 0, 100, 0, 4, &good), reference(0, 100)[..4]);
+    assert_eq!(c.stats().load_errors, 2);
+}
+
+#[test]
+fn oversized_chunk_is_served_but_not_retained() {
+    let (cs, size) = (64, 200);
+    let c = ChunkCache::new(40, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    assert_eq!(
+        read_vec(&c, 0, size, 10, 100, &l),
+        reference(0, size)[10..110]
+    );
+    let s = c.stats();
+    assert_eq!((s.bytes_used, s.not_retained, s.loads), (0, 2, 2));
+    // The 8-byte tail chunk fits.
+    read_vec(&c, 0, size, 195, 5, &l);
+    assert_eq!(c.bytes_used(), 8);
+}
+
+#[test]
+fn pinned_chunks_survive_a_scan() {
+    let (cs, size) = (16, 1600);
+    let c = ChunkCache::new(64, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    read_vec(&c, 0, size, 0, 1, &l);
+    c.pin(key(0, 0), size).unwrap();
+    c.pin(key(0, 5), size).unwrap(); // not resident yet: bytes reserved
+    assert_eq!(c.stats().pinned_bytes, 32);
+    for i in 0..100u64 {
+        read_vec(&c, 0, size, i * cs, 16, &l);
+        assert!(c.bytes_used() <= 64);
+    }
+    assert!(c.contains(key(0, 0)) && c.contains(key(0, 5)));
+    c.evict_all_unpinned();
+    assert!(c.contains(key(0, 0)) && c.contains(key(0, 5)));
+    let s = c.stats();
+    assert_eq!(
+        (s.bytes_used, s.unpinned_bytes, s.pinned_resident_bytes),
+        (32, 0, 32)
+    );
+    let before = calls.load(Relaxed);
+    read_vec(&c, 0, size, 0, 16, &l);
+    assert_eq!(calls.load(Relaxed), before);
+    // Pins nest; the last unpin returns the chunk to the LRU, where it can be evicted.
+    c.pin(key(0, 0), size).unwrap();
+    c.unpin(key(0, 0)).unwrap();
+    assert!(c.is_pinned(key(0, 0)));
+    c.unpin(key(0, 0)).unwrap();
+    assert!(!c.is_pinned(key(0, 0)));
+    assert!(matches!(
+        c.unpin(key(0, 0)),
+        Err(CacheError::NotPinned { .. })
+    ));
+    c.evict_all_unpinned();
+    assert!(!c.contains(key(0, 0)) && c.contains(key(0, 5)));
+}
+
+#[test]
+fn pinning_beyond_the_budget_fails() {
+    let (cs, size) = (16, 1000);
+    let c = ChunkCache::new(64, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    for i in 0..4 {
+        read_vec(&c, 0, size, (10 + i) * cs, 1, &l);
+    }
+    for i in 0..4 {
+        c.pin(key(0, i), size).unwrap();
+        assert!(c.bytes_used() <= 64);
+    }
+    // Reserving 4 chunks left no room for unpinned ones.
+    assert_eq!(c.stats().unpinned_bytes, 0);
+    let e = c.pin(key(0, 4), size).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CacheError::PinOverBudget {
+                needed: 16,
+                pinned: 64,
+                budget: 64,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(matches!(
+        c.pin(key(0, 63), size),
+        Err(CacheError::OutOfRange { .. })
+    ));
+    // Re-pinning an already pinned chunk costs nothing.
+    c.pin(key(0, 1), size).unwrap();
+    // Unpinned chunks are still served, just not kept.
+    assert_eq!(
+        read_vec(&c, 0, size, 200, 4, &l),
+        reference(0, size)[200..204]
+    );
+    assert!(c.bytes_used() <= 64);
+}
+
+#[test]
+fn prefetched_chunk_counts_as_prefetch_hit_once() {
+    let (cs, size) = (32, 320);
+    let c = ChunkCache::new(1024, cs).unwrap();
+    c.start_prefetcher(2);
+    let calls = Arc::new(AtomicU64::new(0));
+    let queued = c.prefetch(0, size, 2..100, shared_loader(0, size, cs, calls.clone()));
+    assert_eq!(queued, 8); // chunks 2..10
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert_eq!(calls.load(Relaxed), 8);
+    let demand = AtomicU64::new(0);
+    let l = loader(0, size, cs, &demand);
+    assert_eq!(read_vec(&c, 0, size, 70, 4, &l), reference(0, size)[70..74]);
+    assert_eq!(read_vec(&c, 0, size, 72, 4, &l), reference(0, size)[72..76]);
+    let s = c.stats();
+    assert_eq!((s.prefetch_hits, s.hits, s.misses), (1, 1, 0));
+    assert_eq!(s.prefetch_loads, 8);
+    assert_eq!(demand.load(Relaxed), 0);
+    // Prefetching resident chunks is skipped when their turn comes.
+    c.prefetch(0, size, 2..4, shared_loader(0, size, cs, calls.clone()));
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert_eq!(calls.load(Relaxed), 8);
+    assert_eq!(c.stats().prefetch_skipped, 2);
+}
+
+#[test]
+fn sequential_reads_trigger_read_ahead() {
+    let (cs, size) = (64, 64 * 20);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    c.start_prefetcher(1);
+    let bg = Arc::new(AtomicU64::new(0));
+    c.register_file(4, shared_loader(4, size, cs, bg.clone()));
+    let demand = AtomicU64::new(0);
+    let l = loader(4, size, cs, &demand);
+    let r = reference(4, size);
+    // Two random reads: no read-ahead.
+    read_vec(&c, 4, size, 500, 10, &l);
+    read_vec(&c, 4, size, 100, 10, &l);
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert_eq!(bg.load(Relaxed), 0);
+    // Sequential: 0..32 then 32..64 → chunks 1..=4 queued.
+    read_vec(&c, 4, size, 0, 32, &l);
+    read_vec(&c, 4, size, 32, 32, &l);
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert_eq!(c.stats().readahead_triggers, 1);
+    for i in 1..=4 {
+        assert!(c.contains(key(4, i)), "chunk {i}");
+    }
+    assert!(!c.contains(key(4, 5)));
+    let demand_before = demand.load(Relaxed);
+    // Continue sequentially through the file: every chunk after 0 comes from read-ahead.
+    let mut off = 64u64;
+    while off < size {
+        assert_eq!(
+            read_vec(&c, 4, size, off, 64, &l),
+            r[off as usize..off as usize + 64]
+        );
+        off += 64;
+        assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    }
+    assert_eq!(demand.load(Relaxed), demand_before);
+    let s = c.stats();
+    // Chunks 1 and 7 were demand-loaded by the first two reads; the other 17 after
+    // chunk 0 came from read-ahead.
+    assert_eq!(s.prefetch_hits, 17);
+    // Each chunk was loaded exactly once: no duplicate read-ahead.
+    assert_eq!(s.loads, 20);
+    assert_eq!(bg.load(Relaxed), 17);
+}
+
+#[test]
+fn multi_chunk_misses_load_in_parallel() {
+    let (cs, size) = (4096, 4096 * 8);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    let running = AtomicUsize::new(0);
+    let peak = AtomicUsize::new(0);
+    let l = |index: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+        let now = running.fetch_add(1, Relaxed) + 1;
+        peak.fetch_max(now, Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        running.fetch_sub(1, Relaxed);
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = byte(0, index * cs + i as u64);
+        }
+        Ok(buf.len())
+    };
+    assert_eq!(
+        read_vec(&c, 0, size, 100, 4096 * 6, &l),
+        reference(0, size)[100..100 + 4096 * 6]
+    );
+    if rayon::current_num_threads() > 1 {
+        assert!(peak.load(Relaxed) > 1);
+    }
+}
+
+#[test]
+fn random_reads_match_the_reference() {
+    let (cs, size) = (64, 1000);
+    let c = ChunkCache::new(256, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(9, size, cs, &calls);
+    let r = reference(9, size);
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for _ in 0..3000 {
+        let off = rng.random_range(0..1100u64);
+        let len = rng.random_range(0..300usize);
+        let got = read_vec(&c, 9, size, off, len, &l);
+        let lo = (off as usize).min(r.len());
+        let hi = (off as usize + len).min(r.len());
+        assert_eq!(got, r[lo..hi], "off {off} len {len}");
+        assert!(c.bytes_used() <= 256);
+    }
+}
+
+#[test]
+fn hammer_keeps_the_budget_and_the_bytes() {
+    let cs = 64u64;
+    let sizes = [1000u64, 333, 4096, 64];
+    let budget = 300; // 4 full chunks fit, never 5
+    let c = ChunkCache::new(budget, cs).unwrap();
+    c.start_prefetcher(2);
+    for (f, &size) in sizes.iter().enumerate() {
+        c.register_file(
+            f as u32,
+            shared_loader(f as u32, size, cs, Arc::new(AtomicU64::new(0))),
+        );
+    }
+    c.pin(key(2, 3), sizes[2]).unwrap();
+    let refs: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(f, &s)| reference(f as u32, s))
+        .collect();
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let (c, refs) = (&c, &refs);
+            s.spawn(move || {
+                let mut rng = ChaCha8Rng::seed_from_u64(100 + t);
+                let calls = AtomicU64::new(0);
+                let mut seq_off = 0u64;
+                for step in 0..1500 {
+                    let f = rng.random_range(0..sizes.len());
+                    let size = sizes[f];
+                    let l = loader(f as u32, size, cs, &calls);
+                    // Mix random reads with sequential runs (which trigger read-ahead).
+                    let (off, len) = if step % 3 == 0 {
+                        let o = seq_off % (size + 10);
+                        seq_off = o + 40;
+                        (o, 40)
+                    } else {
+                        (
+                            rng.random_range(0..size + 10),
+                            rng.random_range(0..200usize),
+                        )
+                    };
+                    let got = read_vec(c, f as u32, size, off, len, &l);
+                    let r = &refs[f];
+                    let lo = (off as usize).min(r.len());
+                    let hi = (off as usize + len).min(r.len());
+                    assert_eq!(got, r[lo..hi]);
+                    let st = c.stats();
+                    assert!(st.bytes_used <= budget, "{} > {budget}", st.bytes_used);
+                    if step % 500 == 0 {
+                        c.evict_all_unpinned();
+                    }
+                }
+            });
+        }
+    });
+    assert!(c.wait_prefetch_idle(Duration::from_secs(20)));
+    let s = c.stats();
+    assert!(s.bytes_used <= budget);
+    assert!(c.contains(key(2, 3)) || s.pinned_resident_bytes == 0);
+    assert_eq!(s.reads, 8 * 1500);
+    assert_eq!(s.load_errors, 0);
+}
+
+#[test]
+fn stats_serialize_to_json() {
+    let c = ChunkCache::new(1024, 16).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, 100, 16, &calls);
+    read_vec(&c, 0, 100, 0, 50, &l);
+    c.record_decoded(123);
+    let s = c.stats();
+    let json = serde_json::to_string(&s).unwrap();
+    assert!(json.contains("\"prefetch_hits\":0"));
+    assert!(json.contains("\"archive_bytes_decoded\":123"));
+    let back: CacheStats = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, s);
+    assert!((s.decoded_per_served - 123.0 / 50.0).abs() < 1e-9);
+}
+
+#[test]
+fn latency_percentiles_bound_the_samples() {
+    let h = Histogram::default();
+    for us in [0u64, 1, 2, 3, 5, 100, 100, 100, 100, 5000] {
+        h.record(us);
+    }
+    let s = h.snapshot();
+    assert_eq!(s.count, 10);
+    assert_eq!(s.max_us, 5000);
+    assert!(s.p50_us >= 5 && s.p50_us <= 7, "{s:?}");
+    assert!(s.p90_us >= 100 && s.p90_us <= 127, "{s:?}");
+    assert_eq!(s.p99_us, 5000);
+}
+
+#[test]
+fn cache_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<ChunkCache>();
+    check::<CacheStats>();
+}
+
+#[test]
+fn prefetch_waits_for_demand_loads() {
+    let (cs, size) = (64, 640);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    c.start_prefetcher(1);
+    let t0 = Instant::now();
+    let demand_done = Mutex::new(None);
+    let prefetch_start = Arc::new(Mutex::new(None));
+    let ps = prefetch_start.clone();
+    let bg: ChunkLoader = Arc::new(move |_, buf| {
+        ps.lock().unwrap().get_or_insert(Instant::now());
+        buf.fill(1);
+        Ok(buf.len())
+    });
+    let started = Barrier::new(2);
+    std::thread::scope(|s| {
+        let (c, started, demand_done) = (&c, &started, &demand_done);
+        s.spawn(move || {
+            let slow = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+                started.wait();
+                std::thread::sleep(Duration::from_millis(150));
+                buf.fill(2);
+                *demand_done.lock().unwrap() = Some(Instant::now());
+                Ok(buf.len())
+            };
+            let mut b = [0u8; 4];
+            c.read(0, size, 0, &mut b, &slow).unwrap();
+        });
+        started.wait();
+        c.prefetch(0, size, 3..4, bg.clone());
+    });
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    let done = demand_done.lock().unwrap().unwrap();
+    let start = prefetch_start.lock().unwrap().unwrap();
+    assert!(
+        start >= done,
+        "prefetch began {:?} before the demand load ended",
+        done - start
+    );
+    assert!(start.duration_since(t0) >= Duration::from_millis(150));
+    assert_eq!(c.prefetch_registered(0, size, 0..2), 0);
+    c.register_file(0, bg);
+    assert_eq!(c.prefetch_registered(0, size, 4..6), 2);
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert!(c.contains(key(0, 4)) && c.contains(key(0, 5)));
+}
+
+/// Warm-path throughput (a memcpy out of resident chunks). Run with
+/// `cargo test --release --lib cache::tests::warm_read_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn warm_read_throughput() {
+    let cs = DEFAULT_CHUNK_SIZE;
+    let size = 64 << 20;
+    let c = ChunkCache::new(128 << 20, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    let mut buf = vec![0u8; 128 << 10];
+    for off in (0..size).step_by(buf.len()) {
+        c.read(0, size, off, &mut buf, &l).unwrap();
+    }
+    let t = Instant::now();
+    let rounds = 8;
+    for _ in 0..rounds {
+        for off in (0..size).step_by(buf.len()) {
+            c.read(0, size, off, &mut buf, &l).unwrap();
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let s = c.stats();
+    println!(
+        "warm 128 KiB reads: {:.2} GB/s, p50 {} us, p99 {} us",
+        (rounds * size) as f64 / secs / 1e9,
+        s.latency_us.p50_us,
+        s.latency_us.p99_us
+    );
+}
