@@ -43,10 +43,7 @@ impl Default for ConvertOptions {
                 kmeans_iters: 12,
                 seed: 0,
             },
-            passthrough: vec![
-                "model.embed_tokens.weight".into(),
-                "lm_head.weight".into(),
-            ],
+            passthrough: vec!["model.embed_tokens.weight".into(), "lm_head.weight".into()],
             compression: Compression::Zstd(3),
             window: 8,
         }
@@ -112,7 +109,11 @@ fn is_passthrough(t: &TensorDesc, opts: &ConvertOptions) -> bool {
     t.shape.len() < 2 || opts.passthrough.iter().any(|p| wildcard_match(p, &t.name))
 }
 
-fn encode_one(src: &dyn SourceModel, i: usize, opts: &ConvertOptions) -> Result<EncodedTensor, ConvertError> {
+fn encode_one(
+    src: &dyn SourceModel,
+    i: usize,
+    opts: &ConvertOptions,
+) -> Result<EncodedTensor, ConvertError> {
     let t = &src.desc().tensors[i];
     let rpb = rows_per_block(t);
     let wrap = |source| ConvertError::Codec {
@@ -147,8 +148,10 @@ pub fn convert(
     let mut start = 0;
     while start < n {
         let end = (start + window).min(n);
-        let encoded: Vec<Result<EncodedTensor, ConvertError>> =
-            (start..end).into_par_iter().map(|i| encode_one(src, i, opts)).collect();
+        let encoded: Vec<Result<EncodedTensor, ConvertError>> = (start..end)
+            .into_par_iter()
+            .map(|i| encode_one(src, i, opts))
+            .collect();
         for (i, enc) in (start..end).zip(encoded) {
             let enc = enc?;
             let t = &desc.tensors[i];
@@ -208,7 +211,9 @@ pub fn convert(
 pub fn codec_label(c: &TensorCodec) -> String {
     match c {
         TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
-        TensorCodec::Ndsq { rank, pq_dim, pq_k, .. } => format!("ndsq(r={rank},d={pq_dim},k={pq_k})"),
+        TensorCodec::Ndsq {
+            rank, pq_dim, pq_k, ..
+        } => format!("ndsq(r={rank},d={pq_dim},k={pq_k})"),
     }
 }
 
@@ -227,11 +232,23 @@ mod tests {
 
     #[test]
     fn wildcards() {
-        assert!(wildcard_match("model.embed_tokens.weight", "model.embed_tokens.weight"));
-        assert!(wildcard_match("*.mlp.*", "model.layers.3.mlp.up_proj.weight"));
+        assert!(wildcard_match(
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight"
+        ));
+        assert!(wildcard_match(
+            "*.mlp.*",
+            "model.layers.3.mlp.up_proj.weight"
+        ));
         assert!(wildcard_match("*", ""));
-        assert!(!wildcard_match("*.bias", "model.layers.3.mlp.up_proj.weight"));
-        assert!(wildcard_match("model.layers.1*.weight", "model.layers.12.mlp.up_proj.weight"));
+        assert!(!wildcard_match(
+            "*.bias",
+            "model.layers.3.mlp.up_proj.weight"
+        ));
+        assert!(wildcard_match(
+            "model.layers.1*.weight",
+            "model.layers.12.mlp.up_proj.weight"
+        ));
         assert!(!wildcard_match("model.layers.1*", "model.layers.2.x"));
     }
 }

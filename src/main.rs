@@ -14,7 +14,11 @@ use cawsfs::layout::{self, GgufOutType};
 use cawsfs::model::{FloatType, RowSource};
 
 #[derive(Parser)]
-#[command(name = "cawsfs", version, about = "Mount compressed LLM weight archives as plain model files")]
+#[command(
+    name = "cawsfs",
+    version,
+    about = "Mount compressed LLM weight archives as plain model files"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -137,7 +141,8 @@ struct ExportArgs {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CAWSFS_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("CAWSFS_LOG")
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -154,7 +159,11 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Convert(a) => cmd_convert(a),
-        Cmd::Inspect { archive, json, blocks } => cmd_inspect(&archive, json, blocks),
+        Cmd::Inspect {
+            archive,
+            json,
+            blocks,
+        } => cmd_inspect(&archive, json, blocks),
         Cmd::Verify { archive } => cmd_verify(&archive),
         Cmd::Export(a) => cmd_export(a),
         Cmd::Apply {
@@ -181,7 +190,9 @@ fn init_threads(threads: Option<usize>) -> Result<()> {
 
 fn bar(len: u64, template: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
-    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     pb
 }
 
@@ -213,7 +224,10 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
     })
     .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
-    println!("{:<52} {:>16} {:>24} {:>12} {:>7} {:>9}", "tensor", "shape", "codec", "bytes", "bpw", "rel_err");
+    println!(
+        "{:<52} {:>16} {:>24} {:>12} {:>7} {:>9}",
+        "tensor", "shape", "codec", "bytes", "bpw", "rel_err"
+    );
     for t in &report.tensors {
         println!(
             "{:<52} {:>16} {:>24} {:>12} {:>7.3} {:>9.5}",
@@ -235,7 +249,8 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         a.output.display()
     );
     if let Some(p) = a.report_json {
-        std::fs::write(&p, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", p.display()))?;
+        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", p.display()))?;
     }
     Ok(())
 }
@@ -251,8 +266,11 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
             .enumerate()
             .map(|(i, t)| {
                 let info = ar.tensor_info(i);
-                let locations: Option<Vec<(u64, u64)>> =
-                    blocks.then(|| (0..info.n_blocks).map(|b| ar.block_location(i, b)).collect());
+                let locations: Option<Vec<(u64, u64)>> = blocks.then(|| {
+                    (0..info.n_blocks)
+                        .map(|b| ar.block_location(i, b))
+                        .collect()
+                });
                 serde_json::json!({
                     "block_locations": locations,
                     "name": t.name, "shape": t.shape, "source": t.source,
@@ -274,7 +292,10 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
     println!("archive: {}", path.display());
     println!("sections:");
     for s in ar.sections() {
-        println!("  {:<11} offset {:>12} size {:>12} flags {:#x}", s.kind, s.offset, s.size, s.flags);
+        println!(
+            "  {:<11} offset {:>12} size {:>12} flags {:#x}",
+            s.kind, s.offset, s.size, s.flags
+        );
     }
     let a = &m.arch;
     println!(
@@ -296,12 +317,18 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
         m.gguf_meta.len()
     );
     println!("tensors: {}", m.tensors.len());
-    println!("  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9}", "name", "shape", "source", "codec", "blocks", "bytes", "bpw", "rel_err");
+    println!(
+        "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9}",
+        "name", "shape", "source", "codec", "blocks", "bytes", "bpw", "rel_err"
+    );
     let mut total = 0;
     for (i, t) in m.tensors.iter().enumerate() {
         let info = ar.tensor_info(i);
         total += info.stored_bytes;
-        let r = rel.and_then(|r| r.get(&t.name)).and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let r = rel
+            .and_then(|r| r.get(&t.name))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.0);
         println!(
             "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5}",
             t.name,
@@ -320,8 +347,11 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
 
 fn cmd_verify(path: &Path) -> Result<()> {
     let ar = Archive::open(path)?;
-    ar.verify().map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let blocks: usize = (0..ar.model().tensors.len()).map(|i| ar.tensor_info(i).n_blocks).sum();
+    ar.verify()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let blocks: usize = (0..ar.model().tensors.len())
+        .map(|i| ar.tensor_info(i).n_blocks)
+        .sum();
     println!(
         "{}: ok ({} sections, {} tensors, {} blocks verified)",
         path.display(),
@@ -345,9 +375,14 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
     let ar = Archive::open(&a.archive)?;
     let model = ar.model();
     let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {
-        let pb = bar(vf.size, "{elapsed_precise} [{bar:40}] {bytes}/{total_bytes} {msg}");
+        let pb = bar(
+            vf.size,
+            "{elapsed_precise} [{bar:40}] {bytes}/{total_bytes} {msg}",
+        );
         pb.set_message(vf.name.clone());
-        cawsfs::export::export_file(vf, &ar as &dyn RowSource, path, &|done| pb.set_position(done))?;
+        cawsfs::export::export_file(vf, &ar as &dyn RowSource, path, &|done| {
+            pb.set_position(done)
+        })?;
         pb.finish_and_clear();
         println!("wrote {} ({} bytes)", path.display(), vf.size);
         Ok(())
@@ -361,9 +396,13 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
             };
             export(&layout::gguf_file(model, ty)?, &a.output)
         }
-        Format::Safetensors => export(&layout::safetensors_file(model, a.dtype.map(float_of))?, &a.output),
+        Format::Safetensors => export(
+            &layout::safetensors_file(model, a.dtype.map(float_of))?,
+            &a.output,
+        ),
         Format::HfDir => {
-            std::fs::create_dir_all(&a.output).with_context(|| format!("{}", a.output.display()))?;
+            std::fs::create_dir_all(&a.output)
+                .with_context(|| format!("{}", a.output.display()))?;
             for (name, bytes) in layout::hf_metadata_files(model)? {
                 let p = a.output.join(&name);
                 std::fs::write(&p, bytes).with_context(|| format!("{}", p.display()))?;
@@ -380,16 +419,27 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
 fn read_vector(path: &Path) -> Result<Vec<f32>> {
     let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
     if path.extension().is_some_and(|e| e == "txt") {
-        let text = String::from_utf8(bytes).map_err(|_| anyhow!("{}: not UTF-8 text", path.display()))?;
+        let text =
+            String::from_utf8(bytes).map_err(|_| anyhow!("{}: not UTF-8 text", path.display()))?;
         return text
             .split_whitespace()
-            .map(|w| w.parse::<f32>().map_err(|_| anyhow!("{}: {w:?} is not a number", path.display())))
+            .map(|w| {
+                w.parse::<f32>()
+                    .map_err(|_| anyhow!("{}: {w:?} is not a number", path.display()))
+            })
             .collect();
     }
     if bytes.len() % 4 != 0 {
-        bail!("{}: {} bytes is not a whole number of f32 values", path.display(), bytes.len());
+        bail!(
+            "{}: {} bytes is not a whole number of f32 values",
+            path.display(),
+            bytes.len()
+        );
     }
-    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
 }
 
 fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Result<()> {
@@ -401,9 +451,15 @@ fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Resu
     let cols = ar.model().tensors[i].cols();
     let xv = read_vector(x)?;
     if xv.len() as u64 != cols {
-        bail!("{}: x has {} values but tensor {tensor} has {cols} columns", x.display(), xv.len());
+        bail!(
+            "{}: x has {} values but tensor {tensor} has {cols} columns",
+            x.display(),
+            xv.len()
+        );
     }
-    let y = ar.apply(i, &xv).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let y = ar
+        .apply(i, &xv)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
     match output {
         Some(o) => {
             let bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();

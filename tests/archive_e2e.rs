@@ -29,23 +29,64 @@ fn write_tiny_hf(dir: &Path) {
             .collect();
         tensors.push((name, shape, vals));
     };
-    add("model.embed_tokens.weight".into(), vec![VOCAB, HIDDEN], &mut rng);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![VOCAB, HIDDEN],
+        &mut rng,
+    );
     add("model.norm.weight".into(), vec![HIDDEN], &mut rng);
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}.");
         add(format!("{p}input_layernorm.weight"), vec![HIDDEN], &mut rng);
-        add(format!("{p}post_attention_layernorm.weight"), vec![HIDDEN], &mut rng);
-        add(format!("{p}self_attn.q_proj.weight"), vec![HIDDEN, HIDDEN], &mut rng);
-        add(format!("{p}self_attn.k_proj.weight"), vec![HIDDEN / 2, HIDDEN], &mut rng);
-        add(format!("{p}self_attn.v_proj.weight"), vec![HIDDEN / 2, HIDDEN], &mut rng);
-        add(format!("{p}self_attn.o_proj.weight"), vec![HIDDEN, HIDDEN], &mut rng);
-        add(format!("{p}mlp.gate_proj.weight"), vec![FFN, HIDDEN], &mut rng);
-        add(format!("{p}mlp.up_proj.weight"), vec![FFN, HIDDEN], &mut rng);
-        add(format!("{p}mlp.down_proj.weight"), vec![HIDDEN, FFN], &mut rng);
+        add(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}self_attn.q_proj.weight"),
+            vec![HIDDEN, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}self_attn.k_proj.weight"),
+            vec![HIDDEN / 2, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}self_attn.v_proj.weight"),
+            vec![HIDDEN / 2, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![HIDDEN, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}mlp.gate_proj.weight"),
+            vec![FFN, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}mlp.up_proj.weight"),
+            vec![FFN, HIDDEN],
+            &mut rng,
+        );
+        add(
+            format!("{p}mlp.down_proj.weight"),
+            vec![HIDDEN, FFN],
+            &mut rng,
+        );
     }
     let views: Vec<(String, TensorView)> = tensors
         .iter()
-        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F16, s.clone(), d).unwrap()))
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F16, s.clone(), d).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     let config = serde_json::json!({
@@ -55,7 +96,11 @@ fn write_tiny_hf(dir: &Path) {
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_vec(&config).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec(&config).unwrap(),
+    )
+    .unwrap();
 }
 
 fn converted(dir: &Path, opts: &ConvertOptions) -> std::path::PathBuf {
@@ -89,7 +134,9 @@ fn row_ranges_equal_full_reconstruction() {
     let ar = Archive::open(&path).unwrap();
     ar.verify().unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let fulls: HashMap<usize, Vec<f32>> = (0..ar.model().tensors.len()).map(|t| (t, full(&ar, t))).collect();
+    let fulls: HashMap<usize, Vec<f32>> = (0..ar.model().tensors.len())
+        .map(|t| (t, full(&ar, t)))
+        .collect();
     for _ in 0..500 {
         let t = rng.random_range(0..ar.model().tensors.len());
         let d = &ar.model().tensors[t];
@@ -98,7 +145,12 @@ fn row_ranges_equal_full_reconstruction() {
         let cols = d.cols() as usize;
         let mut out = vec![0f32; (r1 - r0) as usize * cols];
         ar.read_rows(t, r0, r1, &mut out).unwrap();
-        assert_eq!(&out[..], &fulls[&t][r0 as usize * cols..r1 as usize * cols], "{} rows {r0}..{r1}", d.name);
+        assert_eq!(
+            &out[..],
+            &fulls[&t][r0 as usize * cols..r1 as usize * cols],
+            "{} rows {r0}..{r1}",
+            d.name
+        );
     }
 }
 
@@ -127,7 +179,13 @@ fn every_corrupted_block_is_named_and_never_decoded() {
     for (t, d) in tensors.iter().enumerate() {
         let info = ar.tensor_info(t);
         for b in 0..info.n_blocks {
-            locations.push((t, d.name.clone(), b, info.rows_per_block, ar.block_location(t, b)));
+            locations.push((
+                t,
+                d.name.clone(),
+                b,
+                info.rows_per_block,
+                ar.block_location(t, b),
+            ));
         }
     }
     drop(ar);
@@ -138,7 +196,10 @@ fn every_corrupted_block_is_named_and_never_decoded() {
         std::fs::write(&bad, &bytes).unwrap();
         let ar = Archive::open(&bad).unwrap();
         let err = ar.verify().unwrap_err().to_string();
-        assert!(err.contains(&format!("tensor {name}")) && err.contains(&format!("block {b}")), "{err}");
+        assert!(
+            err.contains(&format!("tensor {name}")) && err.contains(&format!("block {b}")),
+            "{err}"
+        );
         let d = &tensors[t];
         let r0 = b as u64 * rpb;
         let r1 = (r0 + rpb).min(d.rows());
@@ -161,7 +222,10 @@ fn truncated_archives_are_errors_not_panics() {
     let mut cut = 0;
     while cut < clean.len() {
         std::fs::write(&bad, &clean[..cut]).unwrap();
-        let err = Archive::open(&bad).err().expect("truncated archive opened").to_string();
+        let err = Archive::open(&bad)
+            .err()
+            .expect("truncated archive opened")
+            .to_string();
         assert!(err.contains("trunc.cawsf"), "{err}");
         cut += 997;
     }

@@ -51,7 +51,10 @@ fn io(path: &Path, source: std::io::Error) -> ImportError {
 fn read_small(path: &Path) -> Result<Vec<u8>, ImportError> {
     let len = std::fs::metadata(path).map_err(|e| io(path, e))?.len();
     if len > MAX_SIDE_FILE {
-        return Err(invalid(path, format!("{len} bytes is too large for a metadata file")));
+        return Err(invalid(
+            path,
+            format!("{len} bytes is too large for a metadata file"),
+        ));
     }
     std::fs::read(path).map_err(|e| io(path, e))
 }
@@ -60,7 +63,10 @@ impl HfSource {
     pub fn open(dir: &Path) -> Result<HfSource, ImportError> {
         let cfg_path = dir.join("config.json");
         if !cfg_path.exists() {
-            return Err(invalid(dir, "not a Hugging Face model directory: config.json is missing"));
+            return Err(invalid(
+                dir,
+                "not a Hugging Face model directory: config.json is missing",
+            ));
         }
         let mut hf_files = BTreeMap::new();
         for name in KEPT_FILES {
@@ -95,7 +101,10 @@ impl HfSource {
                     Dtype::F16 => SourceType::F16,
                     Dtype::BF16 => SourceType::BF16,
                     other => {
-                        return Err(invalid(p, format!("tensor {name}: unsupported dtype {other:?}")))
+                        return Err(invalid(
+                            p,
+                            format!("tensor {name}: unsupported dtype {other:?}"),
+                        ))
                     }
                 };
                 let bytes = view.data();
@@ -116,7 +125,10 @@ impl HfSource {
         let tensors: Vec<TensorDesc> = order.iter().map(|&i| tensors[i].clone()).collect();
         let locations = order.iter().map(|&i| locations[i].clone()).collect();
         if let Some(dup) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
-            return Err(invalid(dir, format!("tensor {} appears in two shards", dup[0].name)));
+            return Err(invalid(
+                dir,
+                format!("tensor {} appears in two shards", dup[0].name),
+            ));
         }
         let arch = arch_from_config(&cfg_path, &config, &tensors)?;
         Ok(HfSource {
@@ -152,11 +164,17 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
             .ok_or_else(|| invalid(&index, "no weight_map object"))?;
         let mut files: Vec<String> = Vec::new();
         for (tensor, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| invalid(&index, format!("weight_map entry {tensor} is not a file name")))?;
+            let file = file.as_str().ok_or_else(|| {
+                invalid(
+                    &index,
+                    format!("weight_map entry {tensor} is not a file name"),
+                )
+            })?;
             if file.contains('/') || file.contains("..") {
-                return Err(invalid(&index, format!("weight_map entry {tensor} points outside the directory: {file}")));
+                return Err(invalid(
+                    &index,
+                    format!("weight_map entry {tensor} points outside the directory: {file}"),
+                ));
             }
             if !files.iter().any(|f| f == file) {
                 files.push(file.to_string());
@@ -165,7 +183,10 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
         files.sort();
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
         if let Some(missing) = paths.iter().find(|p| !p.is_file()) {
-            return Err(invalid(&index, format!("shard {} is missing", missing.display())));
+            return Err(invalid(
+                &index,
+                format!("shard {} is missing", missing.display()),
+            ));
         }
         return Ok(paths);
     }
@@ -173,10 +194,17 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
     if single.is_file() {
         return Ok(vec![single]);
     }
-    Err(invalid(dir, "no model.safetensors or model.safetensors.index.json"))
+    Err(invalid(
+        dir,
+        "no model.safetensors or model.safetensors.index.json",
+    ))
 }
 
-fn arch_from_config(path: &Path, c: &Value, tensors: &[TensorDesc]) -> Result<ArchConfig, ImportError> {
+fn arch_from_config(
+    path: &Path,
+    c: &Value,
+    tensors: &[TensorDesc],
+) -> Result<ArchConfig, ImportError> {
     let model_type = c
         .get("model_type")
         .and_then(Value::as_str)
@@ -185,7 +213,12 @@ fn arch_from_config(path: &Path, c: &Value, tensors: &[TensorDesc]) -> Result<Ar
     let gguf_arch = match model_type.as_str() {
         "llama" | "mistral" => "llama",
         "qwen2" => "qwen2",
-        other => return Err(invalid(path, format!("unsupported model_type {other} (llama, mistral, qwen2 are)"))),
+        other => {
+            return Err(invalid(
+                path,
+                format!("unsupported model_type {other} (llama, mistral, qwen2 are)"),
+            ))
+        }
     }
     .to_string();
     let u = |key: &str| -> Result<u32, ImportError> {
@@ -194,12 +227,19 @@ fn arch_from_config(path: &Path, c: &Value, tensors: &[TensorDesc]) -> Result<Ar
             .and_then(|v| u32::try_from(v).ok())
             .ok_or_else(|| invalid(path, format!("missing or invalid {key}")))
     };
-    let opt_u = |key: &str| c.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
+    let opt_u = |key: &str| {
+        c.get(key)
+            .and_then(Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+    };
     let f = |key: &str, default: f64| c.get(key).and_then(Value::as_f64).unwrap_or(default) as f32;
     let hidden_size = u("hidden_size")?;
     let n_heads = u("num_attention_heads")?;
     if n_heads == 0 || hidden_size % n_heads != 0 && opt_u("head_dim").is_none() {
-        return Err(invalid(path, format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {n_heads}")));
+        return Err(invalid(
+            path,
+            format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {n_heads}"),
+        ));
     }
     let has_lm_head = tensors.iter().any(|t| t.name == "lm_head.weight");
     Ok(ArchConfig {
