@@ -3,9 +3,27 @@
 //! [`RowSource`]. The mount serves these and `cawsfs export` streams the same code
 //! into a real file, so the two are byte-identical by construction.
 //!
-//! STUB: to be implemented (safetensors.rs, gguf.rs, hfmeta.rs).
+//! A [`VirtualFile`] is a sorted list of pieces covering `[0, size)`: literal bytes
+//! (headers, small metadata files), zero padding, and tensor data in a float dtype
+//! (optionally with llama.cpp's rotary row permutation). `read_at` asks the row source
+//! only for the rows overlapping the requested range.
+
+use std::sync::Arc;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 
 use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
+
+mod gguf;
+mod hfmeta;
+mod safetensors;
+mod tokenizer;
+
+#[cfg(test)]
+mod tests;
+
+pub use self::gguf::gguf_pre_tokenizer_name;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
@@ -23,14 +41,165 @@ pub enum GgufOutType {
     BF16,
 }
 
+impl GgufOutType {
+    pub fn float_type(self) -> FloatType {
+        match self {
+            GgufOutType::F16 => FloatType::F16,
+            GgufOutType::F32 => FloatType::F32,
+            GgufOutType::BF16 => FloatType::BF16,
+        }
+    }
+}
+
+/// At most this many bytes of f32 rows are decoded at once by one `read_at` step, so a
+/// large read (an 8 MiB export chunk) is a few row runs and memory stays bounded.
+const SCRATCH_F32_BYTES: u64 = 4 << 20;
+
+/// A single row larger than this is refused when a layout is built: one row is the
+/// smallest unit a read decodes, so it bounds the memory of any read.
+const MAX_ROW_F32_BYTES: u64 = 256 << 20;
+
+/// Tensor data of one piece: `rows × cols` values of `tensor`, stored as `dtype`.
+#[derive(Clone, Debug)]
+struct TensorPiece {
+    tensor: usize,
+    dtype: FloatType,
+    rows: u64,
+    cols: u64,
+    /// llama.cpp rotary permutation with this many heads: output row `g` is source
+    /// row `names::gguf_row_to_hf(g, rows, heads)` (elements for a 1-D tensor).
+    permute: Option<u32>,
+}
+
+#[derive(Clone, Debug)]
+enum PieceKind {
+    Bytes(Vec<u8>),
+    Zeros,
+    Tensor(TensorPiece),
+}
+
+#[derive(Clone, Debug)]
+struct Piece {
+    start: u64,
+    len: u64,
+    kind: PieceKind,
+}
+
+/// Builds the piece list in file order; zero-length pieces are dropped so every piece
+/// covers at least one byte (binary search relies on strictly increasing starts).
+#[derive(Default)]
+struct Builder {
+    pieces: Vec<Piece>,
+    pos: u64,
+    ranges: Vec<(usize, u64, u64)>,
+}
+
+impl Builder {
+    fn push(&mut self, len: u64, kind: PieceKind) -> Result<(), LayoutError> {
+        let start = self.pos;
+        self.pos = start
+            .checked_add(len)
+            .ok_or_else(|| LayoutError::Metadata("virtual file size overflows u64".into()))?;
+        if len > 0 {
+            self.pieces.push(Piece { start, len, kind });
+        }
+        Ok(())
+    }
+    fn bytes(&mut self, b: Vec<u8>) -> Result<(), LayoutError> {
+        self.push(b.len() as u64, PieceKind::Bytes(b))
+    }
+    fn zeros(&mut self, len: u64) -> Result<(), LayoutError> {
+        self.push(len, PieceKind::Zeros)
+    }
+    /// Append a tensor's data; `name` is for error messages.
+    fn tensor(
+        &mut self,
+        name: &str,
+        tensor: usize,
+        rows: u64,
+        cols: u64,
+        dtype: FloatType,
+        permute: Option<u32>,
+    ) -> Result<u64, LayoutError> {
+        let len = tensor_bytes(name, rows, cols, dtype)?;
+        if let Some(h) = permute {
+            // A 1-D tensor (a bias) is permuted element-wise.
+            let n = if rows == 1 { cols } else { rows };
+            if h == 0 || n % h as u64 != 0 || (n / h as u64) % 2 != 0 {
+                return Err(LayoutError::Metadata(format!(
+                    "tensor {name}: {n} rows cannot be split into {h} rotary heads of even size"
+                )));
+            }
+        }
+        let start = self.pos;
+        self.push(
+            len,
+            PieceKind::Tensor(TensorPiece {
+                tensor,
+                dtype,
+                rows,
+                cols,
+                permute,
+            }),
+        )?;
+        self.ranges.push((tensor, start, start + len));
+        Ok(len)
+    }
+    fn finish(self, name: &str) -> VirtualFile {
+        VirtualFile {
+            name: name.to_string(),
+            size: self.pos,
+            inner: Arc::new(Inner {
+                pieces: self.pieces,
+                ranges: self.ranges,
+            }),
+        }
+    }
+}
+
+/// Byte size of a `rows × cols` tensor in `dtype`, refusing absurd shapes.
+fn tensor_bytes(name: &str, rows: u64, cols: u64, dtype: FloatType) -> Result<u64, LayoutError> {
+    let bad = || LayoutError::Metadata(format!("tensor {name}: shape {rows}x{cols} too large"));
+    let row_f32 = cols.checked_mul(4).ok_or_else(bad)?;
+    if row_f32 > MAX_ROW_F32_BYTES {
+        return Err(bad());
+    }
+    rows.checked_mul(cols)
+        .and_then(|n| n.checked_mul(dtype.size() as u64))
+        .ok_or_else(bad)
+}
+
+#[derive(Debug)]
+struct Inner {
+    pieces: Vec<Piece>,
+    ranges: Vec<(usize, u64, u64)>,
+}
+
 /// One virtual file: its name, its exact size, and how to produce any byte range.
+/// Cheap to clone (the layout is shared).
+#[derive(Clone, Debug)]
 pub struct VirtualFile {
     pub name: String,
     pub size: u64,
-    _private: (),
+    inner: Arc<Inner>,
 }
 
 impl VirtualFile {
+    /// A file whose content is these bytes (config.json and friends), so every virtual
+    /// file reads the same way.
+    pub fn from_bytes(name: &str, bytes: Vec<u8>) -> VirtualFile {
+        let mut b = Builder::default();
+        // A Vec's length always fits u64; push cannot overflow from 0.
+        let _ = b.bytes(bytes);
+        b.finish(name)
+    }
+
+    /// (tensor index, start byte, end byte) of each tensor's data in this file, in
+    /// file order.
+    pub fn tensor_ranges(&self) -> Vec<(usize, u64, u64)> {
+        self.inner.ranges.clone()
+    }
+
     /// Fill `buf` with the bytes at `offset` (short only at end of file); returns the
     /// number of bytes written. Decodes only the rows overlapping the range.
     pub fn read_at(
@@ -39,9 +208,141 @@ impl VirtualFile {
         offset: u64,
         buf: &mut [u8],
     ) -> Result<usize, ReadError> {
-        let _ = (src, offset, buf);
-        todo!()
+        if offset >= self.size || buf.is_empty() {
+            return Ok(0);
+        }
+        let n = (buf.len() as u64).min(self.size - offset) as usize;
+        let pieces = &self.inner.pieces;
+        // pieces[0].start == 0 and pieces cover [0, size), so this is >= 1.
+        let mut i = pieces.partition_point(|p| p.start <= offset) - 1;
+        let mut done = 0usize;
+        while done < n {
+            let pos = offset + done as u64;
+            let p = &pieces[i];
+            let rel = pos - p.start;
+            let take = (p.len - rel).min((n - done) as u64) as usize;
+            let out = &mut buf[done..done + take];
+            match &p.kind {
+                PieceKind::Bytes(b) => out.copy_from_slice(&b[rel as usize..rel as usize + take]),
+                PieceKind::Zeros => out.fill(0),
+                PieceKind::Tensor(t) => read_tensor(src, t, rel, out)?,
+            }
+            done += take;
+            i += 1;
+        }
+        Ok(n)
     }
+}
+
+/// Append `vals` encoded as `dtype` (little-endian) to `out`. `half` rounds to nearest
+/// even, as torch and numpy do.
+fn encode(vals: &[f32], dtype: FloatType, out: &mut Vec<u8>) {
+    match dtype {
+        FloatType::F32 => {
+            if cfg!(target_endian = "little") {
+                out.extend_from_slice(bytemuck::cast_slice(vals));
+            } else {
+                vals.iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            }
+        }
+        FloatType::F16 => {
+            let mut h = vec![f16::ZERO; vals.len()];
+            h.convert_from_f32_slice(vals);
+            if cfg!(target_endian = "little") {
+                out.extend_from_slice(bytemuck::cast_slice(&h));
+            } else {
+                h.iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            }
+        }
+        FloatType::BF16 => {
+            let mut h = vec![bf16::ZERO; vals.len()];
+            h.convert_from_f32_slice(vals);
+            if cfg!(target_endian = "little") {
+                out.extend_from_slice(bytemuck::cast_slice(&h));
+            } else {
+                h.iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            }
+        }
+    }
+}
+
+/// Copy bytes `[rel, rel + out.len())` of a tensor piece's data into `out`, reading
+/// runs of at most [`SCRATCH_F32_BYTES`] of rows from the source.
+fn read_tensor(
+    src: &dyn RowSource,
+    t: &TensorPiece,
+    rel: u64,
+    out: &mut [u8],
+) -> Result<(), ReadError> {
+    let esize = t.dtype.size() as u64;
+    let end = rel + out.len() as u64;
+    let mut encoded = Vec::new();
+
+    // A permuted 1-D tensor: one small row whose elements are reordered.
+    if let (Some(heads), 1) = (t.permute, t.rows) {
+        let mut vals = vec![0f32; t.cols as usize];
+        src.read_rows(t.tensor, 0, 1, &mut vals)?;
+        let perm: Vec<f32> = (0..t.cols)
+            .map(|g| vals[crate::names::gguf_row_to_hf(g, t.cols, heads) as usize])
+            .collect();
+        encode(&perm, t.dtype, &mut encoded);
+        out.copy_from_slice(&encoded[rel as usize..end as usize]);
+        return Ok(());
+    }
+
+    let row_bytes = t.cols * esize;
+    let first = rel / row_bytes;
+    let last = end.div_ceil(row_bytes).min(t.rows);
+    // Read granularity: one row, or one whole head of a permuted tensor (its rows are
+    // interleaved from both halves of the head).
+    let unit = match t.permute {
+        Some(h) => t.rows / h as u64,
+        None => 1,
+    };
+    let row_f32 = t.cols * 4;
+    let units_per_run = (SCRATCH_F32_BYTES / (row_f32 * unit)).max(1);
+    let mut scratch: Vec<f32> = Vec::new();
+    let mut r = first;
+    while r < last {
+        // GGUF (output) rows r..r_end, source rows s0..s1.
+        let (r_end, s0, s1) = match t.permute {
+            None => {
+                let r_end = (r + units_per_run).min(last);
+                (r_end, r, r_end)
+            }
+            Some(_) => {
+                let h0 = r / unit;
+                let r_end = ((h0 + units_per_run) * unit).min(last);
+                let h1 = r_end.div_ceil(unit);
+                (r_end, h0 * unit, h1 * unit)
+            }
+        };
+        scratch.clear();
+        scratch.resize(((s1 - s0) * t.cols) as usize, 0.0);
+        src.read_rows(t.tensor, s0, s1, &mut scratch)?;
+        encoded.clear();
+        match t.permute {
+            None => encode(&scratch, t.dtype, &mut encoded),
+            Some(heads) => {
+                for g in r..r_end {
+                    let s = crate::names::gguf_row_to_hf(g, t.rows, heads) - s0;
+                    let row = &scratch[(s * t.cols) as usize..((s + 1) * t.cols) as usize];
+                    encode(row, t.dtype, &mut encoded);
+                }
+            }
+        }
+        // Intersect this run's bytes with the requested range.
+        let run_start = r * row_bytes;
+        let a = rel.max(run_start);
+        let b = end.min(r_end * row_bytes);
+        out[(a - rel) as usize..(b - rel) as usize]
+            .copy_from_slice(&encoded[(a - run_start) as usize..(b - run_start) as usize]);
+        r = r_end;
+    }
+    Ok(())
 }
 
 /// `model.safetensors`: HF names, `dtype` per tensor (None: the source's float type).
@@ -49,19 +350,16 @@ pub fn safetensors_file(
     model: &ModelDesc,
     dtype: Option<FloatType>,
 ) -> Result<VirtualFile, LayoutError> {
-    let _ = (model, dtype);
-    todo!()
+    safetensors::build(model, dtype)
 }
 
 /// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to `general.alignment`.
 pub fn gguf_file(model: &ModelDesc, ty: GgufOutType) -> Result<VirtualFile, LayoutError> {
-    let _ = (model, ty);
-    todo!()
+    gguf::build(model, ty, &gguf::header_with_writer)
 }
 
 /// Small metadata files (config.json, tokenizer.json, tokenizer_config.json,
 /// generation_config.json ...): verbatim from a HF source, derived from GGUF metadata otherwise.
 pub fn hf_metadata_files(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutError> {
-    let _ = model;
-    todo!()
+    hfmeta::build(model)
 }

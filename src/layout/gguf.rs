@@ -1,0 +1,234 @@
+//! `model.gguf` layout: GGUF v3 with llama.cpp tensor names, in llama.cpp's order
+//! (token_embd, blocks in layer order, output_norm, output), 2-D weights in the asked
+//! type and 1-D tensors in F32 (llama.cpp expects F32 norms), Q/K rows permuted for
+//! llama's rotary layout. Metadata is kept from a GGUF source (file type updated) or
+//! derived from `ArchConfig` and the Hugging Face side files.
+
+use crate::gguf::{GgmlType, GgufHeader, GgufValue};
+use crate::model::{FloatType, ModelDesc};
+use crate::names;
+
+use super::{tokenizer, Builder, GgufOutType, LayoutError, VirtualFile};
+
+/// Data alignment of the virtual GGUF (llama.cpp's default).
+pub const ALIGNMENT: u64 = 32;
+
+/// What the GGUF header serializer reports back: header bytes (padded to the data
+/// start), each tensor's (offset, bytes) within the data section in the given order,
+/// and the padded data section size.
+pub(super) struct HeaderOut {
+    pub bytes: Vec<u8>,
+    pub entries: Vec<(u64, u64)>,
+    pub data_size: u64,
+}
+
+pub(super) type HeaderFn<'a> =
+    dyn Fn(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>, u64) -> HeaderOut + 'a;
+
+/// The real serializer: [`GgufHeader`].
+pub(super) fn header_with_writer(
+    meta: Vec<(String, GgufValue)>,
+    tensors: Vec<(String, Vec<u64>, GgmlType)>,
+    alignment: u64,
+) -> HeaderOut {
+    let h = GgufHeader::new(meta, tensors, alignment);
+    HeaderOut {
+        bytes: h.to_bytes(),
+        entries: h.tensors.iter().map(|e| (e.offset, e.n_bytes)).collect(),
+        data_size: h.data_size(),
+    }
+}
+
+fn ggml_type(t: FloatType) -> GgmlType {
+    match t {
+        FloatType::F32 => GgmlType::F32,
+        FloatType::F16 => GgmlType::F16,
+        FloatType::BF16 => GgmlType::BF16,
+    }
+}
+
+/// llama.cpp `llama_ftype` of an all-`ty` file.
+fn file_type(ty: GgufOutType) -> u32 {
+    match ty {
+        GgufOutType::F32 => 0,
+        GgufOutType::F16 => 1,
+        GgufOutType::BF16 => 32,
+    }
+}
+
+/// Tensors that have a GGUF name, in llama.cpp's order: (model index, GGUF name).
+fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
+    let mut v: Vec<(u32, u32, &str, usize, String)> = model
+        .tensors
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| {
+            let g = names::hf_to_gguf(&t.name)?;
+            let (group, layer) = match (t.name.as_str(), names::layer_of(&t.name)) {
+                ("model.embed_tokens.weight", _) => (0, 0),
+                (_, Some(l)) => (1, l),
+                ("model.norm.weight", _) => (2, 0),
+                _ => (3, 0),
+            };
+            Some((group, layer, t.name.as_str(), i, g))
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, _, _, i, g)| (i, g)).collect()
+}
+
+pub(super) fn build(
+    model: &ModelDesc,
+    ty: GgufOutType,
+    header: &HeaderFn<'_>,
+) -> Result<VirtualFile, LayoutError> {
+    let meta = if model.gguf_meta.is_empty() {
+        derive_meta(model, ty)?
+    } else {
+        kept_meta(model, ty)
+    };
+
+    struct Plan {
+        index: usize,
+        rows: u64,
+        cols: u64,
+        ft: FloatType,
+        permute: Option<u32>,
+    }
+    let mut plans = Vec::new();
+    let mut infos = Vec::new();
+    for (i, gname) in gguf_order(model) {
+        let t = &model.tensors[i];
+        let ft = if t.shape.len() >= 2 {
+            ty.float_type()
+        } else {
+            FloatType::F32
+        };
+        let permute = names::rope_permute_heads(
+            &model.arch.gguf_arch,
+            &t.name,
+            model.arch.n_heads,
+            model.arch.n_kv_heads,
+        );
+        infos.push((
+            gname,
+            t.shape.iter().rev().copied().collect(),
+            ggml_type(ft),
+        ));
+        plans.push(Plan {
+            index: i,
+            rows: t.rows(),
+            cols: t.cols(),
+            ft,
+            permute,
+        });
+    }
+    let out = header(meta, infos, ALIGNMENT);
+    if out.entries.len() != plans.len() {
+        return Err(LayoutError::Metadata(
+            "GGUF header lists a different number of tensors than asked".into(),
+        ));
+    }
+
+    let mut b = Builder::default();
+    b.bytes(out.bytes)?;
+    let mut pos = 0u64;
+    for (p, &(offset, n_bytes)) in plans.iter().zip(&out.entries) {
+        let name = &model.tensors[p.index].name;
+        if offset < pos {
+            return Err(LayoutError::Metadata(format!(
+                "GGUF header places tensor {name} at {offset}, overlapping the previous one"
+            )));
+        }
+        b.zeros(offset - pos)?;
+        let len = b.tensor(name, p.index, p.rows, p.cols, p.ft, p.permute)?;
+        if len != n_bytes {
+            return Err(LayoutError::Metadata(format!(
+                "GGUF header gives tensor {name} {n_bytes} bytes, its shape needs {len}"
+            )));
+        }
+        pos = offset + len;
+    }
+    if out.data_size < pos {
+        return Err(LayoutError::Metadata(
+            "GGUF header data size is smaller than its tensors".into(),
+        ));
+    }
+    b.zeros(out.data_size - pos)?;
+    Ok(b.finish("model.gguf"))
+}
+
+/// GGUF source metadata, verbatim but for the file type, the quantization version
+/// (meaningless for float data) and the alignment (the header writer sets it).
+fn kept_meta(model: &ModelDesc, ty: GgufOutType) -> Vec<(String, GgufValue)> {
+    let mut meta: Vec<(String, GgufValue)> = model
+        .gguf_meta
+        .iter()
+        .filter(|(k, _)| k != "general.quantization_version" && k != "general.alignment")
+        .cloned()
+        .collect();
+    let ft = GgufValue::U32(file_type(ty));
+    match meta.iter_mut().find(|(k, _)| k == "general.file_type") {
+        Some((_, v)) => *v = ft,
+        None => meta.push(("general.file_type".into(), ft)),
+    }
+    meta
+}
+
+/// Metadata of a Hugging Face source, as llama.cpp's converter would write it.
+fn derive_meta(
+    model: &ModelDesc,
+    ty: GgufOutType,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    let a = &model.arch;
+    let arch = a.gguf_arch.clone();
+    let config: Option<serde_json::Value> = model
+        .hf_files
+        .get("config.json")
+        .and_then(|b| serde_json::from_slice(b).ok());
+    let name = config
+        .as_ref()
+        .and_then(|c| c.get("_name_or_path"))
+        .and_then(|v| v.as_str())
+        .and_then(|s| s.trim_end_matches('/').rsplit('/').next())
+        .filter(|s| !s.is_empty())
+        .unwrap_or(&a.model_type)
+        .to_string();
+    let s = |v: &str| GgufValue::String(v.to_string());
+    let k = |suffix: &str| format!("{arch}.{suffix}");
+    let mut m: Vec<(String, GgufValue)> = vec![
+        ("general.architecture".into(), s(&arch)),
+        ("general.type".into(), s("model")),
+        ("general.name".into(), s(&name)),
+        (k("block_count"), GgufValue::U32(a.n_layers)),
+        (k("context_length"), GgufValue::U32(a.context_length)),
+        (k("embedding_length"), GgufValue::U32(a.hidden_size)),
+        (
+            k("feed_forward_length"),
+            GgufValue::U32(a.intermediate_size),
+        ),
+        (k("attention.head_count"), GgufValue::U32(a.n_heads)),
+        (k("attention.head_count_kv"), GgufValue::U32(a.n_kv_heads)),
+        (k("rope.freq_base"), GgufValue::F32(a.rope_theta)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            GgufValue::F32(a.rms_norm_eps),
+        ),
+    ];
+    if a.n_heads > 0 && a.head_dim != a.hidden_size / a.n_heads {
+        m.push((k("attention.key_length"), GgufValue::U32(a.head_dim)));
+        m.push((k("attention.value_length"), GgufValue::U32(a.head_dim)));
+    }
+    m.push(("general.file_type".into(), GgufValue::U32(file_type(ty))));
+    m.push((k("vocab_size"), GgufValue::U32(a.vocab_size)));
+    m.push((k("rope.dimension_count"), GgufValue::U32(a.head_dim)));
+    m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);
+    Ok(m)
+}
+
+/// The `tokenizer.ggml.pre` name llama.cpp uses for a `tokenizer.json` pre-tokenizer,
+/// recognized by structure: SmolLM's Digits+ByteLevel, Llama 3's and Qwen2's split
+/// regexes, plain GPT-2 ByteLevel; "default" otherwise.
+pub fn gguf_pre_tokenizer_name(pre_tokenizer: &serde_json::Value) -> &'static str {
+    tokenizer::pre_name(pre_tokenizer)
+}

@@ -1,0 +1,668 @@
+//! Layout tests against an in-memory row source that records what it was asked for.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use half::{bf16, f16};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::gguf::{self as g, HeaderOut};
+use super::*;
+use crate::gguf::{GgmlType, GgufArray, GgufValue};
+use crate::model::{ArchConfig, SourceType, TensorDesc};
+
+struct Mock {
+    /// Row-major values and column count per tensor.
+    data: Vec<(Vec<f32>, u64)>,
+    calls: Mutex<Vec<(usize, u64, u64)>>,
+}
+
+impl Mock {
+    fn new(model: &ModelDesc, seed: u64) -> Mock {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let data = model
+            .tensors
+            .iter()
+            .map(|t| {
+                let v = (0..t.numel())
+                    .map(|_| (rng.random::<f32>() - 0.5) * 3.0)
+                    .collect();
+                (v, t.cols())
+            })
+            .collect();
+        Mock {
+            data,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+    fn take_calls(&self) -> Vec<(usize, u64, u64)> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+    fn row(&self, t: usize, r: u64) -> &[f32] {
+        let (v, c) = &self.data[t];
+        &v[(r * c) as usize..((r + 1) * c) as usize]
+    }
+}
+
+impl RowSource for Mock {
+    fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
+        self.calls.lock().unwrap().push((tensor, r0, r1));
+        let (v, c) = &self.data[tensor];
+        let rows = v.len() as u64 / c;
+        if r0 > r1 || r1 > rows || out.len() as u64 != (r1 - r0) * c {
+            return Err(ReadError::OutOfRange {
+                tensor: tensor.to_string(),
+                r0,
+                r1,
+            });
+        }
+        out.copy_from_slice(&v[(r0 * c) as usize..(r1 * c) as usize]);
+        Ok(())
+    }
+}
+
+fn arch() -> ArchConfig {
+    ArchConfig {
+        model_type: "llama".into(),
+        gguf_arch: "llama".into(),
+        n_layers: 2,
+        hidden_size: 64,
+        intermediate_size: 96,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab_size: 100,
+        context_length: 2048,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        bos_token_id: Some(1),
+        eos_token_id: Some(2),
+        pad_token_id: None,
+    }
+}
+
+fn td(name: &str, shape: &[u64], source: SourceType) -> TensorDesc {
+    TensorDesc {
+        name: name.into(),
+        shape: shape.to_vec(),
+        source,
+    }
+}
+
+fn test_model(tied: bool) -> ModelDesc {
+    let bf = SourceType::BF16;
+    let f32t = SourceType::F32;
+    let mut tensors = vec![td("model.embed_tokens.weight", &[100, 64], bf)];
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.");
+        tensors.push(td(&format!("{p}self_attn.q_proj.weight"), &[64, 64], bf));
+        tensors.push(td(&format!("{p}self_attn.k_proj.weight"), &[32, 64], bf));
+        tensors.push(td(
+            &format!("{p}self_attn.v_proj.weight"),
+            &[32, 64],
+            SourceType::F16,
+        ));
+        tensors.push(td(&format!("{p}self_attn.o_proj.weight"), &[64, 64], bf));
+        tensors.push(td(&format!("{p}mlp.gate_proj.weight"), &[96, 64], bf));
+        tensors.push(td(&format!("{p}mlp.up_proj.weight"), &[96, 64], bf));
+        tensors.push(td(&format!("{p}mlp.down_proj.weight"), &[64, 96], bf));
+        tensors.push(td(&format!("{p}input_layernorm.weight"), &[64], f32t));
+        tensors.push(td(
+            &format!("{p}post_attention_layernorm.weight"),
+            &[64],
+            f32t,
+        ));
+        tensors.push(td(&format!("{p}self_attn.rotary_emb.inv_freq"), &[8], f32t));
+    }
+    tensors.push(td("model.norm.weight", &[64], f32t));
+    if !tied {
+        tensors.push(td(
+            "lm_head.weight",
+            &[100, 64],
+            SourceType::Ggml(GgmlType::Q8_0),
+        ));
+    }
+    let mut a = arch();
+    a.tie_word_embeddings = tied;
+    ModelDesc {
+        arch: a,
+        tensors,
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    }
+}
+
+fn encode_all(vals: &[f32], dt: FloatType) -> Vec<u8> {
+    match dt {
+        FloatType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        FloatType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        FloatType::BF16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    }
+}
+
+fn materialize(f: &VirtualFile, src: &dyn RowSource) -> Vec<u8> {
+    let mut buf = vec![0u8; f.size as usize + 10];
+    let n = f.read_at(src, 0, &mut buf).unwrap();
+    assert_eq!(n as u64, f.size);
+    buf.truncate(n);
+    buf
+}
+
+fn random_reads(f: &VirtualFile, src: &dyn RowSource, full: &[u8], seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for _ in 0..3000 {
+        let off = rng.random_range(0..f.size + 4);
+        let len = match rng.random_range(0..4) {
+            0 => rng.random_range(0..8usize),
+            1 => rng.random_range(0..300usize),
+            2 => rng.random_range(0..5000usize),
+            _ => rng.random_range(0..40000usize),
+        };
+        let mut buf = vec![0xAAu8; len];
+        let n = f.read_at(src, off, &mut buf).unwrap();
+        let s = (off as usize).min(full.len());
+        let e = (off as usize).saturating_add(len).min(full.len());
+        assert_eq!(n, e - s, "length at {off}+{len}");
+        assert_eq!(&buf[..n], &full[s..e], "bytes at {off}+{len}");
+    }
+}
+
+#[test]
+fn safetensors_matches_the_reference_writer() {
+    let model = test_model(false);
+    let src = Mock::new(&model, 1);
+    for dtype in [None, Some(FloatType::F32), Some(FloatType::BF16)] {
+        let f = safetensors_file(&model, dtype).unwrap();
+        let full = materialize(&f, &src);
+
+        // The safetensors crate's own writer, fed the converted values, gives the same bytes.
+        let owned: Vec<(String, ::safetensors::Dtype, Vec<usize>, Vec<u8>)> = model
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let ft = dtype.unwrap_or(t.source.default_float());
+                let st = match ft {
+                    FloatType::F32 => ::safetensors::Dtype::F32,
+                    FloatType::F16 => ::safetensors::Dtype::F16,
+                    FloatType::BF16 => ::safetensors::Dtype::BF16,
+                };
+                let shape = t.shape.iter().map(|&d| d as usize).collect();
+                (t.name.clone(), st, shape, encode_all(&src.data[i].0, ft))
+            })
+            .collect();
+        let views: Vec<(String, ::safetensors::tensor::TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    ::safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        let reference = ::safetensors::serialize(views, Some(meta)).unwrap();
+        assert_eq!(full.len(), reference.len());
+        assert!(
+            full == reference,
+            "bytes differ from ::safetensors::serialize"
+        );
+
+        let st = ::safetensors::SafeTensors::deserialize(&full).unwrap();
+        assert_eq!(st.len(), model.tensors.len());
+        for (i, t) in model.tensors.iter().enumerate() {
+            let v = st.tensor(&t.name).unwrap();
+            let ft = dtype.unwrap_or(t.source.default_float());
+            assert_eq!(v.shape(), owned[i].2.as_slice());
+            assert_eq!(v.data(), encode_all(&src.data[i].0, ft).as_slice());
+        }
+        let hlen = u64::from_le_bytes(full[..8].try_into().unwrap());
+        assert_eq!(hlen % 8, 0);
+        let ranges = f.tensor_ranges();
+        assert_eq!(ranges.len(), model.tensors.len());
+        assert_eq!(ranges[0].1, 8 + hlen);
+        assert!(ranges.windows(2).all(|w| w[0].2 == w[1].1));
+        assert_eq!(ranges.last().unwrap().2, f.size);
+
+        random_reads(&f, &src, &full, 7);
+    }
+}
+
+#[test]
+fn small_reads_touch_only_overlapping_rows() {
+    let model = ModelDesc {
+        arch: arch(),
+        tensors: vec![td("big.weight", &[1000, 512], SourceType::F16)],
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    };
+    let src = Mock::new(&model, 2);
+    let f = safetensors_file(&model, None).unwrap();
+    let (_, start, _) = f.tensor_ranges()[0];
+    let row_bytes = 1024u64;
+    src.take_calls();
+    let mut buf = vec![0u8; 4096];
+    // Unaligned 4 KiB read in the middle: rows 300..305 only.
+    let off = start + 300 * row_bytes + 17;
+    f.read_at(&src, off, &mut buf).unwrap();
+    let calls = src.take_calls();
+    let rows: u64 = calls.iter().map(|c| c.2 - c.1).sum();
+    assert_eq!(calls, vec![(0, 300, 305)]);
+    assert_eq!(rows, 5);
+    let mut expect = Vec::new();
+    for r in 300..305 {
+        expect.extend(encode_all(src.row(0, r), FloatType::F16));
+    }
+    assert_eq!(&buf[..], &expect[17..17 + 4096]);
+
+    // A read inside the header asks for nothing.
+    f.read_at(&src, 0, &mut buf[..8]).unwrap();
+    assert!(src.take_calls().is_empty());
+}
+
+#[test]
+fn large_reads_run_in_bounded_row_runs() {
+    let model = ModelDesc {
+        arch: arch(),
+        tensors: vec![td("big.weight", &[4096, 1024], SourceType::F32)],
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    };
+    let src = Mock::new(&model, 3);
+    let f = safetensors_file(&model, Some(FloatType::F16)).unwrap();
+    let (_, start, _) = f.tensor_ranges()[0];
+    let mut buf = vec![0u8; 8 << 20];
+    let n = f.read_at(&src, start, &mut buf).unwrap();
+    assert_eq!(n, 8 << 20);
+    let calls = src.take_calls();
+    assert!(calls
+        .iter()
+        .all(|c| (c.2 - c.1) * 1024 * 4 <= SCRATCH_F32_BYTES));
+    assert_eq!(calls.iter().map(|c| c.2 - c.1).sum::<u64>(), 4096);
+    assert!(calls.len() <= 4, "{} runs", calls.len());
+    assert_eq!(
+        &buf[..2048],
+        encode_all(src.row(0, 0), FloatType::F16).as_slice()
+    );
+}
+
+/// A stand-in for `GgufHeader` until it lands: offsets aligned like the real one, a
+/// fake header of aligned length; records the metadata and tensor infos it was given.
+type Seen = Mutex<Option<(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>)>>;
+
+fn test_header(
+    seen: &Seen,
+) -> impl Fn(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>, u64) -> HeaderOut + '_ {
+    move |meta, tensors, align| {
+        let mut entries = Vec::new();
+        let mut pos = 0u64;
+        for (_, ne, ty) in &tensors {
+            let n: u64 = ne.iter().product::<u64>() * ty.block().1;
+            entries.push((pos, n));
+            pos = (pos + n).next_multiple_of(align);
+        }
+        let mut bytes = b"GGUF".to_vec();
+        bytes.resize(3 * align as usize, 0);
+        *seen.lock().unwrap() = Some((meta, tensors));
+        HeaderOut {
+            bytes,
+            entries,
+            data_size: pos,
+        }
+    }
+}
+
+#[test]
+fn gguf_layout_names_order_types_and_permutation() {
+    for tied in [false, true] {
+        let model = test_model(tied);
+        let src = Mock::new(&model, 4);
+        let seen = Seen::default();
+        let f = g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap();
+        let (meta, infos) = seen.lock().unwrap().take().unwrap();
+        let names: Vec<&str> = infos.iter().map(|i| i.0.as_str()).collect();
+        let mut expect = vec!["token_embd.weight".to_string()];
+        for l in 0..2 {
+            for s in [
+                "attn_norm",
+                "ffn_down",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_norm",
+                "attn_k",
+                "attn_output",
+                "attn_q",
+                "attn_v",
+            ] {
+                expect.push(format!("blk.{l}.{s}.weight"));
+            }
+        }
+        expect.push("output_norm.weight".into());
+        if !tied {
+            expect.push("output.weight".into());
+        }
+        assert_eq!(names, expect);
+        for (name, ne, ty) in &infos {
+            let t = &model.tensors[model
+                .tensor_index(&crate::names::gguf_to_hf(name).unwrap())
+                .unwrap()];
+            let rev: Vec<u64> = t.shape.iter().rev().copied().collect();
+            assert_eq!(ne, &rev);
+            let want = if ne.len() == 1 {
+                GgmlType::F32
+            } else {
+                GgmlType::F16
+            };
+            assert_eq!(*ty, want, "{name}");
+        }
+        let get = |k: &str| meta.iter().find(|(x, _)| x == k).map(|(_, v)| v.clone());
+        assert_eq!(get("general.file_type"), Some(GgufValue::U32(1)));
+        assert_eq!(get("llama.rope.dimension_count"), Some(GgufValue::U32(16)));
+        assert_eq!(
+            get("llama.attention.head_count_kv"),
+            Some(GgufValue::U32(2))
+        );
+
+        let full = materialize(&f, &src);
+        let ranges = f.tensor_ranges();
+        assert_eq!(ranges.len(), infos.len());
+        for (k, &(ti, s, e)) in ranges.iter().enumerate() {
+            assert_eq!(s % 32, 0, "{}", infos[k].0);
+            let t = &model.tensors[ti];
+            let data = &full[s as usize..e as usize];
+            let vals = &src.data[ti].0;
+            if t.shape.len() == 1 {
+                assert_eq!(data, encode_all(vals, FloatType::F32).as_slice());
+                continue;
+            }
+            let (rows, cols) = (t.rows() as usize, t.cols() as usize);
+            let heads = if t.name.ends_with("q_proj.weight") {
+                Some(4)
+            } else if t.name.ends_with("k_proj.weight") {
+                Some(2)
+            } else {
+                None
+            };
+            // llama.cpp: w.reshape(n_head, 2, hd/2, cols).swapaxes(1, 2).reshape(rows, cols)
+            let expect: Vec<f32> = match heads {
+                None => vals.clone(),
+                Some(h) => {
+                    let hd = rows / h;
+                    let mut out = Vec::with_capacity(vals.len());
+                    for head in 0..h {
+                        for i in 0..hd / 2 {
+                            for j in 0..2 {
+                                let r = head * hd + j * (hd / 2) + i;
+                                out.extend_from_slice(&vals[r * cols..(r + 1) * cols]);
+                            }
+                        }
+                    }
+                    out
+                }
+            };
+            assert_eq!(
+                data,
+                encode_all(&expect, FloatType::F16).as_slice(),
+                "{}",
+                t.name
+            );
+        }
+        // Padding between tensors is zero.
+        let mut covered = vec![false; full.len()];
+        for &(_, s, e) in &ranges {
+            covered[s as usize..e as usize]
+                .iter_mut()
+                .for_each(|c| *c = true);
+        }
+        assert!(full[96..]
+            .iter()
+            .zip(&covered[96..])
+            .all(|(b, c)| *c || *b == 0));
+        random_reads(&f, &src, &full, 11);
+    }
+}
+
+#[test]
+fn gguf_permuted_small_read_asks_for_whole_heads_only() {
+    let model = test_model(false);
+    let src = Mock::new(&model, 5);
+    let seen = Seen::default();
+    let f = g::build(&model, GgufOutType::F32, &test_header(&seen)).unwrap();
+    let q = model
+        .tensor_index("model.layers.1.self_attn.q_proj.weight")
+        .unwrap();
+    let (_, s, _) = f.tensor_ranges().into_iter().find(|r| r.0 == q).unwrap();
+    // GGUF rows 17..19 of q (head 1 of 4, hd = 16): HF rows 16..32 are needed.
+    let mut buf = vec![0u8; 2 * 256];
+    src.take_calls();
+    f.read_at(&src, s + 17 * 256, &mut buf).unwrap();
+    assert_eq!(src.take_calls(), vec![(q, 16, 32)]);
+    let mut expect = encode_all(src.row(q, 16 + 8), FloatType::F32);
+    expect.extend(encode_all(src.row(q, 16 + 1), FloatType::F32));
+    assert_eq!(buf, expect);
+}
+
+#[test]
+fn gguf_source_metadata_is_kept() {
+    let mut model = test_model(true);
+    model.gguf_meta = vec![
+        (
+            "general.architecture".into(),
+            GgufValue::String("llama".into()),
+        ),
+        ("general.file_type".into(), GgufValue::U32(3)),
+        ("general.alignment".into(), GgufValue::U32(64)),
+        ("llama.block_count".into(), GgufValue::U32(2)),
+        ("general.quantization_version".into(), GgufValue::U32(2)),
+    ];
+    let seen = Seen::default();
+    g::build(&model, GgufOutType::BF16, &test_header(&seen)).unwrap();
+    let (meta, _) = seen.lock().unwrap().take().unwrap();
+    assert_eq!(
+        meta,
+        vec![
+            (
+                "general.architecture".into(),
+                GgufValue::String("llama".into())
+            ),
+            ("general.file_type".into(), GgufValue::U32(32)),
+            ("llama.block_count".into(), GgufValue::U32(2)),
+        ]
+    );
+}
+
+fn hf_tokenizer_files() -> BTreeMap<String, Vec<u8>> {
+    let mut vocab = serde_json::Map::new();
+    let base = ["a", "b", "c", "Ġ", "ab", "Ġa", "abc", "1", "2"];
+    for (i, t) in base.iter().enumerate() {
+        vocab.insert(t.to_string(), serde_json::json!(i + 3));
+    }
+    let tj = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [
+            {"id": 0, "content": "<|endoftext|>", "special": true},
+            {"id": 1, "content": "<|im_start|>", "special": true},
+            {"id": 2, "content": "<|im_end|>", "special": true},
+            {"id": 12, "content": "<tool>", "special": false},
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]},
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["a b", ["ab", "c"], "Ġ a"]},
+    });
+    let tc = serde_json::json!({
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"},
+        "add_bos_token": false,
+        "chat_template": "{{ messages }}",
+    });
+    BTreeMap::from([
+        (
+            "tokenizer.json".to_string(),
+            serde_json::to_vec(&tj).unwrap(),
+        ),
+        (
+            "tokenizer_config.json".to_string(),
+            serde_json::to_vec(&tc).unwrap(),
+        ),
+        (
+            "config.json".to_string(),
+            br#"{"_name_or_path": "org/Tiny-Model"}"#.to_vec(),
+        ),
+    ])
+}
+
+#[test]
+fn hf_tokenizer_to_gguf_and_back() {
+    let mut model = test_model(false);
+    model.arch.vocab_size = 14;
+    model.hf_files = hf_tokenizer_files();
+    let seen = Seen::default();
+    g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap();
+    let (meta, _) = seen.lock().unwrap().take().unwrap();
+    let get = |k: &str| crate::gguf::meta_get(&meta, k).cloned();
+    assert_eq!(
+        get("general.name"),
+        Some(GgufValue::String("Tiny-Model".into()))
+    );
+    assert_eq!(
+        get("tokenizer.ggml.model"),
+        Some(GgufValue::String("gpt2".into()))
+    );
+    assert_eq!(
+        get("tokenizer.ggml.pre"),
+        Some(GgufValue::String("smollm".into()))
+    );
+    let tokens = match get("tokenizer.ggml.tokens") {
+        Some(GgufValue::Array(GgufArray::String(v))) => v,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(tokens.len(), 14);
+    assert_eq!(tokens[0], "<|endoftext|>");
+    assert_eq!(tokens[5], "c");
+    assert_eq!(tokens[12], "<tool>");
+    assert_eq!(tokens[13], "[PAD13]");
+    assert_eq!(
+        get("tokenizer.ggml.token_type"),
+        Some(GgufValue::Array(GgufArray::I32(vec![
+            3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 4, 5
+        ])))
+    );
+    assert_eq!(
+        get("tokenizer.ggml.merges"),
+        Some(GgufValue::Array(GgufArray::String(vec![
+            "a b".into(),
+            "ab c".into(),
+            "Ġ a".into()
+        ])))
+    );
+    assert_eq!(get("tokenizer.ggml.bos_token_id"), Some(GgufValue::U32(1)));
+    assert_eq!(get("tokenizer.ggml.eos_token_id"), Some(GgufValue::U32(2)));
+    assert_eq!(
+        get("tokenizer.ggml.add_bos_token"),
+        Some(GgufValue::Bool(false))
+    );
+    assert_eq!(
+        get("tokenizer.chat_template"),
+        Some(GgufValue::String("{{ messages }}".into()))
+    );
+
+    // Back: a GGUF-source model with that metadata derives HF files.
+    let mut gm = test_model(true);
+    gm.arch.vocab_size = 14;
+    gm.gguf_meta = meta;
+    let files = hf_metadata_files(&gm).unwrap();
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ]
+    );
+    let tj: serde_json::Value = serde_json::from_slice(&files[2].1).unwrap();
+    assert_eq!(tj["model"]["vocab"]["abc"], 9);
+    assert_eq!(tj["model"]["merges"][1], serde_json::json!(["ab", "c"]));
+    assert_eq!(tj["pre_tokenizer"]["pretokenizers"][0]["type"], "Digits");
+    assert_eq!(tj["added_tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(g::gguf_pre_tokenizer_name(&tj["pre_tokenizer"]), "smollm");
+    let tc: serde_json::Value = serde_json::from_slice(&files[3].1).unwrap();
+    assert_eq!(tc["bos_token"], "<|im_start|>");
+    assert_eq!(tc["eos_token"], "<|im_end|>");
+    let cfg: serde_json::Value = serde_json::from_slice(&files[0].1).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(cfg["rms_norm_eps"], serde_json::json!(1e-5));
+    assert_eq!(cfg["tie_word_embeddings"], true);
+    assert_eq!(cfg["torch_dtype"], "bfloat16");
+
+    // A HF source returns its files verbatim.
+    let verbatim = hf_metadata_files(&model).unwrap();
+    assert_eq!(verbatim.len(), 3);
+    assert_eq!(verbatim[0].0, "config.json");
+}
+
+#[test]
+fn sentencepiece_tokenizer_is_refused() {
+    let mut model = test_model(false);
+    let tj = serde_json::json!({"model": {"type": "Unigram", "vocab": []}});
+    model.hf_files = BTreeMap::from([(
+        "tokenizer.json".to_string(),
+        serde_json::to_vec(&tj).unwrap(),
+    )]);
+    let seen = Seen::default();
+    let r = g::build(&model, GgufOutType::F16, &test_header(&seen));
+    match r {
+        Err(LayoutError::Unsupported(m)) => assert!(m.contains("byte-level BPE"), "{m}"),
+        other => panic!("{:?}", other.map(|f| f.size)),
+    }
+}
+
+#[test]
+fn from_bytes_reads_back() {
+    let f = VirtualFile::from_bytes("config.json", b"hello world".to_vec());
+    let src = Mock {
+        data: Vec::new(),
+        calls: Mutex::new(Vec::new()),
+    };
+    let mut buf = [0u8; 5];
+    assert_eq!(f.read_at(&src, 6, &mut buf).unwrap(), 5);
+    assert_eq!(&buf, b"world");
+    assert_eq!(f.read_at(&src, 11, &mut buf).unwrap(), 0);
+    assert_eq!(f.read_at(&src, 9, &mut buf).unwrap(), 2);
+    let empty = VirtualFile::from_bytes("e", Vec::new());
+    assert_eq!(empty.read_at(&src, 0, &mut buf).unwrap(), 0);
+    fn is_send_sync<T: Send + Sync + Clone>() {}
+    is_send_sync::<VirtualFile>();
+}
+
+/// End-to-end against the real model's vocabulary when a metadata fixture is given:
+/// `CAWSFS_GGUF_META_JSON` (written by tests/check_tokenizer.py --dump-meta) →
+/// tokenizer.json into `CAWSFS_TOKENIZER_OUT`.
+#[test]
+fn real_gguf_vocab_to_tokenizer_json() {
+    let (Ok(meta_path), Ok(out)) = (
+        std::env::var("CAWSFS_GGUF_META_JSON"),
+        std::env::var("CAWSFS_TOKENIZER_OUT"),
+    ) else {
+        return;
+    };
+    let meta: Vec<(String, GgufValue)> =
+        serde_json::from_slice(&std::fs::read(meta_path).unwrap()).unwrap();
+    let mut model = test_model(true);
+    model.gguf_meta = meta;
+    std::fs::create_dir_all(&out).unwrap();
+    for (name, bytes) in hf_metadata_files(&model).unwrap() {
+        std::fs::write(std::path::Path::new(&out).join(name), bytes).unwrap();
+    }
+}

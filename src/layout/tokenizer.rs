@@ -1,0 +1,461 @@
+//! Byte-level BPE tokenizers between the two conventions: `tokenizer.json` (+
+//! `tokenizer_config.json`, `config.json`) → GGUF `tokenizer.ggml.*` keys, and back.
+//! Only byte-level BPE ("gpt2" in GGUF) is handled; SentencePiece and other models are
+//! refused with a clear error.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+
+use crate::gguf::{meta_get, GgufArray, GgufValue};
+use crate::model::ModelDesc;
+
+use super::LayoutError;
+
+/// Split regexes of pre-tokenizers llama.cpp knows by name.
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// GGUF token types.
+const TT_NORMAL: i32 = 1;
+const TT_CONTROL: i32 = 3;
+const TT_USER_DEFINED: i32 = 4;
+const TT_UNUSED: i32 = 5;
+
+/// Largest vocabulary accepted (bounds allocations driven by config values).
+const MAX_VOCAB: u64 = 1 << 24;
+
+fn meta_err(s: String) -> LayoutError {
+    LayoutError::Metadata(s)
+}
+
+fn is_type(v: &Value, ty: &str) -> bool {
+    v.get("type").and_then(Value::as_str) == Some(ty)
+}
+
+fn split_regex(v: &Value) -> Option<&str> {
+    if !is_type(v, "Split") {
+        return None;
+    }
+    v.get("pattern")?.get("Regex")?.as_str()
+}
+
+pub(super) fn pre_name(pre: &Value) -> &'static str {
+    let uses_regex = |v: &Value| v.get("use_regex").and_then(Value::as_bool) != Some(false);
+    if is_type(pre, "ByteLevel") && uses_regex(pre) {
+        return "gpt-2";
+    }
+    if !is_type(pre, "Sequence") {
+        return "default";
+    }
+    let Some(seq) = pre.get("pretokenizers").and_then(Value::as_array) else {
+        return "default";
+    };
+    match seq.as_slice() {
+        [d, b]
+            if is_type(d, "Digits")
+                && d.get("individual_digits").and_then(Value::as_bool) == Some(true)
+                && is_type(b, "ByteLevel")
+                && uses_regex(b) =>
+        {
+            "smollm"
+        }
+        [s, b] if is_type(b, "ByteLevel") && !uses_regex(b) => match split_regex(s) {
+            Some(LLAMA3_REGEX) => "llama-bpe",
+            Some(QWEN2_REGEX) => "qwen2",
+            _ => "default",
+        },
+        _ => "default",
+    }
+}
+
+/// The `tokenizer.json` pre-tokenizer for a GGUF `tokenizer.ggml.pre` name.
+fn pre_tokenizer_for(pre: &str) -> Value {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
+    match pre {
+        "smollm" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        "llama3" | "llama-v3" | "llama-bpe" => {
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]})
+        }
+        "qwen2" => {
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]})
+        }
+        _ => byte_level(true),
+    }
+}
+
+/// A special token entry of tokenizer_config.json: a string or `{"content": ...}`.
+fn token_string(v: &Value) -> Option<&str> {
+    v.as_str()
+        .or_else(|| v.get("content").and_then(Value::as_str))
+}
+
+/// GGUF `tokenizer.*` keys for a Hugging Face source; empty when it has no
+/// tokenizer.json (llama.cpp then loads the model without a vocabulary).
+pub(super) fn gguf_tokenizer_meta(
+    model: &ModelDesc,
+    config: Option<&Value>,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    let Some(raw) = model.hf_files.get("tokenizer.json") else {
+        return Ok(Vec::new());
+    };
+    let tj: Value = serde_json::from_slice(raw)
+        .map_err(|e| meta_err(format!("tokenizer.json: not valid JSON: {e}")))?;
+    let tc: Value = match model.hf_files.get("tokenizer_config.json") {
+        Some(b) => serde_json::from_slice(b)
+            .map_err(|e| meta_err(format!("tokenizer_config.json: not valid JSON: {e}")))?,
+        None => Value::Null,
+    };
+    let m = &tj["model"];
+    let ty = m.get("type").and_then(Value::as_str).unwrap_or("?");
+    if ty != "BPE" {
+        return Err(LayoutError::Unsupported(format!(
+            "tokenizer.json model type {ty}: only byte-level BPE tokenizers can be written to GGUF"
+        )));
+    }
+    if m.get("byte_fallback").and_then(Value::as_bool) == Some(true) {
+        return Err(LayoutError::Unsupported(
+            "tokenizer.json is a SentencePiece-style BPE (byte_fallback): only byte-level BPE tokenizers can be written to GGUF".into(),
+        ));
+    }
+    let vocab = m
+        .get("vocab")
+        .and_then(Value::as_object)
+        .ok_or_else(|| meta_err("tokenizer.json: model.vocab missing".into()))?;
+
+    // (id, content, special) of every token.
+    let mut entries: Vec<(u64, &str, Option<bool>)> = Vec::with_capacity(vocab.len());
+    for (tok, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| meta_err(format!("tokenizer.json: token {tok:?} has no integer id")))?;
+        entries.push((id, tok, None));
+    }
+    for a in tj
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+    {
+        let (Some(id), Some(content)) = (
+            a.get("id").and_then(Value::as_u64),
+            a.get("content").and_then(Value::as_str),
+        ) else {
+            return Err(meta_err(
+                "tokenizer.json: added token without id/content".into(),
+            ));
+        };
+        let special = a.get("special").and_then(Value::as_bool).unwrap_or(false);
+        entries.push((id, content, Some(special)));
+    }
+    let max_id = entries.iter().map(|e| e.0).max().map_or(0, |m| m + 1);
+    let n = if model.arch.vocab_size > 0 {
+        model.arch.vocab_size as u64
+    } else {
+        max_id
+    };
+    if n > MAX_VOCAB || max_id > n {
+        return Err(meta_err(format!(
+            "tokenizer.json: token ids up to {max_id} do not fit a vocabulary of {n}"
+        )));
+    }
+    let mut tokens: Vec<Option<String>> = vec![None; n as usize];
+    let mut types = vec![TT_UNUSED; n as usize];
+    for (id, content, special) in &entries {
+        tokens[*id as usize] = Some(content.to_string());
+        types[*id as usize] = match special {
+            None => TT_NORMAL,
+            Some(true) => TT_CONTROL,
+            Some(false) => TT_USER_DEFINED,
+        };
+    }
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
+        .collect();
+
+    let mut merges = Vec::new();
+    for mg in m
+        .get("merges")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+    {
+        let s = match mg {
+            Value::String(s) => s.clone(),
+            Value::Array(p) => match p.as_slice() {
+                [Value::String(a), Value::String(b)] => format!("{a} {b}"),
+                _ => return Err(meta_err("tokenizer.json: malformed merge".into())),
+            },
+            _ => return Err(meta_err("tokenizer.json: malformed merge".into())),
+        };
+        merges.push(s);
+    }
+
+    let id_of = |content: &str| -> Option<u32> {
+        // Added tokens win over the base vocabulary, as in `tokenizers`.
+        entries
+            .iter()
+            .filter(|e| e.1 == content)
+            .max_by_key(|e| e.2.is_some())
+            .map(|e| e.0 as u32)
+    };
+    let special_id = |typ: &str, fallback: Option<u32>| -> Option<u32> {
+        if let Some(id) = tc
+            .get(format!("{typ}_token"))
+            .and_then(token_string)
+            .and_then(id_of)
+        {
+            return Some(id);
+        }
+        let from_config = config
+            .and_then(|c| c.get(format!("{typ}_token_id")))
+            .and_then(|v| {
+                v.as_u64()
+                    .or_else(|| v.as_array().and_then(|a| a.first()).and_then(Value::as_u64))
+            });
+        from_config
+            .map(|v| v as u32)
+            .or(fallback)
+            .filter(|&v| (v as u64) < n)
+    };
+
+    let mut out: Vec<(String, GgufValue)> = vec![
+        (
+            "tokenizer.ggml.model".into(),
+            GgufValue::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            GgufValue::String(pre_name(&tj["pre_tokenizer"]).into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            GgufValue::Array(GgufArray::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            GgufValue::Array(GgufArray::String(merges)),
+        ),
+    ];
+    let a = &model.arch;
+    for (typ, key, fallback) in [
+        ("bos", "bos_token_id", a.bos_token_id),
+        ("eos", "eos_token_id", a.eos_token_id),
+        ("unk", "unknown_token_id", None),
+        ("pad", "padding_token_id", a.pad_token_id),
+    ] {
+        if let Some(id) = special_id(typ, fallback) {
+            out.push((format!("tokenizer.ggml.{key}"), GgufValue::U32(id)));
+        }
+    }
+    // add_bos_token: tokenizer_config.json, else whether the post-processor template
+    // starts with a special token.
+    let add_bos = tc
+        .get("add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or_else(|| {
+            is_type(&tj["post_processor"], "TemplateProcessing")
+                && tj["post_processor"]["single"][0]
+                    .get("SpecialToken")
+                    .is_some()
+        });
+    out.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        GgufValue::Bool(add_bos),
+    ));
+    if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
+        out.push((
+            "tokenizer.ggml.add_eos_token".into(),
+            GgufValue::Bool(add_eos),
+        ));
+    }
+    if let Some(t) = chat_template(model, &tc) {
+        out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
+    }
+    Ok(out)
+}
+
+/// The chat template: tokenizer_config.json's (a string, or the "default" of a named
+/// list), else a `chat_template.jinja` side file.
+fn chat_template(model: &ModelDesc, tc: &Value) -> Option<String> {
+    match tc.get("chat_template") {
+        Some(Value::String(s)) => return Some(s.clone()),
+        Some(Value::Array(list)) => {
+            let d = list
+                .iter()
+                .find(|e| e.get("name").and_then(Value::as_str) == Some("default"))
+                .or(list.first());
+            if let Some(t) = d.and_then(|e| e.get("template")).and_then(Value::as_str) {
+                return Some(t.to_string());
+            }
+        }
+        _ => {}
+    }
+    model
+        .hf_files
+        .get("chat_template.jinja")
+        .and_then(|b| String::from_utf8(b.clone()).ok())
+}
+
+/// Hugging Face tokenizer files derived from GGUF metadata.
+pub(super) struct HfTokenizer {
+    pub tokenizer_json: Value,
+    pub tokenizer_config: Value,
+}
+
+fn meta_strings<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a [String]> {
+    match meta_get(meta, key) {
+        Some(GgufValue::Array(GgufArray::String(v))) => Some(v),
+        _ => None,
+    }
+}
+
+fn meta_token_types(meta: &[(String, GgufValue)], n: usize) -> Vec<i64> {
+    let v: Vec<i64> = match meta_get(meta, "tokenizer.ggml.token_type") {
+        Some(GgufValue::Array(GgufArray::I32(v))) => v.iter().map(|&x| x as i64).collect(),
+        Some(GgufValue::Array(GgufArray::U32(v))) => v.iter().map(|&x| x as i64).collect(),
+        Some(GgufValue::Array(GgufArray::I64(v))) => v.clone(),
+        _ => Vec::new(),
+    };
+    if v.len() == n {
+        v
+    } else {
+        vec![TT_NORMAL as i64; n]
+    }
+}
+
+/// tokenizer.json and tokenizer_config.json for a GGUF byte-level BPE vocabulary
+/// (`tokenizer.ggml.model == "gpt2"`).
+pub(super) fn hf_tokenizer(
+    meta: &[(String, GgufValue)],
+    context_length: u32,
+) -> Result<HfTokenizer, LayoutError> {
+    let model = meta_get(meta, "tokenizer.ggml.model")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("");
+    if model != "gpt2" {
+        return Err(LayoutError::Unsupported(format!(
+            "GGUF tokenizer model {model:?}: only byte-level BPE (\"gpt2\") tokenizers can be converted to tokenizer.json"
+        )));
+    }
+    let tokens = meta_strings(meta, "tokenizer.ggml.tokens")
+        .ok_or_else(|| meta_err("GGUF metadata: tokenizer.ggml.tokens missing".into()))?;
+    let types = meta_token_types(meta, tokens.len());
+    let merges = meta_strings(meta, "tokenizer.ggml.merges").unwrap_or(&[]);
+    let pre = meta_get(meta, "tokenizer.ggml.pre")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("default");
+
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
+        // Duplicate strings (rare) keep their first id, as a JSON object can only hold one.
+        if !vocab.contains_key(tok) {
+            vocab.insert(tok.clone(), json!(id));
+        }
+        if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
+            added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": tt != TT_CONTROL as i64,
+                "special": tt == TT_CONTROL as i64,
+            }));
+        }
+    }
+    let merges: Vec<Value> = merges
+        .iter()
+        .map(|m| match m.split_once(' ') {
+            Some((a, b)) => Ok(json!([a, b])),
+            None => Err(meta_err(format!("GGUF metadata: malformed merge {m:?}"))),
+        })
+        .collect::<Result<_, _>>()?;
+
+    let tok_id = |key: &str| {
+        meta_get(meta, key)
+            .and_then(GgufValue::as_u64)
+            .filter(|&i| (i as usize) < tokens.len())
+    };
+    let bos = tok_id("tokenizer.ggml.bos_token_id");
+    let add_bos = meta_get(meta, "tokenizer.ggml.add_bos_token")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(false);
+    let post_processor = match (add_bos, bos) {
+        (true, Some(b)) => {
+            let bt = &tokens[b as usize];
+            json!({
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": bt, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bt.clone(): {"id": bt, "ids": [b], "tokens": [bt]}},
+            })
+        }
+        _ => {
+            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})
+        }
+    };
+    let tokenizer_json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer_for(pre),
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        },
+    });
+
+    let mut tc = serde_json::Map::new();
+    tc.insert("add_bos_token".into(), json!(add_bos));
+    if let Some(v) = meta_get(meta, "tokenizer.ggml.add_eos_token").and_then(GgufValue::as_bool) {
+        tc.insert("add_eos_token".into(), json!(v));
+    }
+    let mut decoder = BTreeMap::new();
+    for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
+        if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
+            decoder.insert(
+                id,
+                json!({"content": tok, "lstrip": false, "normalized": tt != TT_CONTROL as i64,
+                       "rstrip": false, "single_word": false, "special": tt == TT_CONTROL as i64}),
+            );
+        }
+    }
+    let decoder: serde_json::Map<String, Value> = decoder
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    tc.insert("added_tokens_decoder".into(), Value::Object(decoder));
+    for (name, key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+    ] {
+        if let Some(id) = tok_id(key) {
+            tc.insert(name.into(), json!(tokens[id as usize]));
+        }
+    }
+    if let Some(t) = meta_get(meta, "tokenizer.chat_template").and_then(GgufValue::as_str) {
+        tc.insert("chat_template".into(), json!(t));
+    }
+    tc.insert("clean_up_tokenization_spaces".into(), json!(false));
+    tc.insert("model_max_length".into(), json!(context_length));
+    tc.insert("tokenizer_class".into(), json!("GPT2Tokenizer"));
+    Ok(HfTokenizer {
+        tokenizer_json,
+        tokenizer_config: Value::Object(tc),
+    })
+}
