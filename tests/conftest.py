@@ -9,6 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
+# A fixed English text shipped by a Debian package (base-files), for perplexity.
+TEXT = "/usr/share/common-licenses/GPL-3"
 
 
 def run(cmd, **kw):
