@@ -296,11 +296,11 @@ fn large_reads_run_in_bounded_row_runs() {
 
 /// A stand-in for `GgufHeader` until it lands: offsets aligned like the real one, a
 /// fake header of aligned length; records the metadata and tensor infos it was given.
-type Seen = Mutex<Option<(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>)>>;
+type Meta = Vec<(String, GgufValue)>;
+type Infos = Vec<(String, Vec<u64>, GgmlType)>;
+type Seen = Mutex<Option<(Meta, Infos)>>;
 
-fn test_header(
-    seen: &Seen,
-) -> impl Fn(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>, u64) -> HeaderOut + '_ {
+fn test_header(seen: &Seen) -> impl Fn(Meta, Infos, u64) -> HeaderOut + '_ {
     move |meta, tensors, align| {
         let mut entries = Vec::new();
         let mut pos = 0u64;
@@ -660,9 +660,24 @@ fn real_gguf_vocab_to_tokenizer_json() {
     let meta: Vec<(String, GgufValue)> =
         serde_json::from_slice(&std::fs::read(meta_path).unwrap()).unwrap();
     let mut model = test_model(true);
-    model.gguf_meta = meta;
+    model.arch.vocab_size = 49152;
+    model.gguf_meta = meta.clone();
     std::fs::create_dir_all(&out).unwrap();
-    for (name, bytes) in hf_metadata_files(&model).unwrap() {
+    let files = hf_metadata_files(&model).unwrap();
+    for (name, bytes) in &files {
         std::fs::write(std::path::Path::new(&out).join(name), bytes).unwrap();
+    }
+
+    // And back: the derived HF files give the original GGUF tokenizer keys.
+    let mut hf = test_model(true);
+    hf.arch.vocab_size = 49152;
+    hf.hf_files = files.into_iter().collect();
+    let seen = Seen::default();
+    g::build(&hf, GgufOutType::F16, &test_header(&seen)).unwrap();
+    let (back, _) = seen.lock().unwrap().take().unwrap();
+    for (k, v) in &meta {
+        if k.starts_with("tokenizer.") {
+            assert_eq!(crate::gguf::meta_get(&back, k), Some(v), "{k}");
+        }
     }
 }
