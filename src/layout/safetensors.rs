@@ -36,6 +36,13 @@ pub(super) fn build(
             .then_with(|| model.tensors[*a].name.cmp(&model.tensors[*b].name))
     });
 
+    let mut seen = std::collections::HashSet::new();
+    if let Some(t) = model.tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
+        return Err(LayoutError::Metadata(format!(
+            "tensor {} appears twice",
+            t.name
+        )));
+    }
     let mut infos = Vec::with_capacity(order.len());
     let mut offset: u64 = 0;
     for &(i, ft) in &order {

@@ -296,11 +296,11 @@ fn large_reads_run_in_bounded_row_runs() {
 
 /// A stand-in for `GgufHeader` until it lands: offsets aligned like the real one, a
 /// fake header of aligned length; records the metadata and tensor infos it was given.
-type Seen = Mutex<Option<(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>)>>;
+type Meta = Vec<(String, GgufValue)>;
+type Infos = Vec<(String, Vec<u64>, GgmlType)>;
+type Seen = Mutex<Option<(Meta, Infos)>>;
 
-fn test_header(
-    seen: &Seen,
-) -> impl Fn(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>, u64) -> HeaderOut + '_ {
+fn test_header(seen: &Seen) -> impl Fn(Meta, Infos, u64) -> HeaderOut + '_ {
     move |meta, tensors, align| {
         let mut entries = Vec::new();
         let mut pos = 0u64;
@@ -660,9 +660,60 @@ fn real_gguf_vocab_to_tokenizer_json() {
     let meta: Vec<(String, GgufValue)> =
         serde_json::from_slice(&std::fs::read(meta_path).unwrap()).unwrap();
     let mut model = test_model(true);
-    model.gguf_meta = meta;
+    model.arch.vocab_size = 49152;
+    model.gguf_meta = meta.clone();
     std::fs::create_dir_all(&out).unwrap();
-    for (name, bytes) in hf_metadata_files(&model).unwrap() {
+    let files = hf_metadata_files(&model).unwrap();
+    for (name, bytes) in &files {
         std::fs::write(std::path::Path::new(&out).join(name), bytes).unwrap();
+    }
+
+    // And back: the derived HF files give the original GGUF tokenizer keys.
+    let mut hf = test_model(true);
+    hf.arch.vocab_size = 49152;
+    hf.hf_files = files.into_iter().collect();
+    let seen = Seen::default();
+    g::build(&hf, GgufOutType::F16, &test_header(&seen)).unwrap();
+    let (back, _) = seen.lock().unwrap().take().unwrap();
+    for (k, v) in &meta {
+        if k.starts_with("tokenizer.") {
+            assert_eq!(crate::gguf::meta_get(&back, k), Some(v), "{k}");
+        }
+    }
+}
+
+/// Throughput of export-sized reads (run with `--ignored --nocapture`).
+#[test]
+#[ignore]
+fn export_throughput() {
+    let mut model = test_model(false);
+    model.tensors = vec![
+        td("model.embed_tokens.weight", &[16384, 2048], SourceType::F32),
+        td(
+            "model.layers.0.self_attn.q_proj.weight",
+            &[2048, 2048],
+            SourceType::F32,
+        ),
+    ];
+    model.arch.n_heads = 16;
+    let src = Mock::new(&model, 9);
+    let seen = Seen::default();
+    for f in [
+        safetensors_file(&model, Some(FloatType::F16)).unwrap(),
+        g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap(),
+    ] {
+        let mut buf = vec![0u8; 8 << 20];
+        let t = std::time::Instant::now();
+        let mut off = 0;
+        while off < f.size {
+            off += f.read_at(&src, off, &mut buf).unwrap() as u64;
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{}: {:.0} MiB in {s:.3}s = {:.2} GB/s",
+            f.name,
+            f.size as f64 / 1048576.0,
+            f.size as f64 / s / 1e9
+        );
     }
 }

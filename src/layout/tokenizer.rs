@@ -223,14 +223,24 @@ pub(super) fn gguf_tokenizer_meta(
             .filter(|&v| (v as u64) < n)
     };
 
+    // The byte-level pre-tokenizer's add_prefix_space, as llama.cpp's own key.
+    let pre = &tj["pre_tokenizer"];
+    let add_space_prefix = std::iter::once(pre)
+        .chain(pre["pretokenizers"].as_array().into_iter().flatten())
+        .filter(|p| is_type(p, "ByteLevel"))
+        .any(|p| p.get("add_prefix_space").and_then(Value::as_bool) == Some(true));
     let mut out: Vec<(String, GgufValue)> = vec![
+        (
+            "tokenizer.ggml.add_space_prefix".into(),
+            GgufValue::Bool(add_space_prefix),
+        ),
         (
             "tokenizer.ggml.model".into(),
             GgufValue::String("gpt2".into()),
         ),
         (
             "tokenizer.ggml.pre".into(),
-            GgufValue::String(pre_name(&tj["pre_tokenizer"]).into()),
+            GgufValue::String(pre_name(pre).into()),
         ),
         (
             "tokenizer.ggml.tokens".into(),
