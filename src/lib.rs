@@ -15,6 +15,7 @@
 
 pub mod archive;
 pub mod codec;
+pub mod control;
 pub mod convert;
 pub mod export;
 pub mod gguf;
