@@ -16,6 +16,7 @@
 pub mod archive;
 pub mod cache;
 pub mod codec;
+pub mod control;
 pub mod convert;
 pub mod export;
 pub mod gguf;

@@ -1,0 +1,170 @@
+//! The client end of the control socket: what `cawsfs stat`, `route`, `prefetch` use.
+//!
+//! Every failure becomes a [`ControlError`] whose message tells the user what to do
+//! ("no cawsfs daemon at … (is it mounted?)"); a reply is read up to a generous cap
+//! so a broken daemon cannot make the client allocate without bound.
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::protocol::{Request, Response};
+use super::ControlError;
+
+/// Longest reply line the client accepts (a stat reply with thousands of files fits).
+pub const MAX_REPLY_LINE: usize = 64 * 1024 * 1024;
+
+/// One request on a fresh connection: the reply's payload (the object without
+/// `"ok"`), or the daemon's error message as [`ControlError::Daemon`].
+pub fn request(socket: &Path, req: &Request, timeout: Duration) -> Result<Value, ControlError> {
+    ControlClient::connect(socket, timeout)?.call(req)
+}
+
+/// A connection that can carry many requests (`cawsfs stat --watch` keeps one).
+pub struct ControlClient {
+    path: PathBuf,
+    timeout: Duration,
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl ControlClient {
+    /// Connects; `timeout` bounds each later send and reply.
+    pub fn connect(socket: &Path, timeout: Duration) -> Result<ControlClient, ControlError> {
+        let path = socket.to_path_buf();
+        let stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
+                ControlError::NoDaemon { path: path.clone() }
+            }
+            io::ErrorKind::PermissionDenied => {
+                ControlError::PermissionDenied { path: path.clone() }
+            }
+            _ => ControlError::io("cannot connect to", socket, e),
+        })?;
+        // A zero timeout means "none" to us but is an error to std.
+        let t = (!timeout.is_zero()).then_some(timeout);
+        let setup = |s: &UnixStream| -> io::Result<UnixStream> {
+            s.set_read_timeout(t)?;
+            s.set_write_timeout(t)?;
+            s.try_clone()
+        };
+        let writer = setup(&stream).map_err(|e| ControlError::io("cannot set up", socket, e))?;
+        Ok(ControlClient {
+            path,
+            timeout,
+            reader: BufReader::new(stream),
+            writer,
+        })
+    }
+
+    fn map_io(&self, e: io::Error) -> ControlError {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ControlError::Timeout {
+                path: self.path.clone(),
+                secs: self.timeout.as_secs_f64(),
+            },
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
+                self.bad_reply("the connection was closed".into())
+            }
+            _ => ControlError::io("cannot talk to", &self.path, e),
+        }
+    }
+
+    fn bad_reply(&self, msg: String) -> ControlError {
+        ControlError::BadReply {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+
+    /// Sends one request and waits for its reply line.
+    pub fn call(&mut self, req: &Request) -> Result<Value, ControlError> {
+        let mut line = req.to_json().to_string();
+        line.push('\n');
+        self.writer
+            .write_all(line.as_bytes())
+            .map_err(|e| self.map_io(e))?;
+        let mut buf = Vec::new();
+        let n = (&mut self.reader)
+            .take(MAX_REPLY_LINE as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| self.map_io(e))?;
+        if n == 0 {
+            return Err(self.bad_reply("the connection was closed before a reply".into()));
+        }
+        if buf.last() != Some(&b'\n') {
+            return Err(self.bad_reply(if buf.len() > MAX_REPLY_LINE {
+                format!("reply longer than {MAX_REPLY_LINE} bytes")
+            } else {
+                "the connection was closed in the middle of a reply".into()
+            }));
+        }
+        let text = std::str::from_utf8(&buf).map_err(|_| self.bad_reply("not UTF-8".into()))?;
+        match Response::parse_line(text).map_err(|m| self.bad_reply(m))? {
+            Response::Ok(m) => Ok(Value::Object(m)),
+            Response::Err(e) => Err(ControlError::Daemon(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn missing_socket_is_a_clear_error() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("nothing.sock");
+        let e = request(&p, &Request::Stat, T).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("no cawsfs daemon at {} (is it mounted?)", p.display())
+        );
+        // A dead socket file reads the same.
+        drop(UnixListener::bind(&p).unwrap());
+        let e = request(&p, &Request::Stat, T).unwrap_err();
+        assert!(matches!(e, ControlError::NoDaemon { .. }), "{e}");
+    }
+
+    /// A fake daemon that answers the first line with `reply` (or not at all).
+    fn fake(reply: &'static [u8]) -> (tempfile::TempDir, PathBuf, std::thread::JoinHandle<()>) {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("f.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        let h = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut r = BufReader::new(&s);
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            (&s).write_all(reply).unwrap();
+            std::thread::sleep(Duration::from_millis(700));
+        });
+        (t, p, h)
+    }
+
+    #[test]
+    fn bad_and_missing_replies() {
+        let (_t, p, h) = fake(b"garbage\n");
+        let e = request(&p, &Request::Ping, T).unwrap_err().to_string();
+        assert!(e.starts_with("bad reply from the cawsfs daemon at"), "{e}");
+        h.join().unwrap();
+
+        let (_t, p, h) = fake(b"{\"ok\":false,\"error\":\"nope\"}\n");
+        let e = request(&p, &Request::Ping, T).unwrap_err();
+        assert!(matches!(&e, ControlError::Daemon(m) if m == "nope"), "{e}");
+        h.join().unwrap();
+
+        let (_t, p, h) = fake(b"");
+        let e = request(&p, &Request::Ping, Duration::from_millis(200))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("timed out after 0.2s"), "{e}");
+        h.join().unwrap();
+    }
+}

@@ -1,0 +1,627 @@
+//! `cawsfs stat` output: a top-like table, the Prometheus text format, and `--watch`.
+//!
+//! The stat reply's shape is documented in docs/CONTROL.md; every field is optional
+//! here (shown as `-`, or left out of the Prometheus output) so the renderers work
+//! with whatever the daemon's cache reports today and tomorrow.
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn get<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(k))
+}
+
+fn num(v: &Value, path: &[&str]) -> Option<f64> {
+    get(v, path)?.as_f64().filter(|x| x.is_finite())
+}
+
+fn uint(v: &Value, path: &[&str]) -> Option<u64> {
+    let x = get(v, path)?;
+    x.as_u64().or_else(|| {
+        x.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.8e19)
+            .map(|f| f.round() as u64)
+    })
+}
+
+/// `1536` → `1.5 KiB`; bytes below 1 KiB are exact.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut x = n as f64 / 1024.0;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if x < 10.0 {
+        format!("{x:.2} {}", UNITS[u])
+    } else {
+        format!("{x:.1} {}", UNITS[u])
+    }
+}
+
+/// A latency in microseconds as µs / ms / s.
+pub fn human_latency_us(us: f64) -> String {
+    if us < 1000.0 {
+        format!("{us:.0} µs")
+    } else if us < 1e6 {
+        format!("{:.1} ms", us / 1e3)
+    } else {
+        format!("{:.2} s", us / 1e6)
+    }
+}
+
+fn or_dash(x: Option<String>) -> String {
+    x.unwrap_or_else(|| "-".into())
+}
+
+fn count(v: &Value, path: &[&str]) -> String {
+    or_dash(uint(v, path).map(|n| n.to_string()))
+}
+
+fn bytes(v: &Value, path: &[&str]) -> String {
+    or_dash(uint(v, path).map(human_bytes))
+}
+
+fn ratio(hits: Option<u64>, misses: Option<u64>) -> String {
+    match (hits, misses) {
+        (Some(h), Some(m)) if h.saturating_add(m) > 0 => {
+            format!("{:.1}%", 100.0 * h as f64 / (h as f64 + m as f64))
+        }
+        _ => "-".into(),
+    }
+}
+
+/// The human `cawsfs stat` table: totals, then one row per file (most served first).
+pub fn render_stat(stats: &Value) -> String {
+    render_stat_with(stats, None)
+}
+
+fn render_stat_with(s: &Value, rates: Option<&str>) -> String {
+    let mut out = String::new();
+    let mut title = String::from("cawsfs");
+    if let Some(m) = get(s, &["mountpoint"]).and_then(Value::as_str) {
+        let _ = write!(title, "  {m}");
+    }
+    if let Some(a) = get(s, &["archive_path"]).and_then(Value::as_str) {
+        let _ = write!(title, "  <- {a}");
+    }
+    if let Some(up) = num(s, &["uptime_s"]) {
+        let _ = write!(title, "  up {}", human_duration(up));
+    }
+    let _ = writeln!(out, "{title}");
+
+    fn c(k: &str) -> [&str; 2] {
+        ["cache", k]
+    }
+    let (hits, misses) = (uint(s, &c("hits")), uint(s, &c("misses")));
+    let _ = writeln!(
+        out,
+        "reads    hits {} (prefetch {})  misses {}  hit ratio {}",
+        count(s, &c("hits")),
+        count(s, &c("prefetch_hits")),
+        count(s, &c("misses")),
+        ratio(hits, misses)
+    );
+    let _ = writeln!(
+        out,
+        "bytes    served {}  reconstructed {}  archive read {}  archive decoded {}",
+        bytes(s, &c("bytes_served")),
+        bytes(s, &c("bytes_loaded")),
+        bytes(s, &["archive", "bytes_read"]),
+        bytes(s, &["archive", "bytes_decoded"]),
+    );
+    let used_pct = match (uint(s, &c("bytes_used")), uint(s, &c("budget"))) {
+        (Some(u), Some(b)) if b > 0 => format!(" ({:.1}%)", 100.0 * u as f64 / b as f64),
+        _ => String::new(),
+    };
+    let _ = writeln!(
+        out,
+        "cache    used {} / {}{used_pct}  pinned {}  evictions {}",
+        bytes(s, &c("bytes_used")),
+        bytes(s, &c("budget")),
+        bytes(s, &c("pinned_bytes")),
+        count(s, &c("evictions")),
+    );
+    let lat = |q: &str| or_dash(num(s, &["cache", "latency_us", q]).map(human_latency_us));
+    let _ = writeln!(
+        out,
+        "latency  p50 {}  p90 {}  p99 {}  max {}",
+        lat("p50"),
+        lat("p90"),
+        lat("p99"),
+        lat("max")
+    );
+    if let Some(r) = rates {
+        let _ = writeln!(out, "{r}");
+    }
+
+    let files: Vec<&Value> = get(s, &["files"])
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter(|f| f.is_object()).collect())
+        .unwrap_or_default();
+    if files.is_empty() {
+        return out;
+    }
+    let mut rows: Vec<(String, u64, [String; 5])> = files
+        .iter()
+        .map(|f| {
+            let name = get(f, &["name"]).and_then(Value::as_str).unwrap_or("?");
+            let name = clip(name, 48);
+            let served = uint(f, &["bytes_served"]);
+            let cells = [
+                bytes(f, &["size"]),
+                count(f, &["hits"]),
+                count(f, &["misses"]),
+                ratio(uint(f, &["hits"]), uint(f, &["misses"])),
+                or_dash(served.map(human_bytes)),
+            ];
+            (name, served.unwrap_or(0), cells)
+        })
+        .collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let w = rows
+        .iter()
+        .map(|r| r.0.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(4);
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<w$}  {:>10}  {:>9}  {:>9}  {:>6}  {:>10}",
+        "FILE", "SIZE", "HITS", "MISSES", "RATIO", "SERVED"
+    );
+    for (name, _, [size, h, m, r, served]) in rows {
+        let pad = w - name.chars().count();
+        let _ = writeln!(
+            out,
+            "{name}{:pad$}  {size:>10}  {h:>9}  {m:>9}  {r:>6}  {served:>10}",
+            ""
+        );
+    }
+    out
+}
+
+fn clip(s: &str, max: usize) -> String {
+    // Control characters in a name would garble the terminal.
+    let clean: String = s
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if clean.chars().count() <= max {
+        clean
+    } else {
+        let mut c: String = clean.chars().take(max - 1).collect();
+        c.push('…');
+        c
+    }
+}
+
+fn human_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..60 => format!("{secs:.1}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s / 60) % 60),
+    }
+}
+
+/// The rates between two stat samples `dt` apart: bytes served / reconstructed /
+/// read from the archive per second, and reads per second.
+pub fn render_rates(prev: &Value, cur: &Value, dt: Duration) -> String {
+    let secs = dt.as_secs_f64();
+    let delta = |path: &[&str]| -> Option<f64> {
+        let (a, b) = (uint(prev, path)?, uint(cur, path)?);
+        // A counter going backwards means the daemon restarted: no rate.
+        (b >= a && secs > 0.0).then(|| (b - a) as f64 / secs)
+    };
+    let bps = |path: &[&str]| or_dash(delta(path).map(|r| format!("{}/s", human_bytes(r as u64))));
+    let reads = match (delta(&["cache", "hits"]), delta(&["cache", "misses"])) {
+        (Some(h), Some(m)) => format!("{:.0}/s", h + m),
+        _ => "-".into(),
+    };
+    format!(
+        "rates    served {}  reconstructed {}  archive read {}  reads {reads}",
+        bps(&["cache", "bytes_served"]),
+        bps(&["cache", "bytes_loaded"]),
+        bps(&["archive", "bytes_read"]),
+    )
+}
+
+/// A Prometheus label value, escaped as the text exposition format requires.
+fn label(v: &str) -> String {
+    let mut s = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => s.push_str("\\\\"),
+            '"' => s.push_str("\\\""),
+            '\n' => s.push_str("\\n"),
+            c => s.push(c),
+        }
+    }
+    s
+}
+
+/// A sample value: integers stay exact, other numbers print as Rust's shortest f64.
+fn sample(v: &Value) -> Option<String> {
+    if let Some(u) = v.as_u64() {
+        Some(u.to_string())
+    } else if let Some(i) = v.as_i64() {
+        Some(i.to_string())
+    } else {
+        v.as_f64().filter(|f| f.is_finite()).map(|f| f.to_string())
+    }
+}
+
+/// Writes one metric family if it has samples: HELP, TYPE, then `name{labels} value`.
+fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, String)]) {
+    if samples.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+/// `cawsfs stat --prometheus`: the stat reply in the Prometheus text format 0.0.4
+/// (metric names in docs/CONTROL.md).
+pub fn render_prometheus(stats: &Value) -> String {
+    let mut out = String::new();
+    let one = |path: &[&str]| -> Vec<(String, String)> {
+        get(stats, path)
+            .and_then(sample)
+            .map(|v| vec![(String::new(), v)])
+            .unwrap_or_default()
+    };
+    let simple: [(&str, &str, &str, &[&str]); 11] = [
+        (
+            "cawsfs_cache_hits_total",
+            "counter",
+            "Reads served entirely from the cache.",
+            &["cache", "hits"],
+        ),
+        (
+            "cawsfs_cache_prefetch_hits_total",
+            "counter",
+            "Cache hits on chunks loaded by prefetch.",
+            &["cache", "prefetch_hits"],
+        ),
+        (
+            "cawsfs_cache_misses_total",
+            "counter",
+            "Reads that reconstructed at least one chunk.",
+            &["cache", "misses"],
+        ),
+        (
+            "cawsfs_bytes_served_total",
+            "counter",
+            "Bytes returned to readers.",
+            &["cache", "bytes_served"],
+        ),
+        (
+            "cawsfs_bytes_reconstructed_total",
+            "counter",
+            "Bytes reconstructed into the cache.",
+            &["cache", "bytes_loaded"],
+        ),
+        (
+            "cawsfs_cache_evictions_total",
+            "counter",
+            "Chunks evicted from the cache.",
+            &["cache", "evictions"],
+        ),
+        (
+            "cawsfs_cache_used_bytes",
+            "gauge",
+            "Bytes held by the cache.",
+            &["cache", "bytes_used"],
+        ),
+        (
+            "cawsfs_cache_pinned_bytes",
+            "gauge",
+            "Bytes held by pinned chunks.",
+            &["cache", "pinned_bytes"],
+        ),
+        (
+            "cawsfs_cache_budget_bytes",
+            "gauge",
+            "The cache's byte budget.",
+            &["cache", "budget"],
+        ),
+        (
+            "cawsfs_archive_bytes_read_total",
+            "counter",
+            "Compressed bytes read from the archive.",
+            &["archive", "bytes_read"],
+        ),
+        (
+            "cawsfs_archive_bytes_decoded_total",
+            "counter",
+            "Bytes decoded from archive blocks.",
+            &["archive", "bytes_decoded"],
+        ),
+    ];
+    for (name, kind, help, path) in simple {
+        family(&mut out, name, kind, help, &one(path));
+    }
+    let secs = |q: &str| num(stats, &["cache", "latency_us", q]).map(|us| (us / 1e6).to_string());
+    let quantiles: Vec<(String, String)> = [("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99")]
+        .into_iter()
+        .filter_map(|(q, k)| secs(k).map(|v| (format!("quantile=\"{q}\""), v)))
+        .collect();
+    family(
+        &mut out,
+        "cawsfs_read_latency_seconds",
+        "gauge",
+        "Read latency quantiles.",
+        &quantiles,
+    );
+    let max: Vec<_> = secs("max")
+        .map(|v| (String::new(), v))
+        .into_iter()
+        .collect();
+    family(
+        &mut out,
+        "cawsfs_read_latency_max_seconds",
+        "gauge",
+        "Slowest read.",
+        &max,
+    );
+
+    let files: Vec<&Value> = get(stats, &["files"])
+        .and_then(Value::as_array)
+        .map(|a| a.iter().collect())
+        .unwrap_or_default();
+    let per_file = |key: &str| -> Vec<(String, String)> {
+        files
+            .iter()
+            .filter_map(|f| {
+                let name = f.get("name")?.as_str()?;
+                let v = sample(f.get(key)?)?;
+                Some((format!("file=\"{}\"", label(name)), v))
+            })
+            .collect()
+    };
+    let file_metrics = [
+        (
+            "cawsfs_file_size_bytes",
+            "gauge",
+            "Size of a virtual file.",
+            "size",
+        ),
+        (
+            "cawsfs_file_hits_total",
+            "counter",
+            "Cache hits per virtual file.",
+            "hits",
+        ),
+        (
+            "cawsfs_file_misses_total",
+            "counter",
+            "Cache misses per virtual file.",
+            "misses",
+        ),
+        (
+            "cawsfs_file_bytes_served_total",
+            "counter",
+            "Bytes served per virtual file.",
+            "bytes_served",
+        ),
+    ];
+    for (name, kind, help, key) in file_metrics {
+        family(&mut out, name, kind, help, &per_file(key));
+    }
+    out
+}
+
+/// `cawsfs stat --watch`: fetches a sample every `interval` and redraws it in place
+/// (ANSI: home, clear each line, clear below), with rates from the previous sample.
+/// Runs until `fetch` fails; then writes `cawsfs stat: <error>` on one line and
+/// returns that error (so the caller only sets the exit status).
+pub fn watch<W: Write>(
+    interval: Duration,
+    mut fetch: impl FnMut() -> anyhow::Result<Value>,
+    out: &mut W,
+) -> anyhow::Result<()> {
+    let mut prev: Option<(Instant, Value)> = None;
+    write!(out, "\x1b[2J")?;
+    loop {
+        let v = match fetch() {
+            Ok(v) => v,
+            Err(e) => {
+                let msg = format!("{e:#}").replace(['\n', '\r'], " ");
+                writeln!(out, "\ncawsfs stat: {msg}")?;
+                out.flush()?;
+                return Err(e);
+            }
+        };
+        let now = Instant::now();
+        let rates = match &prev {
+            Some((t, p)) => render_rates(p, &v, now - *t),
+            None => "rates    (after the next sample)".into(),
+        };
+        let frame = render_stat_with(&v, Some(&rates));
+        let mut buf = String::from("\x1b[H");
+        for line in frame.lines() {
+            buf.push_str(line);
+            buf.push_str("\x1b[K\n");
+        }
+        buf.push_str("\x1b[J");
+        out.write_all(buf.as_bytes())?;
+        out.flush()?;
+        prev = Some((now, v));
+        std::thread::sleep(interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample_stats() -> Value {
+        json!({
+            "mountpoint": "/mnt/m",
+            "uptime_s": 125.0,
+            "cache": {
+                "hits": 1234, "prefetch_hits": 100, "misses": 56,
+                "bytes_served": 1288490188u64, "bytes_loaded": 838860800u64, "evictions": 12,
+                "bytes_used": 1610612736u64, "pinned_bytes": 104857600u64, "budget": 2147483648u64,
+                "latency_us": {"p50": 120, "p90": 480, "p99": 2100, "max": 15000}
+            },
+            "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
+            "files": [
+                {"name": "config.json", "size": 700, "hits": 3, "misses": 1, "bytes_served": 2100},
+                {"name": "model.gguf", "size": 283115520u64, "hits": 1200, "misses": 50, "bytes_served": 1200000000u64}
+            ]
+        })
+    }
+
+    #[test]
+    fn sizes_and_latencies() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(300 << 20), "300.0 MiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(human_bytes(u64::MAX), "16.0 EiB");
+        assert_eq!(human_latency_us(120.0), "120 µs");
+        assert_eq!(human_latency_us(2100.0), "2.1 ms");
+        assert_eq!(human_latency_us(2.5e6), "2.50 s");
+    }
+
+    #[test]
+    fn stat_table_has_the_figures() {
+        let s = render_stat(&sample_stats());
+        for want in [
+            "cawsfs  /mnt/m  up 2m05s",
+            "hits 1234 (prefetch 100)  misses 56  hit ratio 95.7%",
+            "served 1.20 GiB",
+            "reconstructed 800.0 MiB",
+            "archive read 300.0 MiB",
+            "used 1.50 GiB / 2.00 GiB (75.0%)",
+            "pinned 100.0 MiB",
+            "evictions 12",
+            "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
+        ] {
+            assert!(s.contains(want), "missing {want:?} in\n{s}");
+        }
+        // Per-file rows, most served first.
+        let gguf = s.find("model.gguf").unwrap();
+        let cfg = s.find("config.json").unwrap();
+        assert!(gguf < cfg, "{s}");
+        let row = s.lines().find(|l| l.starts_with("model.gguf")).unwrap();
+        for want in ["270.0 MiB", "1200", "50", "96.0%", "1.12 GiB"] {
+            assert!(row.contains(want), "{row}");
+        }
+        let header = s.lines().find(|l| l.starts_with("FILE")).unwrap();
+        assert_eq!(header.len(), row.chars().count(), "columns line up");
+    }
+
+    #[test]
+    fn stat_survives_missing_and_odd_fields() {
+        for v in [
+            json!({}),
+            json!(null),
+            json!({"cache": "nope", "files": 3}),
+            json!({"cache": {"hits": -1, "misses": 1.5, "budget": 0, "latency_us": []}}),
+            json!({"files": [1, {"name": "a\u{1b}[2Jb"}, {}]}),
+        ] {
+            let s = render_stat(&v);
+            assert!(s.contains("hit ratio"), "{s}");
+            assert!(
+                !s.contains('\u{1b}'),
+                "control chars are not passed through"
+            );
+        }
+        let s = render_stat(&json!({}));
+        assert!(
+            s.contains("hits - (prefetch -)  misses -  hit ratio -"),
+            "{s}"
+        );
+        assert!(!s.contains("FILE"));
+    }
+
+    #[test]
+    fn prometheus_text() {
+        let mut v = sample_stats();
+        v["files"][1]["name"] = json!("we\"ird\\na\nme");
+        let p = render_prometheus(&v);
+        for want in [
+            "# HELP cawsfs_cache_hits_total ",
+            "# TYPE cawsfs_cache_hits_total counter\ncawsfs_cache_hits_total 1234\n",
+            "cawsfs_cache_misses_total 56\n",
+            "cawsfs_bytes_served_total 1288490188\n",
+            "cawsfs_bytes_reconstructed_total 838860800\n",
+            "# TYPE cawsfs_cache_budget_bytes gauge\ncawsfs_cache_budget_bytes 2147483648\n",
+            "cawsfs_archive_bytes_read_total 314572800\n",
+            "cawsfs_read_latency_seconds{quantile=\"0.5\"} 0.00012\n",
+            "cawsfs_read_latency_seconds{quantile=\"0.99\"} 0.0021\n",
+            "cawsfs_read_latency_max_seconds 0.015\n",
+            "cawsfs_file_hits_total{file=\"config.json\"} 3\n",
+            "cawsfs_file_bytes_served_total{file=\"we\\\"ird\\\\na\\nme\"} 1200000000\n",
+        ] {
+            assert!(p.contains(want), "missing {want:?} in\n{p}");
+        }
+        // Every non-comment line is `name{labels} value` with a parseable value.
+        for l in p.lines().filter(|l| !l.starts_with('#')) {
+            let (_, val) = l.rsplit_once(' ').unwrap();
+            val.parse::<f64>().unwrap();
+        }
+        // Each family's HELP and TYPE appear once.
+        assert_eq!(p.matches("# TYPE cawsfs_file_hits_total").count(), 1);
+        // Missing fields leave their families out entirely.
+        let p = render_prometheus(&json!({"cache": {"hits": 1}}));
+        assert_eq!(p.lines().count(), 3, "{p}");
+    }
+
+    #[test]
+    fn rates_between_samples() {
+        let a = json!({"cache": {"bytes_served": 0, "hits": 10, "misses": 0}, "archive": {"bytes_read": 0}});
+        let b = json!({"cache": {"bytes_served": 20u64 << 20, "hits": 30, "misses": 20}, "archive": {"bytes_read": 4096}});
+        let r = render_rates(&a, &b, Duration::from_secs(2));
+        assert!(r.contains("served 10.0 MiB/s"), "{r}");
+        assert!(r.contains("archive read 2.00 KiB/s"), "{r}");
+        assert!(r.contains("reads 20/s"), "{r}");
+        assert!(r.contains("reconstructed -"), "{r}");
+        // A restarted daemon: counters went back, no rate.
+        assert!(render_rates(&b, &a, Duration::from_secs(1)).contains("served -"));
+    }
+
+    #[test]
+    fn watch_redraws_then_stops_on_error() {
+        let mut n = 0u64;
+        let mut out = Vec::new();
+        let r = watch(
+            Duration::from_millis(10),
+            || {
+                n += 1;
+                if n > 3 {
+                    anyhow::bail!("no cawsfs daemon at /x (is it mounted?)");
+                }
+                Ok(json!({"cache": {"bytes_served": n * 1_000_000, "hits": n, "misses": 0}}))
+            },
+            &mut out,
+        );
+        assert!(r.is_err());
+        let s = String::from_utf8(out).unwrap();
+        assert!(s.starts_with("\x1b[2J\x1b[H"));
+        assert_eq!(s.matches("\x1b[H").count(), 3, "three frames");
+        assert!(s.contains("(after the next sample)"));
+        assert!(s.contains("MiB/s"), "{s}");
+        assert!(s.ends_with("\ncawsfs stat: no cawsfs daemon at /x (is it mounted?)\n"));
+    }
+}
