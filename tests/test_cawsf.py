@@ -260,3 +260,13 @@ def test_apply_matches_reconstructed_matrix(cawsfs, archives, work):
         np.testing.assert_allclose(y, w @ x, rtol=1e-3, atol=1e-3 * np.abs(w @ x).max())
     bad = run_status([cawsfs, "apply", path, "--tensor", "nope", "--x", work / "x.f32"])
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_derived_tokenizer_matches_llama_cpp(cawsfs, archives, llama_bin, model_gguf, work):
+    """tokenizer.json derived from GGUF metadata tokenizes like llama.cpp does."""
+    path, _ = archives["exact"]
+    d = work / "hf-tok"
+    run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
+    p = run(["python3", os.path.join(os.path.dirname(__file__), "check_tokenizer.py"), "compare",
+             d / "tokenizer.json", model_gguf, "--llama-tokenize", llama_bin / "llama-tokenize"])
+    print(p.stdout)

@@ -646,41 +646,6 @@ fn from_bytes_reads_back() {
     is_send_sync::<VirtualFile>();
 }
 
-/// End-to-end against the real model's vocabulary when a metadata fixture is given:
-/// `CAWSFS_GGUF_META_JSON` (written by tests/check_tokenizer.py --dump-meta) →
-/// tokenizer.json into `CAWSFS_TOKENIZER_OUT`.
-#[test]
-fn real_gguf_vocab_to_tokenizer_json() {
-    let (Ok(meta_path), Ok(out)) = (
-        std::env::var("CAWSFS_GGUF_META_JSON"),
-        std::env::var("CAWSFS_TOKENIZER_OUT"),
-    ) else {
-        return;
-    };
-    let meta: Vec<(String, GgufValue)> =
-        serde_json::from_slice(&std::fs::read(meta_path).unwrap()).unwrap();
-    let mut model = test_model(true);
-    model.arch.vocab_size = 49152;
-    model.gguf_meta = meta.clone();
-    std::fs::create_dir_all(&out).unwrap();
-    let files = hf_metadata_files(&model).unwrap();
-    for (name, bytes) in &files {
-        std::fs::write(std::path::Path::new(&out).join(name), bytes).unwrap();
-    }
-
-    // And back: the derived HF files give the original GGUF tokenizer keys.
-    let mut hf = test_model(true);
-    hf.arch.vocab_size = 49152;
-    hf.hf_files = files.into_iter().collect();
-    let seen = Seen::default();
-    g::build(&hf, GgufOutType::F16, &test_header(&seen)).unwrap();
-    let (back, _) = seen.lock().unwrap().take().unwrap();
-    for (k, v) in &meta {
-        if k.starts_with("tokenizer.") {
-            assert_eq!(crate::gguf::meta_get(&back, k), Some(v), "{k}");
-        }
-    }
-}
 
 /// Throughput of export-sized reads (run with `--ignored --nocapture`).
 #[test]
