@@ -19,6 +19,7 @@ pub mod codec;
 pub mod control;
 pub mod convert;
 pub mod export;
+pub mod fs;
 pub mod gguf;
 pub mod import;
 pub mod layout;

@@ -86,8 +86,24 @@ enum GlobalFault {
     Corrupt(String),
 }
 
+#[derive(Default)]
+struct ReadCounters {
+    blocks: std::sync::atomic::AtomicU64,
+    stored_bytes: std::sync::atomic::AtomicU64,
+    payload_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// A snapshot of [`Archive::read_counters`].
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ReadCounterSnapshot {
+    pub blocks: u64,
+    pub stored_bytes: u64,
+    pub payload_bytes: u64,
+}
+
 /// An opened archive (memory-mapped). Implements [`RowSource`].
 pub struct Archive {
+    counters: ReadCounters,
     pub path: PathBuf,
     map: Mmap,
     toc: Vec<TocRecord>,
@@ -534,7 +550,19 @@ impl Archive {
             codebooks: (cb_rec.offset, cb_rec.size),
             globals,
             map,
+            counters: ReadCounters::default(),
         })
+    }
+
+    /// What reads have cost so far: blocks fetched and their stored (compressed) and
+    /// decompressed bytes. The mount reports these as "archive bytes read".
+    pub fn read_counters(&self) -> ReadCounterSnapshot {
+        use std::sync::atomic::Ordering::Relaxed;
+        ReadCounterSnapshot {
+            blocks: self.counters.blocks.load(Relaxed),
+            stored_bytes: self.counters.stored_bytes.load(Relaxed),
+            payload_bytes: self.counters.payload_bytes.load(Relaxed),
+        }
     }
 
     pub fn model(&self) -> &ModelDesc {
@@ -622,6 +650,16 @@ impl Archive {
         let rec_start = (self.bank.0 + e.offset) as usize;
         let pay_start = rec_start + REC_HEADER;
         let stored = &self.map[pay_start..pay_start + e.csize as usize];
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.counters.blocks.fetch_add(1, Relaxed);
+            self.counters
+                .stored_bytes
+                .fetch_add(e.csize as u64, Relaxed);
+            self.counters
+                .payload_bytes
+                .fetch_add(e.usize as u64, Relaxed);
+        }
         let computed = xxh3_64(stored);
         if computed != e.xxh3 {
             return Err(ReadError::Checksum {

@@ -646,7 +646,6 @@ fn from_bytes_reads_back() {
     is_send_sync::<VirtualFile>();
 }
 
-
 /// Throughput of export-sized reads (run with `--ignored --nocapture`).
 #[test]
 #[ignore]

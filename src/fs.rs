@@ -1,0 +1,320 @@
+//! The mounted filesystem as plain Rust, not tied to the FUSE bindings: a flat,
+//! read-only directory of virtual files (`model.safetensors`, `model.gguf`, the
+//! Hugging Face metadata files) whose bytes come from the layouts through the chunk
+//! cache. `fuse.rs` translates kernel requests into calls here and errors into errno.
+//!
+//! Inode numbers are stable: 1 is the root, files follow in name order from 2, and the
+//! set of files depends only on the archive and the mount options.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use crate::archive::Archive;
+use crate::cache::{CacheConfig, CacheError, ChunkCache, ChunkLoader};
+use crate::layout::{self, GgufOutType, LayoutError, VirtualFile};
+use crate::model::{FloatType, ReadError};
+
+pub const ROOT_INO: u64 = 1;
+
+#[derive(Clone, Debug)]
+pub struct FsOptions {
+    pub cache_bytes: u64,
+    pub chunk_size: u64,
+    pub gguf_type: GgufOutType,
+    /// dtype of `model.safetensors` (None: the source's float type).
+    pub safetensors_dtype: Option<FloatType>,
+    pub readahead_chunks: u64,
+    pub prefetch_threads: usize,
+}
+
+impl Default for FsOptions {
+    fn default() -> Self {
+        FsOptions {
+            cache_bytes: 1 << 30,
+            chunk_size: crate::cache::DEFAULT_CHUNK_SIZE,
+            gguf_type: GgufOutType::F16,
+            safetensors_dtype: None,
+            readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
+            prefetch_threads: 2,
+        }
+    }
+}
+
+/// Why a filesystem operation failed. Mapped to errno in one place (`fuse.rs`).
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file: {0}")]
+    NotFound(String),
+    #[error("inode {0} does not exist")]
+    NoInode(u64),
+    #[error("not a directory")]
+    NotADirectory,
+    #[error("is a directory")]
+    IsADirectory,
+    #[error("read-only file system")]
+    ReadOnly,
+    #[error(transparent)]
+    Read(#[from] ReadError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error("cache: {0}")]
+    Cache(#[from] CacheError),
+}
+
+/// What `getattr` reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub size: u64,
+    pub is_dir: bool,
+    pub mtime: SystemTime,
+}
+
+pub struct Entry {
+    pub name: String,
+    pub ino: u64,
+    pub file: VirtualFile,
+    /// Small files made only of header bytes are served without the cache.
+    pub cached: bool,
+}
+
+pub struct MountFs {
+    archive: Arc<Archive>,
+    entries: Vec<Entry>,
+    cache: Arc<ChunkCache>,
+    mtime: SystemTime,
+    started: Instant,
+}
+
+impl MountFs {
+    pub fn new(archive: Arc<Archive>, opts: &FsOptions) -> Result<MountFs, SetupError> {
+        let model = archive.model();
+        let mut files = vec![
+            layout::safetensors_file(model, opts.safetensors_dtype)?,
+            layout::gguf_file(model, opts.gguf_type)?,
+        ];
+        for (name, bytes) in layout::hf_metadata_files(model)? {
+            if name != "model.safetensors" && name != "model.gguf" {
+                files.push(VirtualFile::from_bytes(&name, bytes));
+            }
+        }
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut cfg = CacheConfig::new(opts.cache_bytes, opts.chunk_size);
+        cfg.readahead_chunks = opts.readahead_chunks;
+        let cache = Arc::new(ChunkCache::with_config(cfg)?);
+        let entries: Vec<Entry> = files
+            .into_iter()
+            .enumerate()
+            .map(|(i, file)| Entry {
+                name: file.name.clone(),
+                ino: ROOT_INO + 1 + i as u64,
+                cached: !file.tensor_ranges().is_empty(),
+                file,
+            })
+            .collect();
+        for e in entries.iter().filter(|e| e.cached) {
+            cache.register_file(file_id(e.ino), loader(&archive, &e.file, opts.chunk_size));
+        }
+        if opts.prefetch_threads > 0 {
+            cache.start_prefetcher(opts.prefetch_threads);
+        }
+        let mtime = std::fs::metadata(&archive.path)
+            .and_then(|m| m.modified())
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        Ok(MountFs {
+            archive,
+            entries,
+            cache,
+            mtime,
+            started: Instant::now(),
+        })
+    }
+
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    pub fn cache(&self) -> &Arc<ChunkCache> {
+        &self.cache
+    }
+
+    pub fn archive(&self) -> &Arc<Archive> {
+        &self.archive
+    }
+
+    pub fn entry_by_name(&self, name: &str) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    fn entry(&self, ino: u64) -> Result<&Entry, FsError> {
+        ino.checked_sub(ROOT_INO + 1)
+            .and_then(|i| self.entries.get(i as usize))
+            .ok_or(FsError::NoInode(ino))
+    }
+
+    fn root_attr(&self) -> Attr {
+        Attr {
+            ino: ROOT_INO,
+            size: 0,
+            is_dir: true,
+            mtime: self.mtime,
+        }
+    }
+
+    fn file_attr(&self, e: &Entry) -> Attr {
+        Attr {
+            ino: e.ino,
+            size: e.file.size,
+            is_dir: false,
+            mtime: self.mtime,
+        }
+    }
+
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, FsError> {
+        if parent != ROOT_INO {
+            self.entry(parent)?;
+            return Err(FsError::NotADirectory);
+        }
+        let name_str = name.to_string_lossy();
+        self.entries
+            .iter()
+            .find(|e| OsStr::new(&e.name) == name)
+            .map(|e| self.file_attr(e))
+            .ok_or_else(|| FsError::NotFound(name_str.into_owned()))
+    }
+
+    pub fn getattr(&self, ino: u64) -> Result<Attr, FsError> {
+        if ino == ROOT_INO {
+            return Ok(self.root_attr());
+        }
+        self.entry(ino).map(|e| self.file_attr(e))
+    }
+
+    /// `(ino, is_dir, name)` for `.`, `..` and every file.
+    pub fn readdir(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
+        if ino != ROOT_INO {
+            self.entry(ino)?;
+            return Err(FsError::NotADirectory);
+        }
+        let mut out = vec![
+            (ROOT_INO, true, ".".to_string()),
+            (ROOT_INO, true, "..".to_string()),
+        ];
+        out.extend(self.entries.iter().map(|e| (e.ino, false, e.name.clone())));
+        Ok(out)
+    }
+
+    pub fn open(&self, ino: u64, write: bool) -> Result<(), FsError> {
+        if ino == ROOT_INO {
+            return Err(FsError::IsADirectory);
+        }
+        self.entry(ino)?;
+        if write {
+            return Err(FsError::ReadOnly);
+        }
+        Ok(())
+    }
+
+    /// Up to `size` bytes at `offset` (short only at end of file).
+    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+        if ino == ROOT_INO {
+            return Err(FsError::IsADirectory);
+        }
+        let e = self.entry(ino)?;
+        let len = (size as u64).min(e.file.size.saturating_sub(offset)) as usize;
+        let mut buf = vec![0u8; len];
+        if len == 0 {
+            return Ok(buf);
+        }
+        let got = if e.cached {
+            let vf = &e.file;
+            let archive = &*self.archive;
+            let cs = self.cache.chunk_size();
+            self.cache
+                .read(file_id(e.ino), vf.size, offset, &mut buf, &|idx, chunk| {
+                    vf.read_at(archive, idx * cs, chunk)
+                })?
+        } else {
+            e.file.read_at(&*self.archive, offset, &mut buf)?
+        };
+        buf.truncate(got);
+        Ok(buf)
+    }
+
+    /// The stat reply of the control protocol (docs/CONTROL.md).
+    pub fn stats_json(&self) -> serde_json::Value {
+        let c = self.cache.stats();
+        let a = self.archive.read_counters();
+        let files: Vec<serde_json::Value> = self
+            .entries
+            .iter()
+            .map(|e| {
+                let f = c.files.iter().find(|f| f.file == file_id(e.ino));
+                serde_json::json!({
+                    "name": e.name,
+                    "size": e.file.size,
+                    "reads": f.map_or(0, |f| f.reads),
+                    "hits": f.map_or(0, |f| f.hits + f.prefetch_hits),
+                    "prefetch_hits": f.map_or(0, |f| f.prefetch_hits),
+                    "misses": f.map_or(0, |f| f.misses),
+                    "bytes_served": f.map_or(0, |f| f.bytes_served),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "archive_path": self.archive.path.display().to_string(),
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "cache": {
+                "hits": c.hits + c.prefetch_hits,
+                "prefetch_hits": c.prefetch_hits,
+                "misses": c.misses,
+                "coalesced": c.coalesced,
+                "reads": c.reads,
+                "read_errors": c.read_errors,
+                "bytes_served": c.bytes_served,
+                "bytes_loaded": c.bytes_loaded,
+                "loads": c.loads,
+                "evictions": c.evictions,
+                "bytes_used": c.bytes_used,
+                "pinned_bytes": c.pinned_bytes,
+                "budget": c.budget_bytes,
+                "chunk_size": c.chunk_size,
+                "entries": c.entries,
+                "entry_overhead_bytes": c.entry_overhead_bytes,
+                "readahead_triggers": c.readahead_triggers,
+                "prefetch_loads": c.prefetch_loads,
+                "latency_us": {
+                    "count": c.latency_us.count,
+                    "mean": c.latency_us.mean_us,
+                    "p50": c.latency_us.p50_us,
+                    "p90": c.latency_us.p90_us,
+                    "p99": c.latency_us.p99_us,
+                    "max": c.latency_us.max_us,
+                },
+            },
+            "archive": {
+                "blocks_read": a.blocks,
+                "bytes_read": a.stored_bytes,
+                "bytes_decoded": a.payload_bytes,
+                "read_per_served": if c.bytes_served > 0 { a.stored_bytes as f64 / c.bytes_served as f64 } else { 0.0 },
+            },
+            "files": files,
+        })
+    }
+}
+
+/// Cache file ids are inode numbers (stable, small).
+pub fn file_id(ino: u64) -> u32 {
+    ino as u32
+}
+
+fn loader(archive: &Arc<Archive>, vf: &VirtualFile, chunk_size: u64) -> ChunkLoader {
+    let archive = archive.clone();
+    let vf = vf.clone();
+    Arc::new(move |idx, buf| vf.read_at(&*archive, idx * chunk_size, buf))
+}
