@@ -1,0 +1,150 @@
+//! The FUSE adapter: translates `fuser` requests into [`MountFs`] calls and typed
+//! errors into errno, in one place ([`errno`]). No format, codec or cache logic here.
+
+use std::ffi::OsStr;
+use std::time::Duration;
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
+    LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen,
+    ReplyStatfs, Request,
+};
+
+use crate::fs::{Attr, FsError, MountFs};
+use crate::model::ReadError;
+
+/// The files never change while mounted, so the kernel may cache names and attributes
+/// for long.
+const TTL: Duration = Duration::from_secs(3600);
+
+/// The errno for every filesystem error, and how loudly to log it.
+pub fn errno(e: &FsError) -> Errno {
+    match e {
+        FsError::NotFound(_) | FsError::NoInode(_) => Errno::ENOENT,
+        FsError::NotADirectory => Errno::ENOTDIR,
+        FsError::IsADirectory => Errno::EISDIR,
+        FsError::ReadOnly => Errno::EROFS,
+        FsError::Read(ReadError::OutOfRange { .. }) => Errno::EINVAL,
+        // A block that fails its checksum or does not decode is never served.
+        FsError::Read(ReadError::Checksum { .. } | ReadError::Corrupt { .. } | ReadError::Io(_)) => {
+            Errno::EIO
+        }
+    }
+}
+
+fn log(op: &str, e: &FsError) {
+    match e {
+        FsError::Read(_) => tracing::error!("{op}: {e}"),
+        _ => tracing::debug!("{op}: {e}"),
+    }
+}
+
+pub struct FuseAdapter {
+    fs: std::sync::Arc<MountFs>,
+    uid: u32,
+    gid: u32,
+}
+
+impl FuseAdapter {
+    pub fn new(fs: std::sync::Arc<MountFs>) -> FuseAdapter {
+        // SAFETY: getuid/getgid cannot fail and touch no memory.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        FuseAdapter { fs, uid, gid }
+    }
+
+    fn attr(&self, a: Attr) -> FileAttr {
+        FileAttr {
+            ino: INodeNo(a.ino),
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            atime: a.mtime,
+            mtime: a.mtime,
+            ctime: a.mtime,
+            crtime: a.mtime,
+            kind: if a.is_dir { FileType::Directory } else { FileType::RegularFile },
+            perm: if a.is_dir { 0o555 } else { 0o444 },
+            nlink: if a.is_dir { 2 } else { 1 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // The kernel caps this at 128 KiB here; the daemon raises the bdi read-ahead
+        // through sysfs after mounting (DESIGN.md, "FUSE facts").
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.fs.lookup(parent.0, name) {
+            Ok(a) => reply.entry(&TTL, &self.attr(a), Generation(0)),
+            Err(e) => {
+                log("lookup", &e);
+                reply.error(errno(&e))
+            }
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) => reply.attr(&TTL, &self.attr(a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
+        match self.fs.open(ino.0, write) {
+            // Contents never change: keep the page cache across opens.
+            Ok(()) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.fs.read(ino.0, offset, size) {
+            Ok(data) => reply.data(&data),
+            Err(e) => {
+                log("read", &e);
+                reply.error(errno(&e))
+            }
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        match self.fs.readdir(ino.0) {
+            Ok(entries) => {
+                for (i, (ino, is_dir, name)) in entries.iter().enumerate().skip(offset as usize) {
+                    let kind = if *is_dir { FileType::Directory } else { FileType::RegularFile };
+                    if reply.add(INodeNo(*ino), i as u64 + 1, kind, name) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let total: u64 = self.fs.entries().iter().map(|e| e.file.size).sum();
+        let n = self.fs.entries().len() as u64 + 1;
+        reply.statfs(total.div_ceil(4096), 0, 0, n, 0, 4096, 255, 4096);
+    }
+}

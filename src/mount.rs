@@ -1,0 +1,354 @@
+//! The mount daemon: opens an archive, serves its virtual files over FUSE, answers the
+//! control socket, and unmounts cleanly on SIGINT/SIGTERM or an external unmount.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::archive::{Archive, ArchiveError};
+use crate::cache::ChunkKey;
+use crate::control::{ControlError, ControlServer, Handler, Request, Target};
+use crate::fs::{file_id, FsOptions, MountFs, SetupError};
+use crate::fuse::FuseAdapter;
+
+#[derive(Clone, Debug)]
+pub struct MountOptions {
+    pub fs: FsOptions,
+    /// FUSE request threads.
+    pub threads: usize,
+    pub allow_other: bool,
+    pub socket: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error(transparent)]
+    Archive(#[from] ArchiveError),
+    #[error("{0}")]
+    Setup(#[from] SetupError),
+    #[error("control socket: {0}")]
+    Control(#[from] ControlError),
+    #[error("{mountpoint}: {reason}")]
+    Mount { mountpoint: String, reason: String },
+}
+
+/// Default cache budget: a quarter of physical memory, at least 256 MiB.
+pub fn default_cache_bytes() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let total = (pages.max(0) as u64).saturating_mul(page.max(0) as u64);
+    (total / 4).max(256 << 20)
+}
+
+/// Serve until a signal or an external unmount. Returns when unmounted.
+pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<(), MountError> {
+    let mount_err = |reason: String| MountError::Mount {
+        mountpoint: mountpoint.display().to_string(),
+        reason,
+    };
+    if !mountpoint.is_dir() {
+        return Err(mount_err("not a directory".into()));
+    }
+    // Block the signals before any thread starts so every thread inherits the mask
+    // and only the wait below receives them.
+    let sigs = blocked_signals();
+    let archive = Arc::new(Archive::open(archive_path)?);
+    let fs = Arc::new(MountFs::new(archive, &opts.fs)?);
+
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::FSName(format!("cawsfs:{}", archive_path.display())),
+        fuser::MountOption::Subtype("cawsfs".into()),
+        fuser::MountOption::RO,
+        fuser::MountOption::NoDev,
+        fuser::MountOption::NoSuid,
+    ];
+    config.acl = if opts.allow_other {
+        fuser::SessionACL::All
+    } else {
+        fuser::SessionACL::Owner
+    };
+    config.n_threads = Some(opts.threads.max(1));
+    config.clone_fd = true;
+    let session = fuser::spawn_mount(FuseAdapter::new(fs.clone()), mountpoint, &config)
+        .map_err(|e| mount_err(format!("mount failed: {e}")))?;
+    raise_readahead(mountpoint);
+
+    let handler = Arc::new(ControlHandler {
+        fs: fs.clone(),
+        mountpoint: mountpoint.to_path_buf(),
+    });
+    let mut server = match ControlServer::for_mount(mountpoint, opts.socket.as_deref(), handler) {
+        Ok(s) => s,
+        Err(e) => {
+            drop(session);
+            return Err(e.into());
+        }
+    };
+    tracing::info!(
+        "serving {} at {} (control socket {})",
+        archive_path.display(),
+        mountpoint.display(),
+        server.path().display()
+    );
+    loop {
+        if let Some(sig) = wait_signal(&sigs, Duration::from_millis(200)) {
+            tracing::info!("signal {sig}: unmounting {}", mountpoint.display());
+            break;
+        }
+        if session.guard.is_finished() {
+            tracing::info!("{} was unmounted", mountpoint.display());
+            break;
+        }
+    }
+    server.shutdown();
+    drop(session);
+    Ok(())
+}
+
+fn blocked_signals() -> libc::sigset_t {
+    // SAFETY: the set is initialized by sigemptyset before use; pthread_sigmask only
+    // reads it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: set and ts are valid for the call; a null siginfo pointer is allowed.
+    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
+    (sig > 0).then_some(sig)
+}
+
+/// Raise the kernel read-ahead of this mount to 1 MiB through its bdi (root only; the
+/// FUSE init handshake caps it at 128 KiB). Failure only costs speed.
+fn raise_readahead(mountpoint: &Path) {
+    let Some(dev) = mount_device(mountpoint) else {
+        tracing::debug!("no mountinfo entry for {}", mountpoint.display());
+        return;
+    };
+    let p = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    if let Err(e) = std::fs::write(&p, "1024") {
+        tracing::debug!("could not raise read-ahead via {p}: {e}");
+    }
+}
+
+/// `major:minor` of the filesystem mounted at `mountpoint`, from /proc/self/mountinfo.
+pub fn mount_device(mountpoint: &Path) -> Option<String> {
+    let canon = std::fs::canonicalize(mountpoint).ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.len() > 4 && Path::new(&unescape_mountinfo(f[4])) == canon).then(|| f[2].to_string())
+        })
+        .last()
+}
+
+/// Whether a FUSE filesystem of ours is mounted at `mountpoint`.
+pub fn is_mounted(mountpoint: &Path) -> bool {
+    let Ok(canon) = std::fs::canonicalize(mountpoint) else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines().any(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        f.len() > 4
+            && Path::new(&unescape_mountinfo(f[4])) == canon
+            && l.contains(" - fuse.cawsfs ")
+    })
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    // mountinfo escapes space, tab, newline and backslash as \ooo.
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Answers control requests from the mount's state.
+struct ControlHandler {
+    fs: Arc<MountFs>,
+    mountpoint: PathBuf,
+}
+
+impl ControlHandler {
+    /// (file id, file size, chunk range) for every chunk a target covers.
+    fn chunks(&self, target: &Target) -> Result<Vec<(u32, u64, std::ops::Range<u64>)>, String> {
+        let cs = self.fs.cache().chunk_size();
+        let span = |size: u64, a: u64, b: u64| (a / cs)..b.min(size).div_ceil(cs);
+        let model = self.fs.archive().model();
+        match target {
+            Target::File { file, range } => {
+                let e = self
+                    .fs
+                    .entry_by_name(file)
+                    .ok_or_else(|| format!("no file named {file} in this mount"))?;
+                if !e.cached {
+                    return Err(format!("{file} is served from memory and needs no prefetch"));
+                }
+                let (a, b) = range.unwrap_or((0, e.file.size));
+                if a >= e.file.size {
+                    return Err(format!("range starts at {a}, past the end of {file} ({} bytes)", e.file.size));
+                }
+                Ok(vec![(file_id(e.ino), e.file.size, span(e.file.size, a, b))])
+            }
+            Target::Tensor(_) | Target::Layer(_) => {
+                let want: Vec<usize> = match target {
+                    Target::Tensor(name) => {
+                        vec![model.tensor_index(name).ok_or_else(|| format!("no tensor named {name}"))?]
+                    }
+                    Target::Layer(l) => {
+                        let v: Vec<usize> = (0..model.tensors.len())
+                            .filter(|&i| crate::names::layer_of(&model.tensors[i].name) == Some(*l))
+                            .collect();
+                        if v.is_empty() {
+                            return Err(format!("no layer {l} (the model has {})", model.arch.n_layers));
+                        }
+                        v
+                    }
+                    Target::File { .. } => unreachable!(),
+                };
+                // The tensor's bytes in every file that holds it.
+                let mut out = Vec::new();
+                for e in self.fs.entries().iter().filter(|e| e.cached) {
+                    for (t, a, b) in e.file.tensor_ranges() {
+                        if want.contains(&t) {
+                            out.push((file_id(e.ino), e.file.size, span(e.file.size, a, b)));
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+impl Handler for ControlHandler {
+    fn handle(&self, req: Request) -> Result<Value, String> {
+        let cache = self.fs.cache();
+        match req {
+            Request::Ping => Ok(json!({"pong": true})),
+            Request::Stat => {
+                let mut v = self.fs.stats_json();
+                v["mountpoint"] = json!(self.mountpoint.display().to_string());
+                Ok(v)
+            }
+            Request::Prefetch(t) => {
+                let mut queued = 0;
+                for (f, size, r) in self.chunks(&t)? {
+                    queued += cache.prefetch_registered(f, size, r);
+                }
+                Ok(json!({"queued_chunks": queued}))
+            }
+            Request::Pin(t) => {
+                let mut n = 0;
+                let mut done: Vec<(ChunkKey, u64)> = Vec::new();
+                for (f, size, r) in self.chunks(&t)? {
+                    for index in r {
+                        let key = ChunkKey { file: f, index };
+                        if let Err(e) = cache.pin(key, size) {
+                            // All or nothing: undo what this request pinned.
+                            for (k, _) in &done {
+                                let _ = cache.unpin(*k);
+                            }
+                            return Err(e.to_string());
+                        }
+                        done.push((key, size));
+                        n += 1;
+                    }
+                }
+                for (f, size, r) in self.chunks(&t)? {
+                    cache.prefetch_registered(f, size, r);
+                }
+                Ok(json!({"pinned_chunks": n}))
+            }
+            Request::Unpin(t) => {
+                let mut n = 0;
+                for (f, _, r) in self.chunks(&t)? {
+                    for index in r {
+                        if cache.unpin(ChunkKey { file: f, index }).is_ok() {
+                            n += 1;
+                        }
+                    }
+                }
+                Ok(json!({"unpinned_chunks": n}))
+            }
+            Request::Evict(None) => Ok(json!({"freed_bytes": cache.evict_all_unpinned()})),
+            Request::Evict(Some(_)) => Err("evict takes no selector in this version".into()),
+            Request::Trace { .. } => Err("trace is not available in this version".into()),
+            Request::Route { .. } => Err("this archive has no router (route is not available in this version)".into()),
+        }
+    }
+}
+
+/// Parse a human size: `2GiB`, `512MiB`, `1.5G`, `100M`, `4096`, `64KiB`, `1T`.
+/// Decimal suffixes (`G`, `GB`) are read as binary too, as `free -h` users expect.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 2GiB or 512MiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("{s:?}: unknown unit {other:?} (use KiB, MiB, GiB or TiB)")),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v < 1.0 || v > (1u64 << 62) as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size(" 64 KiB ").unwrap(), 64 << 10);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("2XB").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("99999999T").is_err());
+    }
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo("/mnt/a\\040b"), "/mnt/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/trail\\04"), "/trail\\04");
+    }
+}
