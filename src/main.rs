@@ -42,6 +42,29 @@ enum Cmd {
     Verify { archive: PathBuf },
     /// Write a virtual file (or a Hugging Face directory) out of an archive.
     Export(ExportArgs),
+    /// Mount an archive: a read-only directory of model files reconstructed on read.
+    Mount(MountArgs),
+    /// Unmount a cawsfs mount and wait for its daemon to exit.
+    Umount { mountpoint: PathBuf },
+    /// Show a mount's cache and read statistics.
+    Stat {
+        mountpoint: PathBuf,
+        /// Control socket (default: the one the mount registered).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Print the daemon's reply as JSON.
+        #[arg(long, conflicts_with_all = ["prometheus", "watch"])]
+        json: bool,
+        /// Prometheus text exposition format.
+        #[arg(long, conflicts_with = "watch")]
+        prometheus: bool,
+        /// Refresh in place like top.
+        #[arg(long)]
+        watch: bool,
+        /// Seconds between refreshes with --watch.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
     /// Compute y = Ŵx for one tensor straight from its compressed components.
     Apply {
         archive: PathBuf,
@@ -55,6 +78,36 @@ enum Cmd {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct MountArgs {
+    archive: PathBuf,
+    mountpoint: PathBuf,
+    /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM).
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    cache_size: Option<u64>,
+    /// FUSE request threads.
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Background prefetch / read-ahead threads.
+    #[arg(long, default_value_t = 2)]
+    prefetch_threads: usize,
+    /// Tensor type of 2-D weights in model.gguf.
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
+    gguf_type: Dtype,
+    /// Tensor dtype of model.safetensors (default: the source's float type).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Let other users read the mount (needs user_allow_other in /etc/fuse.conf for non-root).
+    #[arg(long)]
+    allow_other: bool,
+    /// Control socket path (default: derived from the mount point).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Stay attached and log to stderr instead of running in the background.
+    #[arg(long)]
+    foreground: bool,
 }
 
 #[derive(clap::Args)]
@@ -145,6 +198,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match run(cli) {
@@ -166,6 +220,16 @@ fn run(cli: Cli) -> Result<()> {
         } => cmd_inspect(&archive, json, blocks),
         Cmd::Verify { archive } => cmd_verify(&archive),
         Cmd::Export(a) => cmd_export(a),
+        Cmd::Mount(a) => cmd_mount(a),
+        Cmd::Umount { mountpoint } => cmd_umount(&mountpoint),
+        Cmd::Stat {
+            mountpoint,
+            socket,
+            json,
+            prometheus,
+            watch,
+            interval,
+        } => cmd_stat(&mountpoint, socket.as_deref(), json, prometheus, watch, interval),
         Cmd::Apply {
             archive,
             tensor,
@@ -471,6 +535,141 @@ fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Resu
                 println!("{v}");
             }
         }
+    }
+    Ok(())
+}
+
+fn gguf_type_of(d: Dtype) -> GgufOutType {
+    match d {
+        Dtype::F32 => GgufOutType::F32,
+        Dtype::F16 => GgufOutType::F16,
+        Dtype::Bf16 => GgufOutType::BF16,
+    }
+}
+
+fn cmd_mount(a: MountArgs) -> Result<()> {
+    let opts = cawsfs::mount::MountOptions {
+        fs: cawsfs::fs::FsOptions {
+            cache_bytes: a.cache_size.unwrap_or_else(cawsfs::mount::default_cache_bytes),
+            gguf_type: gguf_type_of(a.gguf_type),
+            safetensors_dtype: a.dtype.map(float_of),
+            prefetch_threads: a.prefetch_threads,
+            ..Default::default()
+        },
+        threads: a.threads,
+        allow_other: a.allow_other,
+        socket: a.socket.clone(),
+    };
+    if a.foreground {
+        return cawsfs::mount::run(&a.archive, &a.mountpoint, &opts).map_err(Into::into);
+    }
+    // Check what can be checked before detaching, so mistakes are reported here.
+    Archive::open(&a.archive)?;
+    if !a.mountpoint.is_dir() {
+        bail!("{}: not a directory", a.mountpoint.display());
+    }
+    if cawsfs::mount::is_mounted(&a.mountpoint) {
+        bail!("{}: already a cawsfs mount", a.mountpoint.display());
+    }
+    let dir = cawsfs::control::socket_dir();
+    cawsfs::control::ensure_private_dir(&dir)?;
+    let log = cawsfs::control::default_socket_path(&a.mountpoint).with_extension("log");
+    let log_file = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(std::env::args_os().skip(1)).arg("--foreground");
+    if std::env::var_os("CAWSFS_LOG").is_none() {
+        cmd.env("CAWSFS_LOG", "info");
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    // SAFETY: setsid is async-signal-safe; it detaches the daemon from our terminal.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("starting the mount daemon")?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+            bail!("mount daemon exited ({status}): {}", last.trim_start_matches("cawsfs: error: "));
+        }
+        let sock = a.socket.clone().unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
+        let ping = cawsfs::control::request(&sock, &cawsfs::control::Request::Ping, std::time::Duration::from_secs(2));
+        if ping.is_ok() && cawsfs::mount::is_mounted(&a.mountpoint) {
+            println!(
+                "mounted {} at {} (pid {}, socket {}, log {})",
+                a.archive.display(),
+                a.mountpoint.display(),
+                child.id(),
+                sock.display(),
+                log.display()
+            );
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = std::process::Command::new("fusermount3").arg("-u").arg(&a.mountpoint).status();
+            bail!("{}: the mount did not come up within 60 s (log {})", a.mountpoint.display(), log.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn cmd_umount(mp: &Path) -> Result<()> {
+    if !cawsfs::mount::is_mounted(mp) {
+        bail!("{}: not a cawsfs mount", mp.display());
+    }
+    let sock = cawsfs::control::find_socket(mp);
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg(mp)
+        .status()
+        .or_else(|_| std::process::Command::new("umount").arg(mp).status())
+        .context("running fusermount3")?;
+    if !status.success() {
+        bail!("{}: unmount failed ({status}); is a program still using it?", mp.display());
+    }
+    // The daemon notices and exits; wait for its socket to go away.
+    for _ in 0..100 {
+        let alive = cawsfs::control::request(&sock, &cawsfs::control::Request::Ping, std::time::Duration::from_millis(200));
+        if alive.is_err() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    println!("unmounted {}", mp.display());
+    Ok(())
+}
+
+fn cmd_stat(mp: &Path, socket: Option<&Path>, json: bool, prometheus: bool, watch: bool, interval: f64) -> Result<()> {
+    use cawsfs::control::{self, Request};
+    let sock = socket.map(Path::to_path_buf).unwrap_or_else(|| control::find_socket(mp));
+    let timeout = std::time::Duration::from_secs(5);
+    if watch {
+        if !(interval.is_finite() && interval >= 0.05) {
+            bail!("--interval must be at least 0.05 seconds");
+        }
+        let mut client = control::ControlClient::connect(&sock, timeout)?;
+        control::watch(
+            std::time::Duration::from_secs_f64(interval),
+            || Ok(client.call(&Request::Stat)?),
+            &mut std::io::stdout(),
+        )?;
+        return Ok(());
+    }
+    let stats = control::request(&sock, &Request::Stat, timeout)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+    } else if prometheus {
+        print!("{}", control::render_prometheus(&stats));
+    } else {
+        print!("{}", control::render_stat(&stats));
     }
     Ok(())
 }

@@ -157,7 +157,8 @@ pub fn mount_device(mountpoint: &Path) -> Option<String> {
         .last()
 }
 
-/// Whether a FUSE filesystem of ours is mounted at `mountpoint`.
+/// Whether a FUSE filesystem of ours is mounted at `mountpoint` (its mountinfo source
+/// is `cawsfs:ARCHIVE`; the fstype is plain `fuse` when mounted without libfuse).
 pub fn is_mounted(mountpoint: &Path) -> bool {
     let Ok(canon) = std::fs::canonicalize(mountpoint) else {
         return false;
@@ -167,9 +168,15 @@ pub fn is_mounted(mountpoint: &Path) -> bool {
     };
     info.lines().any(|l| {
         let f: Vec<&str> = l.split(' ').collect();
+        let Some((_, tail)) = l.split_once(" - ") else {
+            return false;
+        };
+        let mut t = tail.split(' ');
+        let (fstype, source) = (t.next().unwrap_or(""), t.next().unwrap_or(""));
         f.len() > 4
             && Path::new(&unescape_mountinfo(f[4])) == canon
-            && l.contains(" - fuse.cawsfs ")
+            && fstype.starts_with("fuse")
+            && source.starts_with("cawsfs:")
     })
 }
 

@@ -33,7 +33,8 @@
 //!   the same `Arc` (or a copy of the same error). Errors are never cached: the flight is
 //!   removed first, so the next read retries. A panicking loader fails its waiters
 //!   instead of hanging them. Different chunks load in parallel; a read that misses
-//!   more than one chunk loads them with rayon.
+//!   more than one chunk loads them on scoped threads (never on rayon workers, which
+//!   must not block on a flight whose loader itself needs rayon).
 //! - **Pinning.** [`ChunkCache::pin`] reserves a chunk's bytes (it may be loaded later,
 //!   by a read or a prefetch) and refuses when pinned bytes would exceed the budget.
 //!   Pins nest; [`ChunkCache::unpin`] returns a resident chunk to the LRU as most recent.
@@ -61,7 +62,6 @@ pub use stats::{CacheStats, FileStats, LatencyStats};
 
 use crate::model::ReadError;
 use lru::LruCache;
-use rayon::prelude::*;
 use stats::{add, bump, Counters, FileCounters, Histogram};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
@@ -744,8 +744,27 @@ impl ChunkCache {
             self.count(outcome, fstate);
             Ok(data)
         };
+        // Scoped threads, not rayon: a load may block on another load's flight, and a
+        // blocked rayon worker can starve the rayon jobs that the archive's decoder
+        // (running in a prefetch worker) is waiting for — a deadlock seen on a mount.
         let loaded: Vec<Result<Arc<[u8]>, ReadError>> = if missing.len() > 1 {
-            missing.par_iter().map(|&i| fetch_one(i)).collect()
+            std::thread::scope(|s| {
+                let handles: Vec<_> = missing
+                    .iter()
+                    .map(|&i| (i, s.spawn(move || fetch_one(i))))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|(i, h)| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(io_err(
+                                std::io::ErrorKind::Other,
+                                format!("loader for chunk {i} of file {file} panicked"),
+                            ))
+                        })
+                    })
+                    .collect()
+            })
         } else {
             missing.iter().map(|&i| fetch_one(i)).collect()
         };
