@@ -4,6 +4,7 @@
 # the exported GGUF next to the original model's output.
 # Usage: scripts/quality.sh [OUT.md]   (default docs/QUALITY.md)
 set -euo pipefail
+set -f  # convert flags hold `*` patterns; never glob them
 cd "$(dirname "$0")/.."
 out="${1:-docs/QUALITY.md}"
 cargo build --release --quiet

