@@ -122,12 +122,16 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(ino.0, offset, size) {
-            Ok(data) => reply.data(&data),
-            Err(e) => {
-                log("read", &e);
-                reply.error(errno(&e))
+        // The reply is sent from inside `read_with` (from its buffer) or, on error, here.
+        let mut reply = Some(reply);
+        let sent = self.fs.read_with(ino.0, offset, size, |data| {
+            if let Some(r) = reply.take() {
+                r.data(data)
             }
+        });
+        if let (Err(e), Some(r)) = (sent, reply.take()) {
+            log("read", &e);
+            r.error(errno(&e))
         }
     }
 

@@ -240,3 +240,58 @@ fn conversion_is_deterministic() {
     let pb = converted(b.path(), &small_opts());
     assert_eq!(std::fs::read(pa).unwrap(), std::fs::read(pb).unwrap());
 }
+
+#[test]
+fn sharded_hf_directory_imports_like_a_single_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tmp.path().join("single");
+    std::fs::create_dir_all(&single).unwrap();
+    write_tiny_hf(&single);
+    let one = open_source(&single).unwrap();
+    // Split the same tensors over two shards with an index, as large HF models ship.
+    let sharded = tmp.path().join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::copy(single.join("config.json"), sharded.join("config.json")).unwrap();
+    let names: Vec<String> = one.desc().tensors.iter().map(|t| t.name.clone()).collect();
+    let raws: Vec<Vec<u8>> = (0..names.len()).map(|i| one.raw(i).unwrap()).collect();
+    let mut weight_map = serde_json::Map::new();
+    for shard in 0..2 {
+        let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+        let views: Vec<(String, TensorView)> = names
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == shard)
+            .map(|(i, n)| {
+                let shape = one.desc().tensors[i]
+                    .shape
+                    .iter()
+                    .map(|&d| d as usize)
+                    .collect();
+                weight_map.insert(n.clone(), serde_json::json!(file));
+                (
+                    n.clone(),
+                    TensorView::new(Dtype::F16, shape, &raws[i]).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &sharded.join(&file)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let two = open_source(&sharded).unwrap();
+    assert_eq!(two.desc().tensors, one.desc().tensors);
+    for i in 0..names.len() {
+        assert_eq!(two.raw(i).unwrap(), raws[i], "{}", names[i]);
+    }
+    // A shard named in the index but missing is a clear error.
+    std::fs::remove_file(sharded.join("model-00002-of-00002.safetensors")).unwrap();
+    let err = open_source(&sharded).err().unwrap().to_string();
+    assert!(
+        err.contains("model-00002-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
+}

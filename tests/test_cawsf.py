@@ -270,3 +270,24 @@ def test_derived_tokenizer_matches_llama_cpp(cawsfs, archives, llama_bin, model_
     p = run(["python3", os.path.join(os.path.dirname(__file__), "check_tokenizer.py"), "compare",
              d / "tokenizer.json", model_gguf, "--llama-tokenize", llama_bin / "llama-tokenize"])
     print(p.stdout)
+
+
+def test_bad_sources_give_one_line_errors(cawsfs, model_gguf, work):
+    cases = {}
+    d = work / "no-config"
+    d.mkdir(exist_ok=True)
+    (d / "model.safetensors").write_bytes(b"\0" * 16)
+    cases["no-config"] = (d, "config.json")
+    trunc = work / "truncated.gguf"
+    trunc.write_bytes(model_gguf.read_bytes()[: 5 << 20])
+    cases["truncated-gguf"] = (trunc, "truncated.gguf")
+    garbage = work / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + os.urandom(4096))
+    cases["garbage-gguf"] = (garbage, "garbage.gguf")
+    cases["missing"] = (work / "nothing-here.gguf", "nothing-here.gguf")
+    for what, (src, needle) in cases.items():
+        p = run_status([cawsfs, "convert", src, "-o", work / f"{what}.cawsf"])
+        assert p.returncode != 0, what
+        err = p.stderr.strip()
+        assert len(err.splitlines()) == 1 and needle in err and "panicked" not in err, (what, err)
+        assert not (work / f"{what}.cawsf").exists(), what
