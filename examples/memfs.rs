@@ -152,6 +152,10 @@ fn main() -> std::io::Result<()> {
     config.n_threads = Some(4);
     config.clone_fd = true;
     let session = fuser::spawn_mount(fs, mountpoint, &config)?;
+    // Same 1 MiB bdi read-ahead the cawsfs daemon sets, so the ceiling is comparable.
+    if let Some(dev) = cawsfs::mount::mount_device(std::path::Path::new(mountpoint)) {
+        let _ = std::fs::write(format!("/sys/class/bdi/{dev}/read_ahead_kb"), "1024");
+    }
     println!("serving {file} at {mountpoint}");
     let ts = libc::timespec {
         tv_sec: 0,
