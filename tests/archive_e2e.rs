@@ -295,3 +295,72 @@ fn sharded_hf_directory_imports_like_a_single_file() {
         "{err}"
     );
 }
+
+/// The filesystem operations without the kernel: random reads of every file through the
+/// chunk cache (a budget far below the file sizes) equal the exported bytes, and the
+/// directory and attributes hold what they should.
+#[test]
+fn mountfs_random_reads_equal_export() {
+    use cawsfs::fs::{FsError, FsOptions, MountFs, ROOT_INO};
+    use cawsfs::layout::{gguf_file, safetensors_file, GgufOutType};
+    use std::sync::Arc;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let path = converted(tmp.path(), &small_opts());
+    let ar = Arc::new(Archive::open(&path).unwrap());
+    let opts = FsOptions {
+        cache_bytes: 8 << 10,
+        chunk_size: 4 << 10,
+        prefetch_threads: 1,
+        ..Default::default()
+    };
+    let fs = MountFs::new(ar.clone(), &opts).unwrap();
+    let mut refs = HashMap::new();
+    for vf in [
+        safetensors_file(ar.model(), None).unwrap(),
+        gguf_file(ar.model(), GgufOutType::F16).unwrap(),
+    ] {
+        let mut all = vec![0u8; vf.size as usize];
+        assert_eq!(vf.read_at(ar.as_ref(), 0, &mut all).unwrap(), all.len());
+        refs.insert(vf.name.clone(), all);
+    }
+    let listing = fs.readdir(ROOT_INO).unwrap();
+    let names: Vec<&str> = listing.iter().map(|(_, _, n)| n.as_str()).collect();
+    assert!(
+        names.contains(&"model.gguf")
+            && names.contains(&"model.safetensors")
+            && names.contains(&"config.json")
+    );
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for _ in 0..2000 {
+        let name = if rng.random_bool(0.5) {
+            "model.gguf"
+        } else {
+            "model.safetensors"
+        };
+        let attr = fs.lookup(ROOT_INO, std::ffi::OsStr::new(name)).unwrap();
+        let r = &refs[name];
+        assert_eq!(attr.size, r.len() as u64);
+        let off = rng.random_range(0..r.len() as u64 + 10);
+        let len = rng.random_range(0..20_000u32);
+        let got = fs.read(attr.ino, off, len).unwrap();
+        let lo = (off as usize).min(r.len());
+        let hi = (off as usize + len as usize).min(r.len());
+        assert_eq!(got, r[lo..hi], "{name} {off}+{len}");
+    }
+    let c = fs.cache().stats();
+    assert!(c.bytes_used <= 8 << 10 && c.evictions > 0 && c.hits > 0);
+    assert!(matches!(
+        fs.lookup(ROOT_INO, std::ffi::OsStr::new("nope")),
+        Err(FsError::NotFound(_))
+    ));
+    let gguf = fs
+        .lookup(ROOT_INO, std::ffi::OsStr::new("model.gguf"))
+        .unwrap();
+    assert!(matches!(fs.open(gguf.ino, true), Err(FsError::ReadOnly)));
+    assert!(matches!(
+        fs.read(ROOT_INO, 0, 10),
+        Err(FsError::IsADirectory)
+    ));
+    assert!(matches!(fs.getattr(999), Err(FsError::NoInode(999))));
+}
