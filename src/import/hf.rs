@@ -10,6 +10,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use super::{ImportError, SourceModel};
+use crate::gguf::GgmlType;
 use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
 
 /// Side files copied into the archive verbatim when present.
@@ -273,25 +274,18 @@ impl SourceModel for HfSource {
     fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
         let (s, r) = &self.locations[i];
         let bytes = &self.shards[*s][r.clone()];
-        Ok(to_f32(self.desc.tensors[i].source, bytes))
-    }
-}
-
-/// Widen little-endian f32/f16/bf16 bytes to f32 (exact).
-pub fn to_f32(source: SourceType, bytes: &[u8]) -> Vec<f32> {
-    match source {
-        SourceType::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        SourceType::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        SourceType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        SourceType::Ggml(_) => unreachable!("HF sources hold float tensors only"),
+        let t = &self.desc.tensors[i];
+        let ty = match t.source {
+            SourceType::F32 => GgmlType::F32,
+            SourceType::F16 => GgmlType::F16,
+            SourceType::BF16 => GgmlType::BF16,
+            SourceType::Ggml(ty) => ty,
+        };
+        let mut out = vec![0f32; t.numel() as usize];
+        crate::quant::dequantize(ty, bytes, &mut out).map_err(|e| ImportError::Invalid {
+            path: format!("tensor {}", t.name),
+            reason: e.to_string(),
+        })?;
+        Ok(out)
     }
 }
