@@ -161,7 +161,7 @@ fn raise_readahead(mountpoint: &Path) {
 
 /// `major:minor` of the filesystem mounted at `mountpoint`, from /proc/self/mountinfo.
 pub fn mount_device(mountpoint: &Path) -> Option<String> {
-    let canon = std::fs::canonicalize(mountpoint).ok()?;
+    let canon = crate::control::canonical_mountpoint(mountpoint);
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     info.lines().rev().find_map(|l| {
         let f: Vec<&str> = l.split(' ').collect();
@@ -171,10 +171,11 @@ pub fn mount_device(mountpoint: &Path) -> Option<String> {
 
 /// Whether a FUSE filesystem of ours is mounted at `mountpoint` (its mountinfo source
 /// is `cawsfs:ARCHIVE`; the fstype is plain `fuse` when mounted without libfuse).
+///
+/// The mount point itself is never stat'ed: after a daemon crash it answers ENOTCONN,
+/// and `cawsfs umount` must still recognise it to clean it up.
 pub fn is_mounted(mountpoint: &Path) -> bool {
-    let Ok(canon) = std::fs::canonicalize(mountpoint) else {
-        return false;
-    };
+    let canon = crate::control::canonical_mountpoint(mountpoint);
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };

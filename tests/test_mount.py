@@ -286,3 +286,15 @@ def test_mount_errors(cawsfs, work):
     assert p.returncode != 0 and "mounted" in p.stderr
     p = run_status([cawsfs, "umount", mp])
     assert p.returncode != 0 and "not a cawsfs mount" in p.stderr
+
+
+def test_umount_cleans_up_after_a_crashed_daemon(cawsfs, archives, work):
+    mp = work / "mnt-crash"
+    m = Mount(cawsfs, archives["default"][0], mp)
+    os.kill(m.pid, signal.SIGKILL)
+    time.sleep(0.3)
+    with pytest.raises(OSError) as e:
+        os.listdir(mp)
+    assert e.value.errno == errno.ENOTCONN
+    run([cawsfs, "umount", mp])
+    assert os.listdir(mp) == []
