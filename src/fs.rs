@@ -302,6 +302,7 @@ impl MountFs {
                 "evictions": c.evictions,
                 "bytes_used": c.bytes_used,
                 "pinned_bytes": c.pinned_bytes,
+                "pinned_resident_bytes": c.pinned_resident_bytes,
                 "budget": c.budget_bytes,
                 "chunk_size": c.chunk_size,
                 "entries": c.entries,

@@ -65,6 +65,18 @@ enum Cmd {
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
     },
+    /// Ask a mount to reconstruct a tensor, a layer or a byte range in the background.
+    Prefetch(SelectArgs),
+    /// Keep a tensor, layer or byte range resident (counts against the cache budget).
+    Pin(SelectArgs),
+    /// Let pinned chunks be evicted again.
+    Unpin(SelectArgs),
+    /// Drop every unpinned chunk from a mount's cache.
+    Evict {
+        mountpoint: PathBuf,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// Compute y = Ŵx for one tensor straight from its compressed components.
     Apply {
         archive: PathBuf,
@@ -78,6 +90,53 @@ enum Cmd {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["tensor", "layer", "file"])))]
+struct SelectArgs {
+    mountpoint: PathBuf,
+    /// A tensor (Hugging Face name), in every file that holds it.
+    #[arg(long)]
+    tensor: Option<String>,
+    /// Every tensor of one transformer block.
+    #[arg(long)]
+    layer: Option<u32>,
+    /// A virtual file (e.g. model.gguf), whole or with --range.
+    #[arg(long)]
+    file: Option<String>,
+    /// Byte range A..B of --file.
+    #[arg(long, requires = "file", value_parser = parse_range)]
+    range: Option<(u64, u64)>,
+    #[arg(long)]
+    socket: Option<PathBuf>,
+}
+
+fn parse_range(s: &str) -> std::result::Result<(u64, u64), String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("{s:?}: expected A..B"))?;
+    let a = cawsfs::mount::parse_size(a).or_else(|e| if a == "0" { Ok(0) } else { Err(e) })?;
+    let b = cawsfs::mount::parse_size(b)?;
+    if a >= b {
+        return Err(format!("{s:?}: empty range"));
+    }
+    Ok((a, b))
+}
+
+impl SelectArgs {
+    fn target(&self) -> cawsfs::control::Target {
+        use cawsfs::control::Target;
+        match (&self.tensor, self.layer, &self.file) {
+            (Some(t), _, _) => Target::Tensor(t.clone()),
+            (_, Some(l), _) => Target::Layer(l),
+            (_, _, Some(f)) => Target::File {
+                file: f.clone(),
+                range: self.range,
+            },
+            _ => unreachable!("clap requires one selector"),
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -236,6 +295,26 @@ fn run(cli: Cli) -> Result<()> {
             prometheus,
             watch,
             interval,
+        ),
+        Cmd::Prefetch(a) => control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Prefetch(a.target()),
+        ),
+        Cmd::Pin(a) => control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Pin(a.target()),
+        ),
+        Cmd::Unpin(a) => control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Unpin(a.target()),
+        ),
+        Cmd::Evict { mountpoint, socket } => control_call(
+            &mountpoint,
+            socket.as_deref(),
+            cawsfs::control::Request::Evict(None),
         ),
         Cmd::Apply {
             archive,
@@ -717,5 +796,19 @@ fn cmd_stat(
     } else {
         print!("{}", control::render_stat(&stats));
     }
+    Ok(())
+}
+
+/// Send one control request and print the reply's payload.
+fn control_call(mp: &Path, socket: Option<&Path>, req: cawsfs::control::Request) -> Result<()> {
+    let sock = socket
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| cawsfs::control::find_socket(mp));
+    let reply = cawsfs::control::request(&sock, &req, std::time::Duration::from_secs(30))?;
+    let mut v = reply;
+    if let Some(o) = v.as_object_mut() {
+        o.remove("ok");
+    }
+    println!("{}", serde_json::to_string(&v)?);
     Ok(())
 }

@@ -298,3 +298,38 @@ def test_umount_cleans_up_after_a_crashed_daemon(cawsfs, archives, work):
     assert e.value.errno == errno.ENOTCONN
     run([cawsfs, "umount", mp])
     assert os.listdir(mp) == []
+
+
+def test_prefetch_pin_unpin_evict_from_the_cli(cawsfs, archives, work):
+    """Pinned chunks survive a read pattern that evicts everything else; pinning past
+    the budget is refused and the daemon keeps serving."""
+    m = Mount(cawsfs, archives["default"][0], work / "mnt-pin", "--cache-size", "32MiB")
+    try:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert json.loads(run([cawsfs, "pin", m.mp, "--tensor", name]).stdout)["pinned_chunks"] > 0
+        pinned = m.stat()["cache"]["pinned_bytes"]
+        assert pinned > 0
+        for _ in range(100):  # pin queues the loads; wait for them
+            if m.stat()["cache"]["pinned_resident_bytes"] == pinned:
+                break
+            time.sleep(0.05)
+        # Stream both big files through a 32 MiB cache: everything unpinned is evicted.
+        for f in ("model.gguf", "model.safetensors"):
+            with open(m.mp / f, "rb") as fh:
+                while fh.read(1 << 20):
+                    pass
+        st = m.stat()["cache"]
+        assert st["evictions"] > 0 and st["pinned_bytes"] == pinned and st["bytes_used"] <= 32 << 20
+        # Pinning loads the chunks; after the scan they are all still resident.
+        assert st["pinned_resident_bytes"] == pinned, st
+        over = run_status([cawsfs, "pin", m.mp, "--file", "model.gguf"])
+        assert over.returncode != 0 and "budget" in over.stderr
+        assert m.stat()["cache"]["pinned_bytes"] == pinned  # all or nothing
+        q = json.loads(run([cawsfs, "prefetch", m.mp, "--layer", "2"]).stdout)["queued_chunks"]
+        assert q > 0
+        assert json.loads(run([cawsfs, "unpin", m.mp, "--tensor", name]).stdout)["unpinned_chunks"] > 0
+        assert m.stat()["cache"]["pinned_bytes"] == 0
+        run([cawsfs, "evict", m.mp])
+        assert run_status([cawsfs, "prefetch", m.mp, "--tensor", "no.such"]).returncode != 0
+    finally:
+        m.close()
