@@ -22,21 +22,25 @@ pub(super) struct HeaderOut {
     pub data_size: u64,
 }
 
-pub(super) type HeaderFn<'a> =
-    dyn Fn(Vec<(String, GgufValue)>, Vec<(String, Vec<u64>, GgmlType)>, u64) -> HeaderOut + 'a;
+pub(super) type HeaderFn<'a> = dyn Fn(
+        Vec<(String, GgufValue)>,
+        Vec<(String, Vec<u64>, GgmlType)>,
+        u64,
+    ) -> Result<HeaderOut, String>
+    + 'a;
 
 /// The real serializer: [`GgufHeader`].
 pub(super) fn header_with_writer(
     meta: Vec<(String, GgufValue)>,
     tensors: Vec<(String, Vec<u64>, GgmlType)>,
     alignment: u64,
-) -> HeaderOut {
-    let h = GgufHeader::new(meta, tensors, alignment);
-    HeaderOut {
+) -> Result<HeaderOut, String> {
+    let h = GgufHeader::try_new(meta, tensors, alignment)?;
+    Ok(HeaderOut {
         bytes: h.to_bytes(),
         entries: h.tensors.iter().map(|e| (e.offset, e.n_bytes)).collect(),
         data_size: h.data_size(),
-    }
+    })
 }
 
 fn ggml_type(t: FloatType) -> GgmlType {
@@ -123,7 +127,8 @@ pub(super) fn build(
             permute,
         });
     }
-    let out = header(meta, infos, ALIGNMENT);
+    let out = header(meta, infos, ALIGNMENT)
+        .map_err(|e| LayoutError::Unsupported(format!("model.gguf header: {e}")))?;
     if out.entries.len() != plans.len() {
         return Err(LayoutError::Metadata(
             "GGUF header lists a different number of tensors than asked".into(),

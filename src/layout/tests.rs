@@ -294,13 +294,14 @@ fn large_reads_run_in_bounded_row_runs() {
     );
 }
 
-/// A stand-in for `GgufHeader` until it lands: offsets aligned like the real one, a
-/// fake header of aligned length; records the metadata and tensor infos it was given.
+/// A stand-in for `GgufHeader` that records the metadata and tensor infos it was given,
+/// so tests can check them directly (offsets aligned like the real one, a fake header
+/// of aligned length). The real header is checked by the GGUF tests and end to end.
 type Meta = Vec<(String, GgufValue)>;
 type Infos = Vec<(String, Vec<u64>, GgmlType)>;
 type Seen = Mutex<Option<(Meta, Infos)>>;
 
-fn test_header(seen: &Seen) -> impl Fn(Meta, Infos, u64) -> HeaderOut + '_ {
+fn test_header(seen: &Seen) -> impl Fn(Meta, Infos, u64) -> Result<HeaderOut, String> + '_ {
     move |meta, tensors, align| {
         let mut entries = Vec::new();
         let mut pos = 0u64;
@@ -312,11 +313,11 @@ fn test_header(seen: &Seen) -> impl Fn(Meta, Infos, u64) -> HeaderOut + '_ {
         let mut bytes = b"GGUF".to_vec();
         bytes.resize(3 * align as usize, 0);
         *seen.lock().unwrap() = Some((meta, tensors));
-        HeaderOut {
+        Ok(HeaderOut {
             bytes,
             entries,
             data_size: pos,
-        }
+        })
     }
 }
 
