@@ -50,8 +50,32 @@ impl Default for ConvertOptions {
     }
 }
 
+impl ConvertOptions {
+    /// Reject options no tensor could be coded with, before any work starts (so that
+    /// a per-tensor NDSQ parameter error can only mean "this tensor's shape or values").
+    pub fn validate(&self) -> Result<(), ConvertError> {
+        let o = &self.ndsq;
+        let bad = |m: String| Err(ConvertError::Options(m));
+        if !(0.0..=1.0).contains(&o.outlier_q) {
+            return bad(format!("--outlier-q {} is not in [0, 1]", o.outlier_q));
+        }
+        if !(1..=256).contains(&o.pq_k) {
+            return bad(format!(
+                "--pq-k {} is not in 1..=256 (codes are one byte)",
+                o.pq_k
+            ));
+        }
+        if o.pq_dim == 0 || o.pq_m == Some(0) {
+            return bad("--pq-dim and --pq-m must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
+    #[error("invalid options: {0}")]
+    Options(String),
     #[error(transparent)]
     Import(#[from] ImportError),
     #[error(transparent)]
@@ -127,7 +151,16 @@ fn encode_one(
         let w = src.f32(i)?;
         let mut nd = opts.ndsq.clone();
         nd.seed = opts.ndsq.seed ^ xxh3_64(t.name.as_bytes());
-        codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd).map_err(wrap)
+        match codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd) {
+            // A width the sub-vectors don't divide, or non-finite values: NDSQ cannot
+            // code this tensor, so keep it exact rather than fail the whole model.
+            Err(CodecError::Params(why)) => {
+                tracing::warn!("{}: stored as passthrough ({why})", t.name);
+                let raw = src.raw(i)?;
+                codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
+            }
+            r => r.map_err(wrap),
+        }
     }
 }
 
@@ -140,6 +173,7 @@ pub fn convert(
     progress: &(dyn Fn(usize, usize, &str) + Sync),
 ) -> Result<ConvertReport, ConvertError> {
     use rayon::prelude::*;
+    opts.validate()?;
     let desc = src.desc();
     let n = desc.tensors.len();
     let mut writer = ArchiveWriter::create(out, opts.compression)?;

@@ -176,21 +176,21 @@ struct ConvertArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// Rank of the low-rank component L.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.rank)]
     rank: u32,
     /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.outlier_q)]
     outlier_q: f32,
     /// PQ sub-vectors per row (must divide every coded tensor's width); overrides --pq-dim.
     #[arg(long)]
     pq_m: Option<u32>,
     /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_dim)]
     pq_dim: u32,
     /// PQ centroids per codebook (at most 256).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_k)]
     pq_k: u32,
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
     kmeans_iters: u32,
     /// Store tensors matching this `*` pattern as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless

@@ -364,3 +364,38 @@ fn mountfs_random_reads_equal_export() {
     ));
     assert!(matches!(fs.getattr(999), Err(FsError::NoInode(999))));
 }
+
+/// A tensor NDSQ cannot code (sub-vectors that don't divide its width) is kept exact
+/// instead of failing the model; options no tensor could use fail before any work.
+#[test]
+fn uncodable_tensors_fall_back_to_passthrough() {
+    use cawsfs::codec::TensorCodec;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut opts = small_opts();
+    opts.ndsq.pq_dim = 5; // divides FFN (160), not HIDDEN (64)
+    let path = converted(tmp.path(), &opts);
+    let ar = Archive::open(&path).unwrap();
+    for (i, t) in ar.model().tensors.iter().enumerate() {
+        let codec = ar.tensor_info(i).codec;
+        let ndsq = matches!(codec, TensorCodec::Ndsq { .. });
+        assert_eq!(
+            ndsq,
+            t.shape.len() == 2 && t.cols() % 5 == 0 && !t.name.contains("embed"),
+            "{}",
+            t.name
+        );
+    }
+    ar.verify().unwrap();
+    let mut bad = small_opts();
+    bad.ndsq.pq_k = 300;
+    let src = open_source(&tmp.path().join("hf")).unwrap();
+    let err = convert(
+        src.as_ref(),
+        &tmp.path().join("bad.cawsf"),
+        &bad,
+        &|_, _, _| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("--pq-k 300"), "{err}");
+    assert!(!tmp.path().join("bad.cawsf").exists());
+}
