@@ -29,7 +29,7 @@ gen() { "$bin/llama-completion" -m "$1" -p "$prompt" -n 32 --temp 0 -no-cnv --no
   echo "|---|---|---|---|---|---|---|---|"
 } > "$work/table.md"
 : > "$work/outputs.md"
-echo "| original Q4_1 GGUF | — | $(stat -c %s "$model") | $(python3 -c "print(round($(stat -c %s "$model")*8/134515008,3))") | — | — | — | $(ppl "$model") |" >> "$work/table.md"
+echo "| original Q4_1 GGUF | — | $(stat -c %s "$model") | $(python3 -c "import gguf,sys; n=sum(int(t.n_elements) for t in gguf.GGUFReader(sys.argv[1]).tensors); print(round($(stat -c %s "$model")*8/n,3))" "$model") | — | — | — | $(ppl "$model") |" >> "$work/table.md"
 echo "- **original Q4_1 GGUF**: $(gen "$model")" >> "$work/outputs.md"
 while IFS='|' read -r name flags; do
   t0=$(date +%s%N)

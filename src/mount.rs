@@ -299,26 +299,26 @@ impl Handler for ControlHandler {
                 Ok(json!({"queued_chunks": queued}))
             }
             Request::Pin(t) => {
-                let mut n = 0;
-                let mut done: Vec<(ChunkKey, u64)> = Vec::new();
-                for (f, size, r) in self.chunks(&t)? {
-                    for index in r {
-                        let key = ChunkKey { file: f, index };
-                        if let Err(e) = cache.pin(key, size) {
+                let spans = self.chunks(&t)?;
+                let mut done: Vec<ChunkKey> = Vec::new();
+                for (f, size, r) in &spans {
+                    for index in r.clone() {
+                        let key = ChunkKey { file: *f, index };
+                        if let Err(e) = cache.pin(key, *size) {
                             // All or nothing: undo what this request pinned.
-                            for (k, _) in &done {
+                            for k in &done {
                                 let _ = cache.unpin(*k);
                             }
                             return Err(e.to_string());
                         }
-                        done.push((key, size));
-                        n += 1;
+                        done.push(key);
                     }
                 }
-                for (f, size, r) in self.chunks(&t)? {
+                // Pinned chunks are reserved; load them now rather than on first read.
+                for (f, size, r) in spans {
                     cache.prefetch_registered(f, size, r);
                 }
-                Ok(json!({"pinned_chunks": n}))
+                Ok(json!({"pinned_chunks": done.len()}))
             }
             Request::Unpin(t) => {
                 let mut n = 0;

@@ -238,34 +238,28 @@ impl VirtualFile {
 /// even, as torch and numpy do.
 fn encode(vals: &[f32], dtype: FloatType, out: &mut Vec<u8>) {
     match dtype {
-        FloatType::F32 => {
-            if cfg!(target_endian = "little") {
-                out.extend_from_slice(bytemuck::cast_slice(vals));
-            } else {
-                vals.iter()
-                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            }
-        }
+        FloatType::F32 => push_le(vals, out),
         FloatType::F16 => {
             let mut h = vec![f16::ZERO; vals.len()];
             h.convert_from_f32_slice(vals);
-            if cfg!(target_endian = "little") {
-                out.extend_from_slice(bytemuck::cast_slice(&h));
-            } else {
-                h.iter()
-                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            }
+            push_le(&h, out);
         }
         FloatType::BF16 => {
             let mut h = vec![bf16::ZERO; vals.len()];
             h.convert_from_f32_slice(vals);
-            if cfg!(target_endian = "little") {
-                out.extend_from_slice(bytemuck::cast_slice(&h));
-            } else {
-                h.iter()
-                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            }
+            push_le(&h, out);
         }
+    }
+}
+
+/// Append plain-old-data values as little-endian bytes.
+fn push_le<T: bytemuck::Pod>(vals: &[T], out: &mut Vec<u8>) {
+    let bytes: &[u8] = bytemuck::cast_slice(vals);
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytes);
+    } else {
+        let n = std::mem::size_of::<T>();
+        out.extend(bytes.chunks_exact(n).flat_map(|c| c.iter().rev().copied()));
     }
 }
 
