@@ -10,10 +10,10 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use crate::archive::Archive;
 use crate::cache::{CacheConfig, CacheError, ChunkCache, ChunkLoader};
 use crate::layout::{self, GgufOutType, LayoutError, VirtualFile};
 use crate::model::{FloatType, ReadError};
+use crate::store::Store;
 
 pub const ROOT_INO: u64 = 1;
 
@@ -84,7 +84,7 @@ pub struct Entry {
 }
 
 pub struct MountFs {
-    archive: Arc<Archive>,
+    archive: Arc<dyn Store>,
     entries: Vec<Entry>,
     cache: Arc<ChunkCache>,
     mtime: SystemTime,
@@ -92,7 +92,7 @@ pub struct MountFs {
 }
 
 impl MountFs {
-    pub fn new(archive: Arc<Archive>, opts: &FsOptions) -> Result<MountFs, SetupError> {
+    pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
         let model = archive.model();
         let mut files = vec![
             layout::safetensors_file(model, opts.safetensors_dtype)?,
@@ -123,7 +123,7 @@ impl MountFs {
         if opts.prefetch_threads > 0 {
             cache.start_prefetcher(opts.prefetch_threads);
         }
-        let mtime = std::fs::metadata(&archive.path)
+        let mtime = std::fs::metadata(archive.path())
             .and_then(|m| m.modified())
             .unwrap_or(SystemTime::UNIX_EPOCH);
         Ok(MountFs {
@@ -143,7 +143,7 @@ impl MountFs {
         &self.cache
     }
 
-    pub fn archive(&self) -> &Arc<Archive> {
+    pub fn archive(&self) -> &Arc<dyn Store> {
         &self.archive
     }
 
@@ -287,7 +287,8 @@ impl MountFs {
             })
             .collect();
         serde_json::json!({
-            "archive_path": self.archive.path.display().to_string(),
+            "archive_kind": self.archive.kind().name(),
+            "archive_path": self.archive.path().display().to_string(),
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "cache": {
                 "hits": c.hits + c.prefetch_hits,
@@ -334,7 +335,7 @@ pub fn file_id(ino: u64) -> u32 {
     ino as u32
 }
 
-fn loader(archive: &Arc<Archive>, vf: &VirtualFile, chunk_size: u64) -> ChunkLoader {
+fn loader(archive: &Arc<dyn Store>, vf: &VirtualFile, chunk_size: u64) -> ChunkLoader {
     let archive = archive.clone();
     let vf = vf.clone();
     Arc::new(move |idx, buf| vf.read_at(&*archive, idx * chunk_size, buf))

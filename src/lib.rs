@@ -3,12 +3,14 @@
 //! The data path runs one way:
 //! ```text
 //! archive bytes (mmap) ─► archive reader ─► codec: reconstruct rows r0..r1 of tensor T
+//!   .cawsf (archive) | delta | npy-dir, behind one trait (store)
 //!                                  │
 //! model description (model): tensors, architecture config, tokenizer
 //!                                  │
 //! virtual layouts (layout): safetensors / GGUF / config.json / tokenizer.json
 //!                                  │
-//! export (today) · chunk cache + FUSE adapter + control socket (next)
+//! export · chunk cache (cache) ─► filesystem (fs) ─► FUSE adapter (fuse)
+//! control socket (control) · daemon (mount) · CLI (main.rs)
 //! ```
 //! Importers (`import`) feed `convert`, which encodes tensors with a codec and writes an
 //! archive. Each module knows only the ones below it.
@@ -28,3 +30,4 @@ pub mod model;
 pub mod mount;
 pub mod names;
 pub mod quant;
+pub mod store;

@@ -406,42 +406,40 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
 }
 
 fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
-    let ar = Archive::open(path)?;
+    let ar = cawsfs::store::open(path)?;
     let m = ar.model();
-    let rel = ar.extra().get("rel_err");
     if json {
         let tensors: Vec<_> = m
             .tensors
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                let info = ar.tensor_info(i);
-                let locations: Option<Vec<(u64, u64)>> = blocks.then(|| {
-                    (0..info.n_blocks)
-                        .map(|b| ar.block_location(i, b))
-                        .collect()
-                });
+                let info = ar.tensor_summary(i);
+                let locations = blocks.then(|| ar.block_locations(i));
                 serde_json::json!({
                     "block_locations": locations,
                     "name": t.name, "shape": t.shape, "source": t.source,
                     "codec": info.codec, "rows_per_block": info.rows_per_block,
                     "blocks": info.n_blocks, "bytes": info.stored_bytes,
-                    "rel_err": rel.and_then(|r| r.get(&t.name)),
+                    "rel_err": info.rel_err,
                 })
             })
             .collect();
         let sections: Vec<_> = ar
-            .sections()
+            .parts()
             .iter()
             .map(|s| serde_json::json!({"kind": s.kind, "offset": s.offset, "size": s.size, "flags": s.flags}))
             .collect();
-        let v = serde_json::json!({"sections": sections, "arch": m.arch, "tensors": tensors, "extra": ar.extra()});
+        let v = serde_json::json!({
+            "kind": ar.kind().name(), "sections": sections, "arch": m.arch,
+            "tensors": tensors, "extra": ar.extra(),
+        });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("archive: {}", path.display());
-    println!("sections:");
-    for s in ar.sections() {
+    println!("archive: {} ({})", path.display(), ar.kind().name());
+    println!("parts:");
+    for s in ar.parts() {
         println!(
             "  {:<11} offset {:>12} size {:>12} flags {:#x}",
             s.kind, s.offset, s.size, s.flags
@@ -473,22 +471,18 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
     );
     let mut total = 0;
     for (i, t) in m.tensors.iter().enumerate() {
-        let info = ar.tensor_info(i);
+        let info = ar.tensor_summary(i);
         total += info.stored_bytes;
-        let r = rel
-            .and_then(|r| r.get(&t.name))
-            .and_then(|v| v.as_f64())
-            .unwrap_or(0.0);
         println!(
             "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5}",
             t.name,
             format!("{:?}", t.shape),
             format!("{:?}", t.source).to_lowercase(),
-            convert::codec_label(&info.codec),
+            info.codec,
             info.n_blocks,
             info.stored_bytes,
             info.stored_bytes as f64 * 8.0 / t.numel().max(1) as f64,
-            r
+            info.rel_err.unwrap_or(0.0)
         );
     }
     println!("total tensor bytes: {total}");
@@ -496,16 +490,22 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
 }
 
 fn cmd_verify(path: &Path) -> Result<()> {
-    let ar = Archive::open(path)?;
-    ar.verify()
-        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let ar = cawsfs::store::open(path)?;
+    let fails = ar.verify_all();
+    if let Some(first) = fails.first() {
+        for f in &fails[1..] {
+            eprintln!("{}: {f}", path.display());
+        }
+        bail!("{}: {first}", path.display());
+    }
     let blocks: usize = (0..ar.model().tensors.len())
-        .map(|i| ar.tensor_info(i).n_blocks)
+        .map(|i| ar.tensor_summary(i).n_blocks)
         .sum();
     println!(
-        "{}: ok ({} sections, {} tensors, {} blocks verified)",
+        "{}: ok ({}, {} parts, {} tensors, {} blocks verified)",
         path.display(),
-        ar.sections().len(),
+        ar.kind().name(),
+        ar.parts().len(),
         ar.model().tensors.len(),
         blocks
     );
@@ -522,7 +522,7 @@ fn float_of(d: Dtype) -> FloatType {
 
 fn cmd_export(a: ExportArgs) -> Result<()> {
     init_threads(a.threads)?;
-    let ar = Archive::open(&a.archive)?;
+    let ar = cawsfs::store::open(&a.archive)?;
     let model = ar.model();
     let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {
         let pb = bar(
@@ -530,7 +530,7 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
             "{elapsed_precise} [{bar:40}] {bytes}/{total_bytes} {msg}",
         );
         pb.set_message(vf.name.clone());
-        cawsfs::export::export_file(vf, &ar as &dyn RowSource, path, &|done| {
+        cawsfs::export::export_file(vf, &*ar as &dyn RowSource, path, &|done| {
             pb.set_position(done)
         })?;
         pb.finish_and_clear();
@@ -652,7 +652,7 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
         return cawsfs::mount::run(&a.archive, &a.mountpoint, &opts).map_err(Into::into);
     }
     // Check what can be checked before detaching, so mistakes are reported here.
-    Archive::open(&a.archive)?;
+    cawsfs::store::open(&a.archive)?;
     if !a.mountpoint.is_dir() {
         bail!("{}: not a directory", a.mountpoint.display());
     }

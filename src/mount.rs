@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::archive::{Archive, ArchiveError};
+use crate::archive::ArchiveError;
 use crate::cache::ChunkKey;
 use crate::control::{ControlError, ControlServer, Handler, Request, Target};
 use crate::fs::{file_id, FsOptions, MountFs, SetupError};
@@ -68,7 +68,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // Block the signals before any thread starts so every thread inherits the mask
     // and only the wait below receives them.
     let sigs = blocked_signals();
-    let archive = Arc::new(Archive::open(archive_path)?);
+    let archive = crate::store::open(archive_path)?;
     let fs = Arc::new(MountFs::new(archive, &opts.fs)?);
 
     let mut config = fuser::Config::default();

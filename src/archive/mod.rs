@@ -23,6 +23,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::codec::{self, DecodedGlobal, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource};
+pub use crate::store::ReadCounterSnapshot;
+use crate::store::ReadCounters;
 
 use format::*;
 pub use routing::{encode_routing, parse_routing, Routing};
@@ -84,21 +86,6 @@ struct TensorEntry {
 enum GlobalFault {
     Checksum { stored: u64, computed: u64 },
     Corrupt(String),
-}
-
-#[derive(Default)]
-struct ReadCounters {
-    blocks: std::sync::atomic::AtomicU64,
-    stored_bytes: std::sync::atomic::AtomicU64,
-    payload_bytes: std::sync::atomic::AtomicU64,
-}
-
-/// A snapshot of [`Archive::read_counters`].
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
-pub struct ReadCounterSnapshot {
-    pub blocks: u64,
-    pub stored_bytes: u64,
-    pub payload_bytes: u64,
 }
 
 /// An opened archive (memory-mapped). Implements [`RowSource`].
@@ -557,12 +544,7 @@ impl Archive {
     /// What reads have cost so far: blocks fetched and their stored (compressed) and
     /// decompressed bytes. The mount reports these as "archive bytes read".
     pub fn read_counters(&self) -> ReadCounterSnapshot {
-        use std::sync::atomic::Ordering::Relaxed;
-        ReadCounterSnapshot {
-            blocks: self.counters.blocks.load(Relaxed),
-            stored_bytes: self.counters.stored_bytes.load(Relaxed),
-            payload_bytes: self.counters.payload_bytes.load(Relaxed),
-        }
+        self.counters.snapshot()
     }
 
     pub fn model(&self) -> &ModelDesc {
@@ -650,16 +632,7 @@ impl Archive {
         let rec_start = (self.bank.0 + e.offset) as usize;
         let pay_start = rec_start + REC_HEADER;
         let stored = &self.map[pay_start..pay_start + e.csize as usize];
-        {
-            use std::sync::atomic::Ordering::Relaxed;
-            self.counters.blocks.fetch_add(1, Relaxed);
-            self.counters
-                .stored_bytes
-                .fetch_add(e.csize as u64, Relaxed);
-            self.counters
-                .payload_bytes
-                .fetch_add(e.usize as u64, Relaxed);
-        }
+        self.counters.record(e.csize as u64, e.usize as u64);
         let computed = xxh3_64(stored);
         if computed != e.xxh3 {
             return Err(ReadError::Checksum {

@@ -1,0 +1,164 @@
+//! One interface over the three archive kinds (`.cawsf`, delta, npy-dir): what the
+//! CLI, `export` and the mount need from an opened archive, whatever its format.
+//! Everything above this module sees a [`Store`]: the model description, rows of any
+//! tensor, checksums to verify, and what reads have cost.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use crate::archive::{Archive, ArchiveError, SectionInfo};
+use crate::model::{ModelDesc, RowSource};
+
+/// Which format an archive is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    Cawsf,
+    Delta,
+    NpyDir,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Cawsf => "cawsf",
+            Kind::Delta => "delta",
+            Kind::NpyDir => "npy-dir",
+        }
+    }
+}
+
+/// What `inspect` shows about one tensor.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TensorSummary {
+    /// Short human label of how the tensor is stored ("ndsq r4 pq2x256", "int8", ...).
+    pub codec: String,
+    pub rows_per_block: u64,
+    pub n_blocks: usize,
+    /// Bytes the tensor occupies in the archive (its share of shared parts excluded).
+    pub stored_bytes: u64,
+    /// ‖W−Ŵ‖/‖W‖ measured at conversion, when known.
+    pub rel_err: Option<f64>,
+}
+
+/// Read cost counters every kind keeps: blocks (or files) fetched, their stored bytes
+/// and their decompressed bytes. The mount reports these as "archive bytes read".
+#[derive(Default)]
+pub struct ReadCounters {
+    blocks: AtomicU64,
+    stored_bytes: AtomicU64,
+    payload_bytes: AtomicU64,
+}
+
+impl ReadCounters {
+    pub fn record(&self, stored: u64, payload: u64) {
+        self.blocks.fetch_add(1, Relaxed);
+        self.stored_bytes.fetch_add(stored, Relaxed);
+        self.payload_bytes.fetch_add(payload, Relaxed);
+    }
+    pub fn snapshot(&self) -> ReadCounterSnapshot {
+        ReadCounterSnapshot {
+            blocks: self.blocks.load(Relaxed),
+            stored_bytes: self.stored_bytes.load(Relaxed),
+            payload_bytes: self.payload_bytes.load(Relaxed),
+        }
+    }
+}
+
+/// A snapshot of [`ReadCounters`].
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ReadCounterSnapshot {
+    pub blocks: u64,
+    pub stored_bytes: u64,
+    pub payload_bytes: u64,
+}
+
+/// An opened archive of any kind.
+pub trait Store: RowSource {
+    fn kind(&self) -> Kind;
+    /// The file or directory it was opened from.
+    fn path(&self) -> &Path;
+    fn model(&self) -> &ModelDesc;
+    /// Panics if `tensor` is not an index into `model().tensors` (a caller bug).
+    fn tensor_summary(&self, tensor: usize) -> TensorSummary;
+    /// The archive's parts: sections of a container file, or the files of a directory.
+    fn parts(&self) -> Vec<SectionInfo>;
+    /// Every integrity failure, one line each. Empty = archive intact.
+    fn verify_all(&self) -> Vec<String>;
+    fn read_counters(&self) -> ReadCounterSnapshot;
+    /// Conversion report and other free-form metadata (JSON null when none).
+    fn extra(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    /// (absolute file offset, stored length) of each block of a tensor, when blocks
+    /// live in one file (used by `inspect --blocks` and corruption tests).
+    fn block_locations(&self, _tensor: usize) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
+    /// Decompressed ROUTING bytes (docs/FORMAT.md); empty when the archive has none.
+    fn routing_bytes(&self) -> &[u8] {
+        &[]
+    }
+}
+
+/// Open an archive of any kind: a directory is an npy-dir, a file is told by its magic.
+pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
+    let meta = std::fs::metadata(path).map_err(|source| ArchiveError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    if meta.is_dir() {
+        return Err(ArchiveError::Invalid {
+            path: path.display().to_string(),
+            reason: "a directory, and npy-dir archives are not supported yet".into(),
+        });
+    }
+    Ok(Arc::new(Archive::open(path)?))
+}
+
+impl Store for Archive {
+    fn kind(&self) -> Kind {
+        Kind::Cawsf
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn model(&self) -> &ModelDesc {
+        Archive::model(self)
+    }
+    fn tensor_summary(&self, tensor: usize) -> TensorSummary {
+        let info = self.tensor_info(tensor);
+        let name = &Archive::model(self).tensors[tensor].name;
+        TensorSummary {
+            codec: crate::convert::codec_label(&info.codec),
+            rows_per_block: info.rows_per_block,
+            n_blocks: info.n_blocks,
+            stored_bytes: info.stored_bytes,
+            rel_err: Archive::extra(self)
+                .get("rel_err")
+                .and_then(|r| r.get(name))
+                .and_then(|v| v.as_f64()),
+        }
+    }
+    fn parts(&self) -> Vec<SectionInfo> {
+        self.sections()
+    }
+    fn verify_all(&self) -> Vec<String> {
+        Archive::verify_all(self)
+    }
+    fn read_counters(&self) -> ReadCounterSnapshot {
+        Archive::read_counters(self)
+    }
+    fn extra(&self) -> serde_json::Value {
+        Archive::extra(self).clone()
+    }
+    fn block_locations(&self, tensor: usize) -> Vec<(u64, u64)> {
+        (0..self.tensor_info(tensor).n_blocks)
+            .map(|b| self.block_location(tensor, b))
+            .collect()
+    }
+    fn routing_bytes(&self) -> &[u8] {
+        self.routing()
+    }
+}
