@@ -225,7 +225,8 @@ pub fn convert(
         },
         "rel_err": reports.iter().map(|r| (r.name.clone(), serde_json::json!(r.rel_err))).collect::<serde_json::Map<String, serde_json::Value>>(),
     });
-    let archive_bytes = writer.finish(desc, extra, &[])?;
+    let routing = routing_bytes(src)?;
+    let archive_bytes = writer.finish(desc, extra, &routing)?;
     // Stored sizes come from the archive as written, which also proves it opens.
     let archive = crate::archive::Archive::open(out)?;
     for (i, r) in reports.iter_mut().enumerate() {
@@ -240,6 +241,13 @@ pub fn convert(
         mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
         max_rel_err,
     })
+}
+
+/// The ROUTING bytes (docs/FORMAT.md §7) every archive kind stores for `src`.
+/// Empty (no routes) until the router computes keys at convert time.
+pub fn routing_bytes(src: &dyn SourceModel) -> Result<Vec<u8>, ConvertError> {
+    let _ = src;
+    Ok(Vec::new())
 }
 
 pub fn codec_label(c: &TensorCodec) -> String {

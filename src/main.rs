@@ -26,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Convert a Hugging Face directory or a GGUF file into a .cawsf archive.
+    /// Convert a Hugging Face directory or a GGUF file into an archive (.cawsf, delta or npy-dir).
     Convert(ConvertArgs),
     /// Show an archive's sections, model and tensors.
     Inspect {
@@ -175,6 +175,9 @@ struct ConvertArgs {
     src: PathBuf,
     #[arg(short, long)]
     output: PathBuf,
+    /// Archive kind to write.
+    #[arg(long, value_enum, default_value_t = To::Cawsf)]
+    to: To,
     /// Rank of the low-rank component L.
     #[arg(long, default_value_t = ConvertOptions::default().ndsq.rank)]
     rank: u32,
@@ -210,6 +213,16 @@ struct ConvertArgs {
     /// Also write the per-tensor report as JSON here.
     #[arg(long)]
     report_json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum To {
+    /// NDSQ .cawsf container (D + L + R + S).
+    Cawsf,
+    /// Shared bases + per-layer low-rank deltas (Base + U·Vᵀ).
+    Delta,
+    /// Squish npy directory (int8 / int4 / f16 passthrough).
+    NpyDir,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -348,6 +361,11 @@ fn bar(len: u64, template: &str) -> ProgressBar {
 
 fn cmd_convert(a: ConvertArgs) -> Result<()> {
     init_threads(a.threads)?;
+    match a.to {
+        To::Cawsf => {}
+        To::Delta => return cmd_convert_delta(a),
+        To::NpyDir => return cmd_convert_npy(a),
+    }
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
     opts.ndsq.rank = a.rank;
@@ -403,6 +421,20 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
             .with_context(|| format!("{}", p.display()))?;
     }
     Ok(())
+}
+
+fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
+    bail!(
+        "{}: --to delta is not available in this build",
+        a.src.display()
+    )
+}
+
+fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
+    bail!(
+        "{}: --to npy-dir is not available in this build",
+        a.src.display()
+    )
 }
 
 fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
