@@ -525,10 +525,11 @@ fn cmd_verify(path: &Path) -> Result<()> {
     let ar = cawsfs::store::open(path)?;
     let fails = ar.verify_all();
     if let Some(first) = fails.first() {
-        for f in &fails[1..] {
-            eprintln!("{}: {f}", path.display());
+        // One line: the first failure names the block; the count says how much more.
+        match fails.len() - 1 {
+            0 => bail!("{}: {first}", path.display()),
+            n => bail!("{}: {first} (and {n} more failures)", path.display()),
         }
-        bail!("{}: {first}", path.display());
     }
     let blocks: usize = (0..ar.model().tensors.len())
         .map(|i| ar.tensor_summary(i).n_blocks)
