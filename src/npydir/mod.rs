@@ -11,6 +11,8 @@
 
 pub mod npy;
 pub mod quant;
+#[cfg(test)]
+mod tests;
 mod writer;
 
 use std::borrow::Cow;
