@@ -223,6 +223,8 @@ struct Entry {
     files: Vec<DataFile>,
     /// Stored bytes of all the tensor's files (shape file included).
     stored_bytes: u64,
+    /// The shape file (name in the directory, size), when there is one.
+    shape_part: Option<(String, u64)>,
 }
 
 impl Entry {
@@ -601,6 +603,7 @@ impl NpyDir {
             for f in &e.files {
                 parts.push((f.rel.clone(), f.file_len));
             }
+            parts.extend(e.shape_part.clone());
         }
         parts.sort();
         Ok(NpyDir {
@@ -1002,6 +1005,7 @@ fn open_side_tensor(
         geom,
         files,
         stored_bytes: stored,
+        shape_part: Some((format!("{TENSOR_DIR}/{}", sf.file), shape_len)),
     })
 }
 
@@ -1173,6 +1177,10 @@ fn open_foreign_tensor(
             geom,
             files,
             stored_bytes: stored,
+            shape_part: shape_file.map(|f| {
+                let len = file_len(&dir.join(TENSOR_DIR).join(&f));
+                (format!("{TENSOR_DIR}/{f}"), len)
+            }),
         },
     ))
 }
