@@ -115,9 +115,9 @@ def test_numpy_reads_the_files(npy_dirs):
         with open(zst / f"{sk}{f}.npy.zst", "rb") as fh:
             data = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True).read()
         assert data == (plain / f"{sk}{f}.npy").read_bytes()
-    z = subprocess.run(["zstd", "-d", "-c", zst / f"{sk}__q4.npy.zst"], capture_output=True)
-    if z.returncode == 0 or b"not found" not in z.stderr:
-        assert z.stdout == (plain / f"{sk}__q4.npy").read_bytes()
+    # The zstd CLI (Debian's zstd, installed by scripts/setup.sh) reads every frame.
+    z = subprocess.run(["zstd", "-d", "-c", zst / f"{sk}__q4.npy.zst"], capture_output=True, check=True)
+    assert z.stdout == (plain / f"{sk}__q4.npy").read_bytes()
 
 
 def test_deterministic(cawsfs, npy_dirs, model_gguf, work):
@@ -245,8 +245,8 @@ def test_corrupt_block_fails_verify_and_gives_eio(cawsfs, npy_dirs, work):
             ok_off = base + hdr[ok_name]["data_offsets"][0]
             ref_bytes = st_path.read_bytes()
             assert os.pread(fd, 1 << 20, ok_off) == ref_bytes[ok_off:ok_off + (1 << 20)]
-            # Rows of the same tensor outside the bad block still read.
-            good_off = base + hdr[name]["data_offsets"][0]
+            # Rows of the same tensor far from the bad block (other cache chunks) still read.
+            good_off = base + hdr[name]["data_offsets"][1] - 4096
             assert os.pread(fd, 4096, good_off) == ref_bytes[good_off:good_off + 4096]
         finally:
             os.close(fd)
