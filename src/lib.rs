@@ -3,7 +3,7 @@
 //! The data path runs one way:
 //! ```text
 //! archive bytes (mmap) ─► archive reader ─► codec: reconstruct rows r0..r1 of tensor T
-//!   .cawsf (archive) | delta | npy-dir, behind one trait (store)
+//!   .cawsf (archive) | delta | npy-dir (npydir), behind one trait (store)
 //!                                  │
 //! model description (model): tensors, architecture config, tokenizer
 //!                                  │
@@ -29,5 +29,6 @@ pub mod layout;
 pub mod model;
 pub mod mount;
 pub mod names;
+pub mod npydir;
 pub mod quant;
 pub mod store;

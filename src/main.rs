@@ -213,6 +213,15 @@ struct ConvertArgs {
     /// Also write the per-tensor report as JSON here.
     #[arg(long)]
     report_json: Option<PathBuf>,
+    /// npy-dir: bits per quantized weight, 8 (int8 per row) or 4 (int4 per group).
+    #[arg(long, default_value_t = 8)]
+    bits: u8,
+    /// npy-dir: columns per int4 scale.
+    #[arg(long, default_value_t = 64)]
+    group: usize,
+    /// npy-dir: write data files as .npy.zst (one zstd frame per row block).
+    #[arg(long)]
+    zstd: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -431,10 +440,54 @@ fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
 }
 
 fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
-    bail!(
-        "{}: --to npy-dir is not available in this build",
-        a.src.display()
-    )
+    let src = cawsfs::import::open_source(&a.src)?;
+    let mut opts = cawsfs::npydir::NpyOptions {
+        bits: a.bits,
+        group: a.group,
+        zstd: a.zstd,
+        ..Default::default()
+    };
+    if a.no_default_passthrough {
+        opts.passthrough.clear();
+    }
+    opts.passthrough.extend(a.passthrough);
+    let n = src.desc().tensors.len();
+    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report = cawsfs::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    })
+    .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    println!(
+        "{:<52} {:>16} {:>22} {:>12} {:>7} {:>9}",
+        "tensor", "shape", "kind", "bytes", "bpw", "rel_err"
+    );
+    for t in &report.tensors {
+        println!(
+            "{:<52} {:>16} {:>22} {:>12} {:>7.3} {:>9.5}",
+            t.name,
+            format!("{:?}", t.shape),
+            t.codec,
+            t.bytes,
+            t.bits_per_weight,
+            t.rel_err
+        );
+    }
+    println!(
+        "total: {} weights, directory {} bytes, {:.3} bits per weight, quantized rel_err mean {:.5} max {:.5} -> {}",
+        report.total_weights,
+        report.archive_bytes,
+        report.bits_per_weight,
+        report.mean_rel_err,
+        report.max_rel_err,
+        a.output.display()
+    );
+    if let Some(p) = a.report_json {
+        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
 }
 
 fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
@@ -542,6 +595,9 @@ fn cmd_verify(path: &Path) -> Result<()> {
         ar.model().tensors.len(),
         blocks
     );
+    if let Some(note) = ar.extra().get("note").and_then(|v| v.as_str()) {
+        println!("{}: note: {note}", path.display());
+    }
     Ok(())
 }
 

@@ -109,10 +109,13 @@ pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
         source,
     })?;
     if meta.is_dir() {
-        return Err(ArchiveError::Invalid {
-            path: path.display().to_string(),
-            reason: "a directory, and npy-dir archives are not supported yet".into(),
-        });
+        if !crate::npydir::is_npy_dir(path) {
+            return Err(ArchiveError::Invalid {
+                path: path.display().to_string(),
+                reason: "a directory without manifest.json is not an npy-dir archive".into(),
+            });
+        }
+        return Ok(Arc::new(crate::npydir::NpyDir::open(path)?));
     }
     Ok(Arc::new(Archive::open(path)?))
 }

@@ -27,6 +27,7 @@ pub use crate::store::ReadCounterSnapshot;
 use crate::store::ReadCounters;
 
 use format::*;
+pub(crate) use format::{model_from_meta, model_to_meta};
 pub use routing::{encode_routing, parse_routing, Routing};
 pub use writer::ArchiveWriter;
 

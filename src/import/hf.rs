@@ -14,7 +14,7 @@ use crate::gguf::GgmlType;
 use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
 
 /// Side files copied into the archive verbatim when present.
-const KEPT_FILES: &[&str] = &[
+pub(crate) const KEPT_FILES: &[&str] = &[
     "config.json",
     "generation_config.json",
     "tokenizer.json",
@@ -146,7 +146,7 @@ impl HfSource {
 }
 
 /// (non-layer first, layer number, name): embeddings, then layers in order, then the rest.
-fn sort_key(name: &str) -> (u8, u32, String) {
+pub(crate) fn sort_key(name: &str) -> (u8, u32, String) {
     match crate::names::layer_of(name) {
         Some(l) => (1, l, name.to_string()),
         None if name.contains("embed") => (0, 0, name.to_string()),
@@ -201,7 +201,7 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
     ))
 }
 
-fn arch_from_config(
+pub(crate) fn arch_from_config(
     path: &Path,
     c: &Value,
     tensors: &[TensorDesc],
