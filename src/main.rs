@@ -282,6 +282,15 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Mount(_)) {
+        // `cawsfs inspect | head` should end quietly like other Unix tools, not panic in
+        // println!. The daemon keeps Rust's SIGPIPE-ignored default: a client that hangs
+        // up must cost one write error, not the mount.
+        // SAFETY: restoring a default disposition before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
