@@ -55,6 +55,9 @@ cawsf|exact|--passthrough *
 cawsf|default|
 cawsf|q4|--pq-dim 2 --rank 0
 cawsf|low|--pq-dim 4 --rank 16
+npy-dir|int8|--bits 8
+npy-dir|int4|--bits 4
+npy-dir|int4-zstd|--bits 4 --zstd
 EOF2
 {
   cat "$work/table.md"
