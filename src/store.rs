@@ -114,6 +114,9 @@ pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
             reason: "a directory, and npy-dir archives are not supported yet".into(),
         });
     }
+    if crate::delta::has_magic(path) {
+        return Ok(Arc::new(crate::delta::DeltaArchive::open(path)?));
+    }
     Ok(Arc::new(Archive::open(path)?))
 }
 

@@ -6,7 +6,7 @@
 //! later reads only index into ranges already known to be inside the file. A block's
 //! XXH3-64 is checked on every read before it is decompressed or decoded.
 
-mod format;
+pub(crate) mod format;
 mod routing;
 #[cfg(test)]
 mod tests;
