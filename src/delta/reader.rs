@@ -22,8 +22,13 @@ use crate::codec::{self, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
 use crate::store::{Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary};
 
-/// Bytes of decoded (f32) base blocks and Vᵀ blobs kept between reads.
-const SHARED_CACHE_BYTES: usize = 8 << 20;
+/// Bytes of decoded (f32) base blocks and Vᵀ blobs kept between reads. A Vᵀ is needed
+/// by every block of its matrix (up to rank·cols·4 = 3.5 MiB at full rank on a
+/// 576×1536 matrix): the cache holds the current matrices' so a sequential read decodes
+/// each once, and concurrent readers share one copy instead of decoding their own.
+const SHARED_CACHE_BYTES: usize = 12 << 20;
+/// Larger items are decoded per use and not kept.
+const SHARED_ITEM_MAX: usize = SHARED_CACHE_BYTES / 2;
 
 struct BaseEntry {
     ty: String,
@@ -679,7 +684,7 @@ impl DeltaArchive {
         }
         let v = Arc::new(decode(&self.blob(blob)?));
         let size = v.len() * 4;
-        if size <= SHARED_CACHE_BYTES / 4 {
+        if size <= SHARED_ITEM_MAX {
             let mut c = self.cache.lock().expect("cache lock");
             if c.lru.put(blob, v.clone()).is_none() {
                 c.bytes += size;
