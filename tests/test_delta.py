@@ -225,3 +225,20 @@ def test_bad_archives_give_one_line_errors(cawsfs, deltas, work):
             err = p.stderr.strip()
             assert len(err.splitlines()) == 1 and str(bad) in err and needle in err, (what, err)
             assert "panicked" not in err
+
+
+def test_bad_sources_and_options(cawsfs, model_gguf, work):
+    trunc = work / "trunc-delta.gguf"
+    trunc.write_bytes(model_gguf.read_bytes()[: 5 << 20])
+    out = work / "trunc.cawsd"
+    p = run_status([cawsfs, "convert", trunc, "--to", "delta", "-o", out])
+    err = p.stderr.strip()
+    assert p.returncode != 0 and len(err.splitlines()) == 1 and "trunc-delta.gguf" in err, err
+    assert not out.exists() and not (work / "trunc.cawsd.tmp").exists()
+    for bad in (["--bases", "0"], ["--max-rel-err", "nan"]):
+        p = run_status([cawsfs, "convert", model_gguf, "--to", "delta", *bad, "-o", out])
+        assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert not out.exists()
+    # Delta-only options are refused for .cawsf rather than ignored.
+    p = run_status([cawsfs, "convert", model_gguf, "--max-rel-err", "0.1", "-o", work / "x.cawsf"])
+    assert p.returncode != 0 and "delta" in p.stderr
