@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use crate::model::SourceType;
 
 pub use crate::archive::format::{
-    align_up, comp_to_flags, compress, decompress, flags_to_comp, hex64, le_u32, le_u64,
-    model_from_meta, model_to_meta, parse_hex64, TocRecord, ALIGN, COMP_LZ4, COMP_RAW,
+    align_up, check_checksum_index, check_toc, comp_to_flags, compress, decompress, hex64, le_u32,
+    le_u64, load_section, model_from_meta, model_to_meta, TocRecord, ALIGN, COMP_LZ4, COMP_RAW,
     MAX_ELEMENTS, MAX_SECTIONS, META_ZSTD_LEVEL, TOC_RECORD,
 };
 

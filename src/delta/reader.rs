@@ -176,90 +176,9 @@ impl DeltaArchive {
             .map(TocRecord::parse)
             .collect();
 
-        // Sections: bounds, alignment, flags, no overlap, one of each.
-        let mut by_type: [Option<TocRecord>; 6] = [None; 6];
-        for rec in &toc {
-            let name = section_name(rec.ty);
-            let end = rec.offset.checked_add(rec.size).ok_or_else(|| {
-                invalid(
-                    path,
-                    format!(
-                        "bad TOC: section {name} offset {} + size {} overflows",
-                        rec.offset, rec.size
-                    ),
-                )
-            })?;
-            if end > len {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "truncated: TOC says section {name} ends at {end} but file is {len} bytes"
-                    ),
-                ));
-            }
-            if rec.offset % ALIGN != 0 || rec.offset < ALIGN {
-                return Err(invalid(
-                    path,
-                    format!("bad TOC: section {name} offset {} is not a 4 KiB-aligned offset past the header", rec.offset),
-                ));
-            }
-            let comp = flags_to_comp(rec.flags).ok_or_else(|| {
-                invalid(
-                    path,
-                    format!("bad TOC: section {name} has invalid flags {:#x}", rec.flags),
-                )
-            })?;
-            if rec.ty == SEC_DATA && comp != COMP_RAW {
-                return Err(invalid(
-                    path,
-                    "bad TOC: section DATA must not be compressed",
-                ));
-            }
-            if comp == COMP_RAW && rec.usize != rec.size {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: uncompressed section {name} has size {} but usize {}",
-                        rec.size, rec.usize
-                    ),
-                ));
-            }
-            if comp != COMP_RAW
-                && !(rec.usize <= (4u64 << 30)
-                    && rec.usize <= rec.size.saturating_mul(4096).saturating_add(16 << 20))
-            {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: section {name} claims {} bytes decompressed from {}",
-                        rec.usize, rec.size
-                    ),
-                ));
-            }
-            if let Some(slot) = by_type.get_mut(rec.ty as usize).filter(|_| rec.ty >= 1) {
-                if slot.is_some() {
-                    return Err(invalid(
-                        path,
-                        format!("bad TOC: section {name} appears twice"),
-                    ));
-                }
-                *slot = Some(*rec);
-            }
-        }
-        let mut sorted = toc.clone();
-        sorted.sort_by_key(|r| (r.offset, r.size));
-        for w in sorted.windows(2) {
-            if w[0].size > 0 && w[1].size > 0 && w[0].offset + w[0].size > w[1].offset {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: sections {} and {} overlap",
-                        section_name(w[0].ty),
-                        section_name(w[1].ty)
-                    ),
-                ));
-            }
-        }
+        // Sections: bounds, alignment, flags, no overlap (the .cawsf TOC rules).
+        let by_type =
+            check_toc(&toc, len, &[SEC_DATA], section_name).map_err(|r| invalid(path, r))?;
         let need = |ty: u32| {
             by_type[ty as usize].ok_or_else(|| {
                 invalid(
@@ -272,23 +191,8 @@ impl DeltaArchive {
         let data_rec = need(SEC_DATA)?;
         let index_rec = need(SEC_BLOB_INDEX)?;
         let routing_rec = by_type[SEC_ROUTING as usize];
-        let load = |rec: &TocRecord| -> Result<Vec<u8>, ArchiveError> {
-            let name = section_name(rec.ty);
-            let stored = &data[rec.offset as usize..(rec.offset + rec.size) as usize];
-            let computed = xxh3_64(stored);
-            if computed != rec.xxh3 {
-                return Err(invalid(
-                    path,
-                    format!("section {name} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})", rec.xxh3),
-                ));
-            }
-            decompress(
-                stored,
-                flags_to_comp(rec.flags).unwrap_or(COMP_RAW),
-                rec.usize as usize,
-            )
-            .map(Cow::into_owned)
-            .map_err(|e| invalid(path, format!("section {name} is corrupt: {e}")))
+        let load = |rec: &TocRecord| {
+            load_section(data, rec, &section_name(rec.ty)).map_err(|r| invalid(path, r))
         };
 
         // META.
@@ -319,27 +223,8 @@ impl DeltaArchive {
                 "META's layer count, bases or dtypes disagree with the header",
             ));
         }
-        for rec in &toc {
-            if rec.ty == SEC_META {
-                continue;
-            }
-            let name = section_name(rec.ty);
-            match meta.checksum_index.get(&name).map(|s| parse_hex64(s)) {
-                Some(Some(x)) if x == rec.xxh3 => {}
-                Some(_) => {
-                    return Err(invalid(
-                        path,
-                        format!("META checksum_index entry for {name} disagrees with the TOC"),
-                    ))
-                }
-                None => {
-                    return Err(invalid(
-                        path,
-                        format!("META checksum_index has no entry for {name}"),
-                    ))
-                }
-            }
-        }
+        check_checksum_index(&toc, SEC_META, &meta.checksum_index, section_name)
+            .map_err(|r| invalid(path, r))?;
 
         // BLOB_INDEX: entries inside DATA, in order, not overlapping.
         let index_bytes = load(&index_rec)?;
