@@ -20,6 +20,7 @@ pub mod cache;
 pub mod codec;
 pub mod control;
 pub mod convert;
+pub mod delta;
 pub mod export;
 pub mod fs;
 pub mod fuse;

@@ -178,9 +178,19 @@ struct ConvertArgs {
     /// Archive kind to write.
     #[arg(long, value_enum, default_value_t = To::Cawsf)]
     to: To,
-    /// Rank of the low-rank component L.
-    #[arg(long, default_value_t = ConvertOptions::default().ndsq.rank)]
-    rank: u32,
+    /// Rank of the low-rank component: L for cawsf (default 4), each layer's delta for
+    /// delta (default 64).
+    #[arg(long, conflicts_with = "max_rel_err")]
+    rank: Option<u32>,
+    /// delta: per matrix, the smallest rank whose stored ‖W−Ŵ‖/‖W‖ is at most this.
+    #[arg(long)]
+    max_rel_err: Option<f64>,
+    /// delta: bases per weight type (k-means clusters of layers; 1 = mean of all layers).
+    #[arg(long, default_value_t = 1)]
+    bases: usize,
+    /// delta: how bases are stored.
+    #[arg(long, value_enum, default_value_t = BaseDtypeArg::F16)]
+    base_dtype: BaseDtypeArg,
     /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
     #[arg(long, default_value_t = ConvertOptions::default().ndsq.outlier_q)]
     outlier_q: f32,
@@ -232,6 +242,12 @@ enum To {
     Delta,
     /// Squish npy directory (int8 / int4 / f16 passthrough).
     NpyDir,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BaseDtypeArg {
+    F16,
+    Int8,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -384,9 +400,14 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         To::Delta => return cmd_convert_delta(a),
         To::NpyDir => return cmd_convert_npy(a),
     }
+    if a.max_rel_err.is_some() || a.bases != 1 || !matches!(a.base_dtype, BaseDtypeArg::F16) {
+        bail!("--max-rel-err, --bases and --base-dtype apply to --to delta only");
+    }
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
-    opts.ndsq.rank = a.rank;
+    if let Some(r) = a.rank {
+        opts.ndsq.rank = r;
+    }
     opts.ndsq.outlier_q = a.outlier_q;
     opts.ndsq.pq_m = a.pq_m;
     opts.ndsq.pq_dim = a.pq_dim;
@@ -397,11 +418,7 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         opts.passthrough.clear();
     }
     opts.passthrough.extend(a.passthrough);
-    opts.compression = match a.compression {
-        Comp::Zstd => Compression::Zstd(3),
-        Comp::Lz4 => Compression::Lz4,
-        Comp::None => Compression::None,
-    };
+    opts.compression = compression_of(a.compression);
     let n = src.desc().tensors.len();
     let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
     let report = convert::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
@@ -441,11 +458,115 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
+fn compression_of(c: Comp) -> Compression {
+    match c {
+        Comp::Zstd => Compression::Zstd(3),
+        Comp::Lz4 => Compression::Lz4,
+        Comp::None => Compression::None,
+    }
+}
+
 fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
-    bail!(
-        "{}: --to delta is not available in this build",
-        a.src.display()
-    )
+    use cawsfs::delta::{self, BaseDtype, DeltaOptions, RankChoice};
+    let mut opts = DeltaOptions::default();
+    if let Some(r) = a.rank {
+        opts.rank = RankChoice::Fixed(r as usize);
+    }
+    if let Some(e) = a.max_rel_err {
+        opts.rank = RankChoice::MaxRelErr(e);
+    }
+    opts.bases = a.bases;
+    opts.base_dtype = match a.base_dtype {
+        BaseDtypeArg::F16 => BaseDtype::F16,
+        BaseDtypeArg::Int8 => BaseDtype::Int8,
+    };
+    opts.kmeans_iters = a.kmeans_iters;
+    opts.compression = compression_of(a.compression);
+    let src = cawsfs::import::open_source(&a.src)?;
+    let pb = bar(1, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report = delta::convert(src.as_ref(), &a.output, &opts, &|done, total, name| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    })
+    .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    print_delta_report(&report);
+    println!("-> {}", a.output.display());
+    if let Some(p) = a.report_json {
+        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn print_delta_report(r: &cawsfs::delta::DeltaReport) {
+    let opt = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
+    println!(
+        "{:<44} {:>5} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8}",
+        "matrix", "rank", "bytes", "bpw", "rel_err", "base_err", "cos_prev", "cos_base"
+    );
+    for m in &r.matrices {
+        println!(
+            "{:<44} {:>5} {:>10} {:>7.3} {:>8.4} {:>8.4} {:>8} {:>8.4}{}",
+            m.name,
+            m.rank,
+            m.bytes,
+            m.bits_per_weight,
+            m.rel_err,
+            m.base_rel_err,
+            opt(m.cos_prev),
+            m.cos_base,
+            m.note
+                .as_deref()
+                .map(|n| format!("  ({n})"))
+                .unwrap_or_default()
+        );
+    }
+    println!("bases:");
+    for b in &r.bases {
+        println!(
+            "  {:<28} #{} layers {:?} {} bytes",
+            b.ty, b.cluster, b.layers, b.bytes
+        );
+    }
+    println!("per type (mean over layers):");
+    let mut types: Vec<&str> = Vec::new();
+    for m in &r.matrices {
+        if !types.contains(&m.ty.as_str()) {
+            types.push(&m.ty);
+        }
+    }
+    for ty in types {
+        let ms: Vec<_> = r.matrices.iter().filter(|m| m.ty == ty).collect();
+        let mean = |f: &dyn Fn(&cawsfs::delta::MatrixReport) -> Option<f64>| {
+            let v: Vec<f64> = ms.iter().filter_map(|m| f(m)).collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        println!(
+            "  {:<10} rank {:>7.1} rel_err {:.4} base_err {:.4} cos_prev {:.4} cos_base {:.4}",
+            ty,
+            mean(&|m| Some(m.rank as f64)),
+            mean(&|m| Some(m.rel_err)),
+            mean(&|m| Some(m.base_rel_err)),
+            mean(&|m| m.cos_prev),
+            mean(&|m| Some(m.cos_base)),
+        );
+    }
+    println!(
+        "total: {} weights, archive {} bytes, {:.3} bits per weight ({:.3} over the delta matrices incl. bases), rel_err mean {:.5} max {:.5}{}",
+        r.total_weights,
+        r.archive_bytes,
+        r.bits_per_weight,
+        r.delta_bits_per_weight,
+        r.mean_rel_err,
+        r.max_rel_err,
+        if r.unreachable > 0 {
+            format!(", {} matrices could not meet --max-rel-err at full rank", r.unreachable)
+        } else {
+            String::new()
+        }
+    );
 }
 
 fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {

@@ -117,6 +117,9 @@ pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
         }
         return Ok(Arc::new(crate::npydir::NpyDir::open(path)?));
     }
+    if crate::delta::has_magic(path) {
+        return Ok(Arc::new(crate::delta::DeltaArchive::open(path)?));
+    }
     Ok(Arc::new(Archive::open(path)?))
 }
 

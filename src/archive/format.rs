@@ -351,3 +351,114 @@ pub fn comp_to_flags(comp: u8) -> u32 {
         _ => 0,
     }
 }
+
+/// Validate a TOC against a file of `len` bytes (FORMAT.md §2 reader rules): bounds,
+/// 4 KiB alignment past the header, flags, `usize` consistent and bounded, no type
+/// twice, no overlap. `raw_only` lists the types that must not be compressed. Returns
+/// the records by type (types ≥ 6 are checked but not returned). Shared by every
+/// container kind that uses this TOC (`.cawsf`, delta).
+pub fn check_toc(
+    toc: &[TocRecord],
+    len: u64,
+    raw_only: &[u32],
+    name_of: fn(u32) -> String,
+) -> Result<[Option<TocRecord>; 6], String> {
+    let mut by_type: [Option<TocRecord>; 6] = [None; 6];
+    for rec in toc {
+        let name = name_of(rec.ty);
+        let end = rec.offset.checked_add(rec.size).ok_or_else(|| {
+            format!(
+                "bad TOC: section {name} offset {} + size {} overflows",
+                rec.offset, rec.size
+            )
+        })?;
+        if end > len {
+            return Err(format!(
+                "truncated: TOC says section {name} ends at {end} but file is {len} bytes"
+            ));
+        }
+        if rec.offset % ALIGN != 0 || rec.offset < ALIGN {
+            return Err(format!(
+                "bad TOC: section {name} offset {} is not a 4 KiB-aligned offset past the header",
+                rec.offset
+            ));
+        }
+        let comp = flags_to_comp(rec.flags)
+            .ok_or_else(|| format!("bad TOC: section {name} has invalid flags {:#x}", rec.flags))?;
+        if raw_only.contains(&rec.ty) && comp != COMP_RAW {
+            return Err(format!("bad TOC: section {name} must not be compressed"));
+        }
+        if comp == COMP_RAW && rec.usize != rec.size {
+            return Err(format!(
+                "bad TOC: uncompressed section {name} has size {} but usize {}",
+                rec.size, rec.usize
+            ));
+        }
+        // A corrupt header must not make a reader allocate more than the file justifies.
+        let usize_ok = rec.usize <= (4u64 << 30)
+            && rec.usize <= rec.size.saturating_mul(4096).saturating_add(16 << 20);
+        if comp != COMP_RAW && !usize_ok {
+            return Err(format!(
+                "bad TOC: section {name} claims {} bytes decompressed from {}",
+                rec.usize, rec.size
+            ));
+        }
+        if let Some(slot) = by_type.get_mut(rec.ty as usize).filter(|_| rec.ty >= 1) {
+            if slot.is_some() {
+                return Err(format!("bad TOC: section {name} appears twice"));
+            }
+            *slot = Some(*rec);
+        }
+    }
+    let mut sorted = toc.to_vec();
+    sorted.sort_by_key(|r| (r.offset, r.size));
+    for w in sorted.windows(2) {
+        if w[0].size > 0 && w[1].size > 0 && w[0].offset + w[0].size > w[1].offset {
+            return Err(format!(
+                "bad TOC: sections {} and {} overlap",
+                name_of(w[0].ty),
+                name_of(w[1].ty)
+            ));
+        }
+    }
+    Ok(by_type)
+}
+
+/// A small section's bytes, checked against its TOC checksum, then decompressed.
+/// `rec` lies inside `data` (checked by [`check_toc`]).
+pub fn load_section(data: &[u8], rec: &TocRecord, name: &str) -> Result<Vec<u8>, String> {
+    let stored = &data[rec.offset as usize..(rec.offset + rec.size) as usize];
+    let computed = xxhash_rust::xxh3::xxh3_64(stored);
+    if computed != rec.xxh3 {
+        return Err(format!(
+            "section {name} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
+            rec.xxh3
+        ));
+    }
+    let comp = flags_to_comp(rec.flags).unwrap_or(COMP_RAW);
+    decompress(stored, comp, rec.usize as usize)
+        .map(Cow::into_owned)
+        .map_err(|e| format!("section {name} is corrupt: {e}"))
+}
+
+/// META's `checksum_index` must name every section but META with its TOC checksum.
+pub fn check_checksum_index(
+    toc: &[TocRecord],
+    meta_ty: u32,
+    index: &BTreeMap<String, String>,
+    name_of: fn(u32) -> String,
+) -> Result<(), String> {
+    for rec in toc.iter().filter(|r| r.ty != meta_ty) {
+        let name = name_of(rec.ty);
+        match index.get(&name).map(|s| parse_hex64(s)) {
+            Some(Some(x)) if x == rec.xxh3 => {}
+            Some(_) => {
+                return Err(format!(
+                    "META checksum_index entry for {name} disagrees with the TOC"
+                ))
+            }
+            None => return Err(format!("META checksum_index has no entry for {name}")),
+        }
+    }
+    Ok(())
+}

@@ -6,7 +6,7 @@
 //! later reads only index into ranges already known to be inside the file. A block's
 //! XXH3-64 is checked on every read before it is decompressed or decoded.
 
-mod format;
+pub(crate) mod format;
 mod routing;
 #[cfg(test)]
 mod tests;
@@ -113,11 +113,6 @@ fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
     }
 }
 
-/// Upper bound on a compressed section's decompressed size (see FORMAT.md §2).
-fn section_usize_ok(size: u64, usize: u64) -> bool {
-    usize <= (4u64 << 30) && usize <= size.saturating_mul(4096).saturating_add(16 << 20)
-}
-
 impl Archive {
     pub fn open(path: &Path) -> Result<Archive, ArchiveError> {
         let io = |e| ArchiveError::Io {
@@ -181,86 +176,8 @@ impl Archive {
             .collect();
 
         // Section bounds.
-        let mut by_type: [Option<TocRecord>; 6] = [None; 6];
-        for rec in &toc {
-            let name = section_name(rec.ty);
-            let end = rec.offset.checked_add(rec.size).ok_or_else(|| {
-                invalid(
-                    path,
-                    format!(
-                        "bad TOC: section {name} offset {} + size {} overflows",
-                        rec.offset, rec.size
-                    ),
-                )
-            })?;
-            if end > len {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "truncated: TOC says section {name} ends at {end} but file is {len} bytes"
-                    ),
-                ));
-            }
-            if rec.offset % ALIGN != 0 || rec.offset < ALIGN {
-                return Err(invalid(
-                    path,
-                    format!("bad TOC: section {name} offset {} is not a 4 KiB-aligned offset past the header", rec.offset),
-                ));
-            }
-            let comp = flags_to_comp(rec.flags).ok_or_else(|| {
-                invalid(
-                    path,
-                    format!("bad TOC: section {name} has invalid flags {:#x}", rec.flags),
-                )
-            })?;
-            if (rec.ty == SEC_CODEBOOKS || rec.ty == SEC_SHARD_BANK) && comp != COMP_RAW {
-                return Err(invalid(
-                    path,
-                    format!("bad TOC: section {name} must not be compressed"),
-                ));
-            }
-            if comp == COMP_RAW && rec.usize != rec.size {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: uncompressed section {name} has size {} but usize {}",
-                        rec.size, rec.usize
-                    ),
-                ));
-            }
-            if comp != COMP_RAW && !section_usize_ok(rec.size, rec.usize) {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: section {name} claims {} bytes decompressed from {}",
-                        rec.usize, rec.size
-                    ),
-                ));
-            }
-            if let Some(slot) = by_type.get_mut(rec.ty as usize).filter(|_| rec.ty >= 1) {
-                if slot.is_some() {
-                    return Err(invalid(
-                        path,
-                        format!("bad TOC: section {name} appears twice"),
-                    ));
-                }
-                *slot = Some(*rec);
-            }
-        }
-        let mut sorted = toc.clone();
-        sorted.sort_by_key(|r| (r.offset, r.size));
-        for w in sorted.windows(2) {
-            if w[0].size > 0 && w[1].size > 0 && w[0].offset + w[0].size > w[1].offset {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "bad TOC: sections {} and {} overlap",
-                        section_name(w[0].ty),
-                        section_name(w[1].ty)
-                    ),
-                ));
-            }
-        }
+        let by_type = check_toc(&toc, len, &[SEC_CODEBOOKS, SEC_SHARD_BANK], section_name)
+            .map_err(|r| invalid(path, r))?;
         let need = |ty: u32| {
             by_type[ty as usize].ok_or_else(|| {
                 invalid(
@@ -276,20 +193,8 @@ impl Archive {
         let routing_rec = by_type[SEC_ROUTING as usize];
 
         // Small sections: checksum against the TOC, then decompress.
-        let load = |rec: &TocRecord| -> Result<Vec<u8>, ArchiveError> {
-            let name = section_name(rec.ty);
-            let stored = &data[rec.offset as usize..(rec.offset + rec.size) as usize];
-            let computed = xxh3_64(stored);
-            if computed != rec.xxh3 {
-                return Err(invalid(
-                    path,
-                    format!("section {name} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})", rec.xxh3),
-                ));
-            }
-            let comp = flags_to_comp(rec.flags).unwrap_or(COMP_RAW);
-            decompress(stored, comp, rec.usize as usize)
-                .map(Cow::into_owned)
-                .map_err(|e| invalid(path, format!("section {name} is corrupt: {e}")))
+        let load = |rec: &TocRecord| {
+            load_section(data, rec, &section_name(rec.ty)).map_err(|r| invalid(path, r))
         };
         let meta_bytes = load(&meta_rec)?;
         let meta: MetaIn = serde_json::from_slice(&meta_bytes)
@@ -311,27 +216,8 @@ impl Archive {
             ));
         }
         // The integrity index must agree with the TOC.
-        for rec in &toc {
-            if rec.ty == SEC_META {
-                continue;
-            }
-            let name = section_name(rec.ty);
-            match meta.checksum_index.get(&name).map(|s| parse_hex64(s)) {
-                Some(Some(x)) if x == rec.xxh3 => {}
-                Some(_) => {
-                    return Err(invalid(
-                        path,
-                        format!("META checksum_index entry for {name} disagrees with the TOC"),
-                    ))
-                }
-                None => {
-                    return Err(invalid(
-                        path,
-                        format!("META checksum_index has no entry for {name}"),
-                    ))
-                }
-            }
-        }
+        check_checksum_index(&toc, SEC_META, &meta.checksum_index, section_name)
+            .map_err(|r| invalid(path, r))?;
 
         let index_bytes = load(&index_rec)?;
         if index_bytes.len() % INDEX_ENTRY != 0 {

@@ -13,6 +13,9 @@ mod ndsq;
 mod passthrough;
 mod pq;
 
+/// Thin SVD (sequential, deterministic), shared with the delta kind's decomposition.
+pub(crate) use ndsq::thin_svd;
+
 use serde::{Deserialize, Serialize};
 
 use crate::model::SourceType;
@@ -105,6 +108,11 @@ pub fn encode_passthrough(
     rows_per_block: u64,
 ) -> Result<EncodedTensor, CodecError> {
     passthrough::encode(raw, format, rows, cols, rows_per_block)
+}
+
+/// Bytes of one row of `cols` elements stored as passthrough in `format`.
+pub fn passthrough_row_bytes(format: SourceType, cols: u64) -> Result<u64, CodecError> {
+    passthrough::row_bytes(format, cols)
 }
 
 pub fn decode_global(

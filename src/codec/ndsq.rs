@@ -330,7 +330,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// U, σ, V of a thin SVD.
 type Svd3 = (Mat<f32>, Vec<f32>, Mat<f32>);
 
-fn thin_svd(a: MatRef<'_, f32>) -> Result<Svd3, CodecError> {
+pub(crate) fn thin_svd(a: MatRef<'_, f32>) -> Result<Svd3, CodecError> {
     let (m, n) = a.shape();
     let s = m.min(n);
     let mut u = Mat::<f32>::zeros(m, s);
