@@ -58,6 +58,9 @@ cawsf|low|--pq-dim 4 --rank 16
 npy-dir|int8|--bits 8
 npy-dir|int4|--bits 4
 npy-dir|int4-zstd|--bits 4 --zstd
+delta|r64|--rank 64
+delta|e10|--max-rel-err 0.1
+delta|e01|--max-rel-err 0.01
 EOF2
 {
   cat "$work/table.md"
