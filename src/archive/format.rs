@@ -4,13 +4,19 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::Path;
+
+use memmap2::Mmap;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 use serde::{Deserialize, Serialize};
 
 use crate::codec::TensorCodec;
 use crate::model::ModelDesc;
 
-use super::Compression;
+use super::{ArchiveError, Compression, SectionInfo};
 
 pub const MAGIC: [u8; 8] = *b"CAWSF\0\0\0";
 pub const VERSION: u32 = 1;
@@ -428,7 +434,7 @@ pub fn check_toc(
 /// `rec` lies inside `data` (checked by [`check_toc`]).
 pub fn load_section(data: &[u8], rec: &TocRecord, name: &str) -> Result<Vec<u8>, String> {
     let stored = &data[rec.offset as usize..(rec.offset + rec.size) as usize];
-    let computed = xxhash_rust::xxh3::xxh3_64(stored);
+    let computed = xxh3_64(stored);
     if computed != rec.xxh3 {
         return Err(format!(
             "section {name} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
@@ -461,4 +467,238 @@ pub fn check_checksum_index(
         }
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Container plumbing shared by every kind that uses this header + TOC (`.cawsf`, delta).
+
+/// `ArchiveError::Invalid` for `path`.
+pub fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
+    ArchiveError::Invalid {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// `path` with `suffix` appended to its file name (`x.cawsf` → `x.cawsf.tmp`).
+pub fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(suffix);
+    std::path::PathBuf::from(s)
+}
+
+/// Memory-map the container at `path`, refusing files shorter than `min_len` (the fixed
+/// header plus its checksum) so the caller may read the fixed header directly.
+pub fn map_container(path: &Path, min_len: usize, what: &str) -> Result<Mmap, ArchiveError> {
+    let io = |e| ArchiveError::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len < min_len as u64 {
+        return Err(invalid(
+            path,
+            format!("truncated: file is {len} bytes, too short for a {what} header"),
+        ));
+    }
+    // SAFETY: the archive is opened read-only and treated as immutable; every access is
+    // bounds-checked against the mapping's length. (Another process truncating the file
+    // while mapped could still fault, as with any mmap.)
+    unsafe { Mmap::map(&file) }.map_err(io)
+}
+
+/// The TOC of a container whose fixed header is `header_fixed` bytes and says it has
+/// `n` sections: the count bounded, the records and the header checksum inside `data`,
+/// the checksum right.
+pub fn parse_toc(data: &[u8], header_fixed: usize, n: u32) -> Result<Vec<TocRecord>, String> {
+    let n = n as usize;
+    if n == 0 || n > MAX_SECTIONS {
+        return Err(format!(
+            "bad header: section count {n} (must be 1..={MAX_SECTIONS})"
+        ));
+    }
+    let toc_end = header_fixed + TOC_RECORD * n;
+    let Some(hsum) = data.get(toc_end..toc_end + 8) else {
+        return Err(format!(
+            "truncated: TOC of {n} sections needs {} bytes but file is {} bytes",
+            toc_end + 8,
+            data.len()
+        ));
+    };
+    let (stored, computed) = (le_u64(hsum), xxh3_64(&data[..toc_end]));
+    if stored != computed {
+        return Err(format!(
+            "header failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"
+        ));
+    }
+    Ok(data[header_fixed..toc_end]
+        .chunks_exact(TOC_RECORD)
+        .map(TocRecord::parse)
+        .collect())
+}
+
+/// The record of a section the kind cannot do without.
+pub fn required(
+    by_type: &[Option<TocRecord>],
+    ty: u32,
+    name_of: fn(u32) -> String,
+) -> Result<TocRecord, String> {
+    by_type
+        .get(ty as usize)
+        .copied()
+        .flatten()
+        .ok_or_else(|| format!("bad TOC: section {} is missing", name_of(ty)))
+}
+
+/// META's `format` and `version` must be what this reader writes.
+pub fn check_meta_kind(format: &str, version: u32, want: &str) -> Result<(), String> {
+    if format != want {
+        return Err(format!("META format is {format:?}, expected {want:?}"));
+    }
+    if version != VERSION {
+        return Err(format!(
+            "META version {version} disagrees with header version {VERSION}"
+        ));
+    }
+    Ok(())
+}
+
+/// The TOC as `inspect` lists it.
+pub fn section_infos(toc: &[TocRecord], name_of: fn(u32) -> String) -> Vec<SectionInfo> {
+    toc.iter()
+        .map(|r| SectionInfo {
+            kind: name_of(r.ty),
+            offset: r.offset,
+            size: r.size,
+            flags: r.flags,
+        })
+        .collect()
+}
+
+/// One line per section whose bytes fail their TOC checksum (`toc` checked at open).
+pub fn section_failures(data: &[u8], toc: &[TocRecord], name_of: fn(u32) -> String) -> Vec<String> {
+    toc.iter()
+        .filter_map(|r| {
+            let computed = xxh3_64(&data[r.offset as usize..(r.offset + r.size) as usize]);
+            (computed != r.xxh3).then(|| {
+                format!(
+                    "section {} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
+                    name_of(r.ty),
+                    r.xxh3
+                )
+            })
+        })
+        .collect()
+}
+
+/// Why a stored blob or block could not be used.
+#[derive(Clone, Debug)]
+pub enum BlobFault {
+    Checksum { stored: u64, computed: u64 },
+    Corrupt(String),
+}
+
+impl BlobFault {
+    /// One line naming `what` failed and how.
+    pub fn describe(&self, what: &str) -> String {
+        match self {
+            BlobFault::Checksum { stored, computed } => format!(
+                "{what} failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"
+            ),
+            BlobFault::Corrupt(r) => format!("{what} is corrupt: {r}"),
+        }
+    }
+}
+
+/// A blob's stored bytes checked against `xxh3`, then decompressed to `usize` bytes.
+pub fn checked_payload(
+    stored: &[u8],
+    xxh3: u64,
+    comp: u8,
+    usize: usize,
+) -> Result<Cow<'_, [u8]>, BlobFault> {
+    let computed = xxh3_64(stored);
+    if computed != xxh3 {
+        return Err(BlobFault::Checksum {
+            stored: xxh3,
+            computed,
+        });
+    }
+    decompress(stored, comp, usize).map_err(BlobFault::Corrupt)
+}
+
+/// Zero padding so that `*len + ahead` becomes a multiple of 16: payloads start
+/// 16-byte aligned in the file (the data section starts page-aligned), letting codecs
+/// read raw payloads in place cheaply. `ahead` is what is written before the payload.
+pub fn pad16(
+    out: &mut impl Write,
+    hash: &mut Xxh3Default,
+    len: &mut u64,
+    ahead: u64,
+) -> std::io::Result<()> {
+    let pad = ((16 - (*len + ahead) % 16) % 16) as usize;
+    if pad > 0 {
+        out.write_all(&[0u8; 16][..pad])?;
+        hash.update(&[0u8; 16][..pad]);
+        *len += pad as u64;
+    }
+    Ok(())
+}
+
+/// Zeros from `*pos` up to the next 4 KiB boundary.
+pub fn pad_to_align(out: &mut impl Write, pos: &mut u64) -> std::io::Result<()> {
+    let target = align_up(*pos);
+    out.write_all(&[0u8; ALIGN as usize][..(target - *pos) as usize])?;
+    *pos = target;
+    Ok(())
+}
+
+/// Write one section at the next 4 KiB boundary, compressed with `c` when that is
+/// smaller, and return its TOC record.
+pub fn write_section(
+    out: &mut impl Write,
+    pos: &mut u64,
+    ty: u32,
+    data: &[u8],
+    c: Compression,
+) -> std::io::Result<TocRecord> {
+    pad_to_align(out, pos)?;
+    let (comp, stored) = compress(data, c);
+    out.write_all(&stored)?;
+    let rec = TocRecord {
+        ty,
+        flags: comp_to_flags(comp),
+        offset: *pos,
+        size: stored.len() as u64,
+        usize: data.len() as u64,
+        xxh3: xxh3_64(&stored),
+    };
+    *pos += stored.len() as u64;
+    Ok(rec)
+}
+
+/// Finish a container: append the TOC records and the header checksum to `header`
+/// (the kind's fixed header fields), write it over the reserved first page and sync.
+pub fn write_header(
+    mut out: BufWriter<File>,
+    mut header: Vec<u8>,
+    toc: &[TocRecord],
+) -> std::io::Result<()> {
+    for rec in toc {
+        rec.write(&mut header);
+    }
+    let h = xxh3_64(&header);
+    header.extend_from_slice(&h.to_le_bytes());
+    out.seek(SeekFrom::Start(0))?;
+    out.write_all(&header)?;
+    let f = out.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all()
+}
+
+/// `checksum_index` for META: every section but META by name, with its checksum.
+pub fn checksum_index(recs: &[&TocRecord], name_of: fn(u32) -> String) -> BTreeMap<String, String> {
+    recs.iter()
+        .map(|r| (name_of(r.ty), hex64(r.xxh3)))
+        .collect()
 }

@@ -13,7 +13,6 @@ mod tests;
 mod writer;
 
 use std::borrow::Cow;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -82,13 +81,6 @@ struct TensorEntry {
     global_xxh3: u64,
 }
 
-/// Why a tensor's global blob cannot be used (cached, so it is reported on every read).
-#[derive(Clone, Debug)]
-enum GlobalFault {
-    Checksum { stored: u64, computed: u64 },
-    Corrupt(String),
-}
-
 /// An opened archive (memory-mapped). Implements [`RowSource`].
 pub struct Archive {
     counters: ReadCounters,
@@ -103,34 +95,14 @@ pub struct Archive {
     /// Byte ranges (absolute) of SHARD_BANK and CODEBOOKS.
     bank: (u64, u64),
     codebooks: (u64, u64),
-    globals: Vec<OnceLock<Result<DecodedGlobal, GlobalFault>>>,
-}
-
-fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
+    /// Decoded global blobs, or why one cannot be used (cached, so it is reported on
+    /// every read).
+    globals: Vec<OnceLock<Result<DecodedGlobal, BlobFault>>>,
 }
 
 impl Archive {
     pub fn open(path: &Path) -> Result<Archive, ArchiveError> {
-        let io = |e| ArchiveError::Io {
-            path: path.display().to_string(),
-            source: e,
-        };
-        let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        if len < (HEADER_FIXED + 8) as u64 {
-            return Err(invalid(
-                path,
-                format!("truncated: file is {len} bytes, too short for a cawsf header"),
-            ));
-        }
-        // SAFETY: the archive is opened read-only and treated as immutable; every
-        // access is bounds-checked against the mapping's length. (Another process
-        // truncating the file while mapped could still fault, as with any mmap.)
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let map = map_container(path, HEADER_FIXED + 8, "cawsf")?;
         let data: &[u8] = &map;
         let len = data.len() as u64;
 
@@ -145,47 +117,13 @@ impl Archive {
                 format!("unsupported cawsf version {version}"),
             ));
         }
-        let n = le_u32(&data[12..16]) as usize;
-        if n == 0 || n > MAX_SECTIONS {
-            return Err(invalid(
-                path,
-                format!("bad header: section count {n} (must be 1..={MAX_SECTIONS})"),
-            ));
-        }
-        let toc_end = HEADER_FIXED + TOC_RECORD * n;
-        let Some(hsum) = data.get(toc_end..toc_end + 8) else {
-            return Err(invalid(
-                path,
-                format!(
-                    "truncated: TOC of {n} sections needs {} bytes but file is {len} bytes",
-                    toc_end + 8
-                ),
-            ));
-        };
-        let stored = le_u64(hsum);
-        let computed = xxh3_64(&data[..toc_end]);
-        if stored != computed {
-            return Err(invalid(
-                path,
-                format!("header failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"),
-            ));
-        }
-        let toc: Vec<TocRecord> = data[HEADER_FIXED..toc_end]
-            .chunks_exact(TOC_RECORD)
-            .map(TocRecord::parse)
-            .collect();
+        let toc =
+            parse_toc(data, HEADER_FIXED, le_u32(&data[12..16])).map_err(|r| invalid(path, r))?;
 
         // Section bounds.
         let by_type = check_toc(&toc, len, &[SEC_CODEBOOKS, SEC_SHARD_BANK], section_name)
             .map_err(|r| invalid(path, r))?;
-        let need = |ty: u32| {
-            by_type[ty as usize].ok_or_else(|| {
-                invalid(
-                    path,
-                    format!("bad TOC: section {} is missing", section_name(ty)),
-                )
-            })
-        };
+        let need = |ty: u32| required(&by_type, ty, section_name).map_err(|r| invalid(path, r));
         let meta_rec = need(SEC_META)?;
         let cb_rec = need(SEC_CODEBOOKS)?;
         let bank_rec = need(SEC_SHARD_BANK)?;
@@ -200,21 +138,7 @@ impl Archive {
         let meta: MetaIn = serde_json::from_slice(&meta_bytes)
             .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
         drop(meta_bytes);
-        if meta.format != "cawsf" {
-            return Err(invalid(
-                path,
-                format!("META format is {:?}, expected \"cawsf\"", meta.format),
-            ));
-        }
-        if meta.version != VERSION {
-            return Err(invalid(
-                path,
-                format!(
-                    "META version {} disagrees with header version {VERSION}",
-                    meta.version
-                ),
-            ));
-        }
+        check_meta_kind(&meta.format, meta.version, "cawsf").map_err(|r| invalid(path, r))?;
         // The integrity index must agree with the TOC.
         check_checksum_index(&toc, SEC_META, &meta.checksum_index, section_name)
             .map_err(|r| invalid(path, r))?;
@@ -441,15 +365,7 @@ impl Archive {
         &self.extra
     }
     pub fn sections(&self) -> Vec<SectionInfo> {
-        self.toc
-            .iter()
-            .map(|r| SectionInfo {
-                kind: section_name(r.ty),
-                offset: r.offset,
-                size: r.size,
-                flags: r.flags,
-            })
-            .collect()
+        section_infos(&self.toc, section_name)
     }
     /// Panics if `tensor` is not a tensor index (a caller bug).
     pub fn tensor_info(&self, tensor: usize) -> TensorEntryInfo {
@@ -553,22 +469,18 @@ impl Archive {
     }
 
     /// Check and decode a tensor's global blob (once; the result is cached).
-    fn global(&self, tensor: usize) -> Result<&DecodedGlobal, GlobalFault> {
+    fn global(&self, tensor: usize) -> Result<&DecodedGlobal, BlobFault> {
         self.globals[tensor]
             .get_or_init(|| {
                 let t = &self.tensors[tensor];
-                let stored = self.global_stored(t);
-                let computed = xxh3_64(stored);
-                if computed != t.global_xxh3 {
-                    return Err(GlobalFault::Checksum {
-                        stored: t.global_xxh3,
-                        computed,
-                    });
-                }
-                let raw = decompress(stored, t.global.comp, t.global.usize as usize)
-                    .map_err(GlobalFault::Corrupt)?;
+                let raw = checked_payload(
+                    self.global_stored(t),
+                    t.global_xxh3,
+                    t.global.comp,
+                    t.global.usize as usize,
+                )?;
                 codec::decode_global(&t.codec, &raw, t.rows, t.cols)
-                    .map_err(|e| GlobalFault::Corrupt(e.to_string()))
+                    .map_err(|e| BlobFault::Corrupt(e.to_string()))
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -579,13 +491,8 @@ impl Archive {
         &self.map[start..start + t.global.csize as usize]
     }
 
-    fn global_error(&self, tensor: usize, block: usize, f: GlobalFault) -> ReadError {
-        let reason = match f {
-            GlobalFault::Checksum { stored, computed } => format!(
-                "its tensor's global blob failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"
-            ),
-            GlobalFault::Corrupt(r) => format!("its tensor's global blob is corrupt: {r}"),
-        };
+    fn global_error(&self, tensor: usize, block: usize, f: BlobFault) -> ReadError {
+        let reason = f.describe("its tensor's global blob");
         ReadError::Corrupt {
             tensor: self.tensors[tensor].name.clone(),
             block,
@@ -610,14 +517,9 @@ impl Archive {
         let mut fails = Vec::new();
         for (ti, t) in self.tensors.iter().enumerate() {
             let stored = self.global_stored(t);
-            let computed = xxh3_64(stored);
-            if computed != t.global_xxh3 {
-                fails.push(format!(
-                    "tensor {} global blob failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
-                    t.name, t.global_xxh3
-                ));
-            } else if let Err(e) = decompress(stored, t.global.comp, t.global.usize as usize) {
-                fails.push(format!("tensor {} global blob is corrupt: {e}", t.name));
+            let (xxh3, comp, usize) = (t.global_xxh3, t.global.comp, t.global.usize as usize);
+            if let Err(f) = checked_payload(stored, xxh3, comp, usize) {
+                fails.push(f.describe(&format!("tensor {} global blob", t.name)));
             }
             let bad: Vec<String> = (0..t.n_blocks)
                 .into_par_iter()
@@ -627,17 +529,7 @@ impl Archive {
         }
         // Whole sections last: a block failure also fails SHARD_BANK, and the block is
         // the more useful thing to name first.
-        for r in &self.toc {
-            let stored = &self.map[r.offset as usize..(r.offset + r.size) as usize];
-            let computed = xxh3_64(stored);
-            if computed != r.xxh3 {
-                fails.push(format!(
-                    "section {} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
-                    section_name(r.ty),
-                    r.xxh3
-                ));
-            }
-        }
+        fails.extend(section_failures(&self.map, &self.toc, section_name));
         fails
     }
 

@@ -3,9 +3,8 @@
 //! in memory; `finish` appends CODEBOOKS, BLOCK_INDEX, ROUTING and META, then writes the
 //! header/TOC and renames `<path>.tmp` to `<path>`.
 
-use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -43,12 +42,6 @@ pub struct ArchiveWriter {
     n_entries: u64,
     tensors: Vec<PendingTensor>,
     done: bool,
-}
-
-fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(suffix);
-    PathBuf::from(s)
 }
 
 impl ArchiveWriter {
@@ -167,17 +160,14 @@ impl ArchiveWriter {
                 usize: raw.len() as u32,
                 csize: stored.len() as u32,
             };
-            // Zero padding so the payload starts 16-byte aligned in the file (the bank
-            // starts page-aligned), letting codecs read raw payloads in place cheaply.
-            let pad = (16 - (self.bank_len + REC_HEADER as u64) % 16) % 16;
-            if pad > 0 {
-                let out = self.out.as_mut().expect("open");
-                if let Err(e) = out.write_all(&[0u8; 16][..pad as usize]) {
-                    return Err(self.io(e));
-                }
-                self.bank_hash.update(&[0u8; 16][..pad as usize]);
-                self.bank_len += pad;
-            }
+            let out = self.out.as_mut().expect("open");
+            let r = pad16(
+                out,
+                &mut self.bank_hash,
+                &mut self.bank_len,
+                REC_HEADER as u64,
+            );
+            r.map_err(|e| self.io(e))?;
             let entry = IndexEntry {
                 offset: self.bank_len,
                 csize: stored.len() as u32,
@@ -257,15 +247,7 @@ impl ArchiveWriter {
         let mut out = self.out.take().expect("open");
         let mut pos = ALIGN + self.bank_len;
 
-        let pad_to_align = |out: &mut BufWriter<File>, pos: &mut u64| -> std::io::Result<()> {
-            let target = align_up(*pos);
-            let zeros = [0u8; ALIGN as usize];
-            out.write_all(&zeros[..(target - *pos) as usize])?;
-            *pos = target;
-            Ok(())
-        };
-
-        let r = (|| -> std::io::Result<(Vec<TocRecord>, u64)> {
+        let r = (|| -> std::io::Result<u64> {
             // CODEBOOKS: copy the spool.
             pad_to_align(&mut out, &mut pos)?;
             let mut cbw = self.cb.take().expect("open");
@@ -289,34 +271,12 @@ impl ArchiveWriter {
             };
             pos += self.cb_len;
 
-            let put = |out: &mut BufWriter<File>,
-                       pos: &mut u64,
-                       ty: u32,
-                       data: &[u8],
-                       c: Compression|
-             -> std::io::Result<TocRecord> {
-                pad_to_align(out, pos)?;
-                let (comp, stored) = compress(data, c);
-                out.write_all(&stored)?;
-                let rec = TocRecord {
-                    ty,
-                    flags: comp_to_flags(comp),
-                    offset: *pos,
-                    size: stored.len() as u64,
-                    usize: data.len() as u64,
-                    xxh3: xxh3_64(&stored),
-                };
-                *pos += stored.len() as u64;
-                Ok(rec)
-            };
             let meta_c = Compression::Zstd(META_ZSTD_LEVEL);
-            let index = put(&mut out, &mut pos, SEC_BLOCK_INDEX, &self.index, meta_c)?;
-            let routing = put(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
-
-            let mut checksum_index = BTreeMap::new();
-            for rec in [&codebooks, &bank, &index, &routing] {
-                checksum_index.insert(section_name(rec.ty), hex64(rec.xxh3));
-            }
+            let index = write_section(&mut out, &mut pos, SEC_BLOCK_INDEX, &self.index, meta_c)?;
+            let routing =
+                write_section(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
+            let checksum_index =
+                checksum_index(&[&codebooks, &bank, &index, &routing], section_name);
             let (model_v, hf_files) = model_to_meta(model).map_err(std::io::Error::other)?;
             let meta = MetaOut {
                 format: "cawsf",
@@ -328,26 +288,18 @@ impl ArchiveWriter {
                 extra: &extra,
             };
             let json = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
-            let meta = put(&mut out, &mut pos, SEC_META, &json, meta_c)?;
+            let meta = write_section(&mut out, &mut pos, SEC_META, &json, meta_c)?;
             pad_to_align(&mut out, &mut pos)?;
 
-            let toc = vec![meta, codebooks, bank, routing, index];
+            let toc = [meta, codebooks, bank, routing, index];
             let mut header = Vec::with_capacity(HEADER_FIXED + TOC_RECORD * toc.len() + 8);
             header.extend_from_slice(&MAGIC);
             header.extend_from_slice(&VERSION.to_le_bytes());
             header.extend_from_slice(&(toc.len() as u32).to_le_bytes());
-            for rec in &toc {
-                rec.write(&mut header);
-            }
-            let h = xxh3_64(&header);
-            header.extend_from_slice(&h.to_le_bytes());
-            out.seek(SeekFrom::Start(0))?;
-            out.write_all(&header)?;
-            let f = out.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
-            Ok((toc, pos))
+            write_header(out, header, &toc)?;
+            Ok(pos)
         })();
-        let (_, total) = r.map_err(|e| self.io(e))?;
+        let total = r.map_err(|e| self.io(e))?;
         fs::rename(&self.tmp, &self.path).map_err(|e| self.io(e))?;
         let _ = fs::remove_file(&self.cb_tmp);
         self.done = true;

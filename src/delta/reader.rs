@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use faer::{Accum, MatMut, MatRef, Par};
 use memmap2::Mmap;
 use rayon::prelude::*;
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::decompose::{decode_base_block, f16_to_f32};
 use super::format::*;
@@ -58,12 +57,6 @@ struct TensorEntry {
     n_blocks: usize,
 }
 
-/// Why a blob could not be used.
-enum BlobFault {
-    Checksum { stored: u64, computed: u64 },
-    Corrupt(String),
-}
-
 struct SharedCache {
     lru: lru::LruCache<usize, Arc<Vec<f32>>>,
     bytes: usize,
@@ -86,13 +79,6 @@ pub struct DeltaArchive {
     counters: ReadCounters,
 }
 
-fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
-}
-
 /// Bound on a compressed blob's decoded size (no allocation beyond what the file
 /// justifies).
 fn blob_usize_ok(csize: u32, usize: u32) -> bool {
@@ -110,21 +96,7 @@ pub fn has_magic(path: &Path) -> bool {
 
 impl DeltaArchive {
     pub fn open(path: &Path) -> Result<DeltaArchive, ArchiveError> {
-        let io = |e| ArchiveError::Io {
-            path: path.display().to_string(),
-            source: e,
-        };
-        let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        if len < (HEADER_FIXED + 8) as u64 {
-            return Err(invalid(
-                path,
-                format!("truncated: file is {len} bytes, too short for a delta archive header"),
-            ));
-        }
-        // SAFETY: opened read-only and treated as immutable; every access below is
-        // bounds-checked against the mapping's length.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let map = map_container(path, HEADER_FIXED + 8, "delta archive")?;
         let data: &[u8] = &map;
         let len = data.len() as u64;
         if data[0..8] != MAGIC {
@@ -147,46 +119,13 @@ impl DeltaArchive {
                 format!("bad header: delta dtype code {} (only 1 = f16 exists) or reserved bytes not zero", data[21]),
             ));
         }
-        let n = le_u32(&data[24..28]) as usize;
-        if n == 0 || n > MAX_SECTIONS {
-            return Err(invalid(
-                path,
-                format!("bad header: section count {n} (must be 1..={MAX_SECTIONS})"),
-            ));
-        }
-        let toc_end = HEADER_FIXED + TOC_RECORD * n;
-        let Some(hsum) = data.get(toc_end..toc_end + 8) else {
-            return Err(invalid(
-                path,
-                format!(
-                    "truncated: TOC of {n} sections needs {} bytes but file is {len} bytes",
-                    toc_end + 8
-                ),
-            ));
-        };
-        let (stored, computed) = (le_u64(hsum), xxh3_64(&data[..toc_end]));
-        if stored != computed {
-            return Err(invalid(
-                path,
-                format!("header failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"),
-            ));
-        }
-        let toc: Vec<TocRecord> = data[HEADER_FIXED..toc_end]
-            .chunks_exact(TOC_RECORD)
-            .map(TocRecord::parse)
-            .collect();
+        let toc =
+            parse_toc(data, HEADER_FIXED, le_u32(&data[24..28])).map_err(|r| invalid(path, r))?;
 
         // Sections: bounds, alignment, flags, no overlap (the .cawsf TOC rules).
         let by_type =
             check_toc(&toc, len, &[SEC_DATA], section_name).map_err(|r| invalid(path, r))?;
-        let need = |ty: u32| {
-            by_type[ty as usize].ok_or_else(|| {
-                invalid(
-                    path,
-                    format!("bad TOC: section {} is missing", section_name(ty)),
-                )
-            })
-        };
+        let need = |ty: u32| required(&by_type, ty, section_name).map_err(|r| invalid(path, r));
         let meta_rec = need(SEC_META)?;
         let data_rec = need(SEC_DATA)?;
         let index_rec = need(SEC_BLOB_INDEX)?;
@@ -198,21 +137,7 @@ impl DeltaArchive {
         // META.
         let meta: MetaIn = serde_json::from_slice(&load(&meta_rec)?)
             .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
-        if meta.format != "cawsf-delta" {
-            return Err(invalid(
-                path,
-                format!("META format is {:?}, expected \"cawsf-delta\"", meta.format),
-            ));
-        }
-        if meta.version != VERSION {
-            return Err(invalid(
-                path,
-                format!(
-                    "META version {} disagrees with header version {VERSION}",
-                    meta.version
-                ),
-            ));
-        }
+        check_meta_kind(&meta.format, meta.version, "cawsf-delta").map_err(|r| invalid(path, r))?;
         if meta.n_layers != n_layers
             || meta.bases.len() as u64 != n_bases as u64
             || meta.base_dtype != base_dtype
@@ -546,16 +471,8 @@ impl DeltaArchive {
     /// Checksum, then decompression of one blob (index valid, checked at open).
     fn blob(&self, blob: usize) -> Result<Cow<'_, [u8]>, BlobFault> {
         let e = &self.index[blob];
-        let stored = self.stored(blob);
         self.counters.record(e.csize as u64, e.usize as u64);
-        let computed = xxh3_64(stored);
-        if computed != e.xxh3 {
-            return Err(BlobFault::Checksum {
-                stored: e.xxh3,
-                computed,
-            });
-        }
-        decompress(stored, e.comp, e.usize as usize).map_err(BlobFault::Corrupt)
+        checked_payload(self.stored(blob), e.xxh3, e.comp, e.usize as usize)
     }
 
     /// A decoded shared blob (base block or Vᵀ) through the bounded cache.
@@ -592,19 +509,21 @@ impl DeltaArchive {
     fn fault(&self, tensor: usize, block: usize, part: Option<String>, f: BlobFault) -> ReadError {
         let t = &self.tensors[tensor];
         match (part, f) {
-            (None, BlobFault::Checksum { stored, computed }) => {
-                ReadError::Checksum { tensor: t.name.clone(), block, stored, computed }
-            }
-            (None, BlobFault::Corrupt(reason)) => ReadError::Corrupt { tensor: t.name.clone(), block, reason },
-            (Some(part), BlobFault::Checksum { stored, computed }) => ReadError::Corrupt {
+            (None, BlobFault::Checksum { stored, computed }) => ReadError::Checksum {
                 tensor: t.name.clone(),
                 block,
-                reason: format!("its {part} failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"),
+                stored,
+                computed,
             },
-            (Some(part), BlobFault::Corrupt(r)) => ReadError::Corrupt {
+            (None, BlobFault::Corrupt(reason)) => ReadError::Corrupt {
                 tensor: t.name.clone(),
                 block,
-                reason: format!("its {part} is corrupt: {r}"),
+                reason,
+            },
+            (Some(part), f) => ReadError::Corrupt {
+                tensor: t.name.clone(),
+                block,
+                reason: f.describe(&format!("its {part}")),
             },
         }
     }
@@ -714,26 +633,9 @@ impl DeltaArchive {
         };
         let mut fails: Vec<String> = (0..self.index.len())
             .into_par_iter()
-            .filter_map(|i| match self.blob(i) {
-                Ok(_) => None,
-                Err(BlobFault::Checksum { stored, computed }) => Some(format!(
-                    "{} failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})",
-                    describe(i)
-                )),
-                Err(BlobFault::Corrupt(r)) => Some(format!("{} is corrupt: {r}", describe(i))),
-            })
+            .filter_map(|i| self.blob(i).err().map(|f| f.describe(&describe(i))))
             .collect();
-        for r in &self.toc {
-            let stored = &self.map[r.offset as usize..(r.offset + r.size) as usize];
-            let computed = xxh3_64(stored);
-            if computed != r.xxh3 {
-                fails.push(format!(
-                    "section {} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
-                    section_name(r.ty),
-                    r.xxh3
-                ));
-            }
-        }
+        fails.extend(section_failures(&self.map, &self.toc, section_name));
         fails
     }
 }
@@ -838,15 +740,7 @@ impl Store for DeltaArchive {
         }
     }
     fn parts(&self) -> Vec<SectionInfo> {
-        self.toc
-            .iter()
-            .map(|r| SectionInfo {
-                kind: section_name(r.ty),
-                offset: r.offset,
-                size: r.size,
-                flags: r.flags,
-            })
-            .collect()
+        section_infos(&self.toc, section_name)
     }
     fn verify_all(&self) -> Vec<String> {
         DeltaArchive::verify_all(self)

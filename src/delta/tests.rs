@@ -13,30 +13,14 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::decompose::{self, RankChoice};
 use super::format::*;
 use super::*;
+use crate::archive::format::{align_up, decompress};
 use crate::archive::Compression;
-use crate::import::{ImportError, SourceModel};
+use crate::import::mem::MemSource;
 use crate::model::{ArchConfig, ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
 use crate::store::Store;
 
 const ROWS: usize = 48;
 const COLS: usize = 1024; // 32 rows per block: blocks of 32 and 16 rows
-
-struct MemSource {
-    desc: ModelDesc,
-    data: Vec<Vec<f32>>,
-}
-
-impl SourceModel for MemSource {
-    fn desc(&self) -> &ModelDesc {
-        &self.desc
-    }
-    fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
-        Ok(self.data[i].iter().flat_map(|x| x.to_le_bytes()).collect())
-    }
-    fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
-        Ok(self.data[i].clone())
-    }
-}
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)

@@ -2,9 +2,8 @@
 //! they are added (bases first, then tensors in model order); `finish` appends
 //! BLOB_INDEX, ROUTING and META, writes the header/TOC and renames `<path>.tmp`.
 
-use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -43,9 +42,7 @@ impl DeltaWriter {
     }
 
     pub fn create(path: &Path, compression: Compression) -> Result<DeltaWriter, ArchiveError> {
-        let mut s = path.as_os_str().to_owned();
-        s.push(".tmp");
-        let tmp = PathBuf::from(s);
+        let tmp = with_suffix(path, ".tmp");
         let f = File::create(&tmp).map_err(|e| ArchiveError::Io {
             path: tmp.display().to_string(),
             source: e,
@@ -94,17 +91,11 @@ impl DeltaWriter {
         let first = self.n_entries;
         let mut stored_total = 0;
         for (i, ((comp, stored), raw)) in packed.iter().zip(blobs).enumerate() {
-            let pad = (16 - self.data_len % 16) % 16;
             let out = self.out.as_mut().expect("open");
-            let r = out
-                .write_all(&[0u8; 16][..pad as usize])
+            let r = pad16(out, &mut self.data_hash, &mut self.data_len, 0)
                 .and_then(|_| out.write_all(stored));
-            if let Err(e) = r {
-                return Err(self.io(e));
-            }
-            self.data_hash.update(&[0u8; 16][..pad as usize]);
+            r.map_err(|e| self.io(e))?;
             self.data_hash.update(stored);
-            self.data_len += pad;
             BlobEntry {
                 offset: self.data_len,
                 csize: stored.len() as u32,
@@ -243,35 +234,11 @@ impl DeltaWriter {
         let mut out = self.out.take().expect("open");
         let mut pos = ALIGN + self.data_len;
         let r = (|| -> std::io::Result<u64> {
-            let put = |out: &mut BufWriter<File>,
-                       pos: &mut u64,
-                       ty: u32,
-                       bytes: &[u8],
-                       c: Compression|
-             -> std::io::Result<TocRecord> {
-                let target = align_up(*pos);
-                out.write_all(&vec![0u8; (target - *pos) as usize])?;
-                *pos = target;
-                let (comp, stored) = compress(bytes, c);
-                out.write_all(&stored)?;
-                let rec = TocRecord {
-                    ty,
-                    flags: comp_to_flags(comp),
-                    offset: *pos,
-                    size: stored.len() as u64,
-                    usize: bytes.len() as u64,
-                    xxh3: xxh3_64(&stored),
-                };
-                *pos += stored.len() as u64;
-                Ok(rec)
-            };
             let meta_c = Compression::Zstd(META_ZSTD_LEVEL);
-            let index = put(&mut out, &mut pos, SEC_BLOB_INDEX, &self.index, meta_c)?;
-            let routing = put(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
-            let mut checksum_index = BTreeMap::new();
-            for rec in [&data, &index, &routing] {
-                checksum_index.insert(section_name(rec.ty), hex64(rec.xxh3));
-            }
+            let index = write_section(&mut out, &mut pos, SEC_BLOB_INDEX, &self.index, meta_c)?;
+            let routing =
+                write_section(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
+            let checksum_index = checksum_index(&[&data, &index, &routing], section_name);
             let (model_v, hf_files) = model_to_meta(model).map_err(std::io::Error::other)?;
             let meta = MetaOut {
                 format: "cawsf-delta",
@@ -287,10 +254,8 @@ impl DeltaWriter {
                 extra: &extra,
             };
             let json = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
-            let meta = put(&mut out, &mut pos, SEC_META, &json, meta_c)?;
-            let target = align_up(pos);
-            out.write_all(&vec![0u8; (target - pos) as usize])?;
-            pos = target;
+            let meta = write_section(&mut out, &mut pos, SEC_META, &json, meta_c)?;
+            pad_to_align(&mut out, &mut pos)?;
 
             let toc = [meta, data, routing, index];
             let mut header = Vec::with_capacity(HEADER_FIXED + TOC_RECORD * toc.len() + 8);
@@ -302,15 +267,7 @@ impl DeltaWriter {
             header.push(DTYPE_F16);
             header.extend_from_slice(&[0u8; 2]);
             header.extend_from_slice(&(toc.len() as u32).to_le_bytes());
-            for rec in &toc {
-                rec.write(&mut header);
-            }
-            let h = xxh3_64(&header);
-            header.extend_from_slice(&h.to_le_bytes());
-            out.seek(SeekFrom::Start(0))?;
-            out.write_all(&header)?;
-            let f = out.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
+            write_header(out, header, &toc)?;
             Ok(pos)
         })();
         let total = r.map_err(|e| self.io(e))?;

@@ -6,25 +6,8 @@ use std::path::Path;
 
 use super::npy::{write_header, Dtype};
 use super::*;
-use crate::import::{ImportError, SourceModel};
+use crate::import::mem::MemSource;
 use crate::model::ArchConfig;
-
-struct MemSource {
-    desc: ModelDesc,
-    data: Vec<Vec<f32>>,
-}
-
-impl SourceModel for MemSource {
-    fn desc(&self) -> &ModelDesc {
-        &self.desc
-    }
-    fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
-        Ok(self.data[i].iter().flat_map(|x| x.to_le_bytes()).collect())
-    }
-    fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
-        Ok(self.data[i].clone())
-    }
-}
 
 const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
  "num_hidden_layers": 1, "intermediate_size": 96, "vocab_size": 300, "num_key_value_heads": 1}"#;
