@@ -394,14 +394,12 @@ fn bar(len: u64, template: &str) -> ProgressBar {
 }
 
 fn cmd_convert(a: ConvertArgs) -> Result<()> {
+    refuse_foreign_flags(&a)?;
     init_threads(a.threads)?;
     match a.to {
         To::Cawsf => {}
         To::Delta => return cmd_convert_delta(a),
         To::NpyDir => return cmd_convert_npy(a),
-    }
-    if a.max_rel_err.is_some() || a.bases != 1 || !matches!(a.base_dtype, BaseDtypeArg::F16) {
-        bail!("--max-rel-err, --bases and --base-dtype apply to --to delta only");
     }
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
@@ -417,7 +415,7 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
     if a.no_default_passthrough {
         opts.passthrough.clear();
     }
-    opts.passthrough.extend(a.passthrough);
+    opts.passthrough.extend(a.passthrough.iter().cloned());
     opts.compression = compression_of(a.compression);
     let n = src.desc().tensors.len();
     let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
@@ -427,13 +425,25 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
     })
     .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
+    print_report(&report, ("codec", 24), ("archive", "NDSQ"), &a)
+}
+
+/// The per-tensor table and totals of a cawsf or npy-dir conversion, and the JSON report
+/// when asked for. `col` = (label, width) of the codec column; `what` = (what was
+/// written, which error the totals summarize).
+fn print_report(
+    report: &convert::ConvertReport,
+    (col, width): (&str, usize),
+    (what, err): (&str, &str),
+    a: &ConvertArgs,
+) -> Result<()> {
     println!(
-        "{:<52} {:>16} {:>24} {:>12} {:>7} {:>9}",
-        "tensor", "shape", "codec", "bytes", "bpw", "rel_err"
+        "{:<52} {:>16} {:>width$} {:>12} {:>7} {:>9}",
+        "tensor", "shape", col, "bytes", "bpw", "rel_err"
     );
     for t in &report.tensors {
         println!(
-            "{:<52} {:>16} {:>24} {:>12} {:>7.3} {:>9.5}",
+            "{:<52} {:>16} {:>width$} {:>12} {:>7.3} {:>9.5}",
             t.name,
             format!("{:?}", t.shape),
             t.codec,
@@ -443,7 +453,7 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         );
     }
     println!(
-        "total: {} weights, archive {} bytes, {:.3} bits per weight, NDSQ rel_err mean {:.5} max {:.5} -> {}",
+        "total: {} weights, {what} {} bytes, {:.3} bits per weight, {err} rel_err mean {:.5} max {:.5} -> {}",
         report.total_weights,
         report.archive_bytes,
         report.bits_per_weight,
@@ -451,9 +461,72 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         report.max_rel_err,
         a.output.display()
     );
-    if let Some(p) = a.report_json {
-        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+    write_report_json(report, a)
+}
+
+fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<()> {
+    if let Some(p) = &a.report_json {
+        std::fs::write(p, serde_json::to_vec_pretty(report)?)
             .with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Options given (away from their defaults) that the chosen kind would silently ignore
+/// are refused, in one line naming each with the kinds it is for.
+fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
+    use To::{Cawsf, Delta, NpyDir};
+    let nd = ConvertOptions::default().ndsq;
+    let given: [(&str, bool, &[To]); 16] = [
+        ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
+        ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
+        ("--bases", a.bases != 1, &[Delta]),
+        (
+            "--base-dtype",
+            !matches!(a.base_dtype, BaseDtypeArg::F16),
+            &[Delta],
+        ),
+        ("--outlier-q", a.outlier_q != nd.outlier_q, &[Cawsf]),
+        ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
+        ("--pq-dim", a.pq_dim != nd.pq_dim, &[Cawsf]),
+        ("--pq-k", a.pq_k != nd.pq_k, &[Cawsf]),
+        (
+            "--kmeans-iters",
+            a.kmeans_iters != nd.kmeans_iters,
+            &[Cawsf, Delta],
+        ),
+        ("--seed", a.seed != 0, &[Cawsf]),
+        ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
+        (
+            "--no-default-passthrough",
+            a.no_default_passthrough,
+            &[Cawsf, NpyDir],
+        ),
+        (
+            "--compression",
+            !matches!(a.compression, Comp::Zstd),
+            &[Cawsf, Delta],
+        ),
+        ("--bits", a.bits != 8, &[NpyDir]),
+        ("--group", a.group != 64, &[NpyDir]),
+        ("--zstd", a.zstd, &[NpyDir]),
+    ];
+    let name = |t: To| {
+        t.to_possible_value()
+            .expect("no skipped variants")
+            .get_name()
+            .to_string()
+    };
+    let foreign: Vec<String> = given
+        .iter()
+        .filter(|(_, set, kinds)| *set && !kinds.contains(&a.to))
+        .map(|(flag, _, kinds)| {
+            let kinds: Vec<String> = kinds.iter().map(|&k| name(k)).collect();
+            format!("{flag} (for {})", kinds.join(", "))
+        })
+        .collect();
+    if !foreign.is_empty() {
+        bail!("--to {} does not take {}", name(a.to), foreign.join(", "));
     }
     Ok(())
 }
@@ -493,11 +566,7 @@ fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
     pb.finish_and_clear();
     print_delta_report(&report);
     println!("-> {}", a.output.display());
-    if let Some(p) = a.report_json {
-        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("{}", p.display()))?;
-    }
-    Ok(())
+    write_report_json(&report, &a)
 }
 
 fn print_delta_report(r: &cawsfs::delta::DeltaReport) {
@@ -580,7 +649,7 @@ fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
     if a.no_default_passthrough {
         opts.passthrough.clear();
     }
-    opts.passthrough.extend(a.passthrough);
+    opts.passthrough.extend(a.passthrough.iter().cloned());
     let n = src.desc().tensors.len();
     let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
     let report = cawsfs::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
@@ -589,35 +658,7 @@ fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
     })
     .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
-    println!(
-        "{:<52} {:>16} {:>22} {:>12} {:>7} {:>9}",
-        "tensor", "shape", "kind", "bytes", "bpw", "rel_err"
-    );
-    for t in &report.tensors {
-        println!(
-            "{:<52} {:>16} {:>22} {:>12} {:>7.3} {:>9.5}",
-            t.name,
-            format!("{:?}", t.shape),
-            t.codec,
-            t.bytes,
-            t.bits_per_weight,
-            t.rel_err
-        );
-    }
-    println!(
-        "total: {} weights, directory {} bytes, {:.3} bits per weight, quantized rel_err mean {:.5} max {:.5} -> {}",
-        report.total_weights,
-        report.archive_bytes,
-        report.bits_per_weight,
-        report.mean_rel_err,
-        report.max_rel_err,
-        a.output.display()
-    );
-    if let Some(p) = a.report_json {
-        std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("{}", p.display()))?;
-    }
-    Ok(())
+    print_report(&report, ("kind", 22), ("directory", "quantized"), &a)
 }
 
 fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {

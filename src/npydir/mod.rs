@@ -952,6 +952,22 @@ fn open_side_tensor(
             let h = op.open(&f.file, dtypes[idx], None)?.header;
             geom.geo = Geo::Pt { sz: h.dtype.size() };
         }
+        // The block count comes from the shape and rows_per_block: it is bounded by the
+        // checksums cawsfs.json lists before anything is sized by it.
+        let sums = f
+            .blocks
+            .as_ref()
+            .ok_or_else(|| ctx(format!("{role}: no block checksums")))?;
+        if sums.len() != n_blocks {
+            return Err(ctx(format!(
+                "{role}: {} block checksums for {n_blocks} blocks",
+                sums.len()
+            )));
+        }
+        let sums = sums
+            .iter()
+            .map(|h| parse_hex(side, "blocks", h))
+            .collect::<Result<Vec<_>, _>>()?;
         let lens: Vec<u64> = (0..n_blocks)
             .map(|b| {
                 let r = geom.block_ranges(b).0[idx];
@@ -962,19 +978,6 @@ fn open_side_tensor(
         let path = dir.join(&df.rel);
         let hb = header_bytes(&df).map_err(|e| invalid(&path, e))?;
         check_sum(&path, side, "npy header", &hb, f.header_xxh3.as_deref())?;
-        let sums = f
-            .blocks
-            .as_ref()
-            .ok_or_else(|| ctx(format!("{role}: no block checksums")))?
-            .iter()
-            .map(|h| parse_hex(side, "blocks", h))
-            .collect::<Result<Vec<_>, _>>()?;
-        if sums.len() != n_blocks {
-            return Err(ctx(format!(
-                "{role}: {} block checksums for {n_blocks} blocks",
-                sums.len()
-            )));
-        }
         df.sums = Some(sums);
         stored += df.file_len;
         files.push(df);
@@ -1187,8 +1190,14 @@ fn open_foreign_tensor(
 
 impl RowSource for NpyDir {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
-        let g = &self.entries[tensor].geom;
-        let name = &self.model.tensors[tensor].name;
+        let (Some(e), Some(t)) = (self.entries.get(tensor), self.model.tensors.get(tensor)) else {
+            return Err(ReadError::OutOfRange {
+                tensor: format!("#{tensor}"),
+                r0,
+                r1,
+            });
+        };
+        let (g, name) = (&e.geom, &t.name);
         if r0 > r1 || r1 > g.rows || out.len() as u64 != (r1 - r0) * g.cols {
             return Err(ReadError::OutOfRange {
                 tensor: name.clone(),

@@ -490,3 +490,53 @@ fn foreign_directory() {
     let e = NpyDir::open(&dir).err().expect("opened").to_string();
     assert!(e.contains("config.json is missing"), "{e}");
 }
+
+/// A cawsfs.json whose shape and rows_per_block claim 2^36 row blocks is refused by the
+/// count of block checksums it lists, before anything is sized by the claim (it used to
+/// build a 512 GiB table of frame lengths first).
+#[test]
+fn absurd_block_count_is_refused_before_allocating() {
+    let src = source();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("z");
+    write(&src, &dir, 8, true);
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let key = safe_key(name);
+    let huge = [1u64 << 36, 1];
+    shape_file(&dir, &key, &huge);
+    let shape_name = format!("{key}__shape.npy");
+    let shape_sum = hex(xxhash_rust::xxh3::xxh3_64(
+        &std::fs::read(dir.join(TENSOR_DIR).join(&shape_name)).unwrap(),
+    ));
+    let side = dir.join(SIDECAR);
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&side).unwrap()).unwrap();
+    for t in v["model"]["tensors"].as_array_mut().unwrap() {
+        if t["name"] == name {
+            t["shape"] = serde_json::json!(huge);
+        }
+    }
+    for t in v["tensors"].as_array_mut().unwrap() {
+        if t["name"] == name {
+            t["rows_per_block"] = 1.into();
+            t["files"]["shape"] = serde_json::json!({"file": shape_name, "xxh3": shape_sum});
+        }
+    }
+    std::fs::write(&side, serde_json::to_vec(&v).unwrap()).unwrap();
+    let err = NpyDir::open(&dir).err().expect("must not open").to_string();
+    assert!(
+        err.contains("block checksums for 68719476736 blocks"),
+        "{err}"
+    );
+}
+
+/// A tensor index past the model is an out-of-range read, not a panic.
+#[test]
+fn read_of_a_missing_tensor_is_out_of_range() {
+    let src = source();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("d");
+    write(&src, &dir, 8, false);
+    let d = NpyDir::open(&dir).unwrap();
+    let err = d.read_rows(4, 0, 1, &mut [0f32; 128]).unwrap_err();
+    assert!(matches!(err, ReadError::OutOfRange { .. }), "{err}");
+}
