@@ -1,7 +1,9 @@
 """Shared fixtures for the real-client tests: the cawsfs binary, the real test model,
 the llama.cpp build, and archives converted once per session."""
+import errno
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -57,6 +59,17 @@ def convert(cawsfs, src, out, *args):
     return json.loads(report.read_text()), p.stdout
 
 
+def convert_each(cawsfs, src, settings, path_of, *common):
+    """Convert `src` once per named setting to `path_of(name)` with `common` arguments
+    first; returns {name: (path, report, stdout)}."""
+    out = {}
+    for name, args in settings.items():
+        path = path_of(name)
+        report, stdout = convert(cawsfs, src, path, *common, *args)
+        out[name] = (path, report, stdout)
+    return out
+
+
 # Settings under test: the defaults (~4.2 bits per weight on coded matrices), one at
 # 4.0, a low-bit one as the paper sketches (PQ of 4-wide sub-vectors, rank 16), and
 # all-passthrough (bit-exact, the reference the lossy settings are compared with).
@@ -70,12 +83,8 @@ SETTINGS = {
 
 @pytest.fixture(scope="session")
 def archives(cawsfs, model_gguf, work):
-    out = {}
-    for name, args in SETTINGS.items():
-        path = work / f"smol-{name}.cawsf"
-        report, _ = convert(cawsfs, model_gguf, path, *args)
-        out[name] = (path, report)
-    return out
+    made = convert_each(cawsfs, model_gguf, SETTINGS, lambda n: work / f"smol-{n}.cawsf")
+    return {name: (path, report) for name, (path, report, _) in made.items()}
 
 
 def llama_generate(llama_bin, gguf, prompt=PROMPT, n=24):
@@ -84,3 +93,34 @@ def llama_generate(llama_bin, gguf, prompt=PROMPT, n=24):
         "-no-cnv", "--no-warmup", "-t", str(min(4, os.cpu_count() or 1)), "-s", "1",
     ])
     return p.stdout, p.stderr
+
+
+def corrupt_block(cawsfs, path, bad, tensor, block):
+    """Copy archive `path` to `bad` with one bit flipped mid-way through the stored bytes
+    of `tensor`'s block `block` (located by `inspect --blocks`)."""
+    info = json.loads(run([cawsfs, "inspect", path, "--json", "--blocks"]).stdout)
+    t = next(t for t in info["tensors"] if t["name"] == tensor)
+    off, ln = t["block_locations"][block]
+    shutil.copy(path, bad)
+    with open(bad, "r+b") as f:
+        f.seek(off + ln // 2)
+        b = f.read(1)
+        f.seek(off + ln // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def pread_eio_offsets(path, ref, step=1 << 20):
+    """Read file `path` in `step`-byte preads: each read must equal `ref` there or fail
+    with EIO (never other bytes). Returns the offsets whose reads failed."""
+    fd = os.open(path, os.O_RDONLY)
+    failed = []
+    try:
+        for pos in range(0, len(ref), step):
+            try:
+                assert os.pread(fd, step, pos) == ref[pos:pos + step], pos
+            except OSError as e:
+                assert e.errno == errno.EIO
+                failed.append(pos)
+    finally:
+        os.close(fd)
+    return failed

@@ -2,7 +2,6 @@
 convert at a fixed rank and at an error bound, verify, inspect, determinism, mount
 (byte-identical to export), llama.cpp and safetensors reading the mount, perplexity,
 corrupt and truncated archives."""
-import errno
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from conftest import PROMPT, convert, llama_generate, run, run_status
+from conftest import PROMPT, convert, convert_each, corrupt_block, llama_generate, pread_eio_offsets, run, run_status
 from test_cawsf import perplexity
 from test_mount import FILES, Mount
 
@@ -33,12 +32,8 @@ R64_PPL_MIN_RATIO = 20.0
 
 @pytest.fixture(scope="module")
 def deltas(cawsfs, model_gguf, work):
-    out = {}
-    for name, args in DELTA_SETTINGS.items():
-        path = work / f"smol-{name}.cawsd"
-        report, stdout = convert(cawsfs, model_gguf, path, "--to", "delta", *args)
-        out[name] = (path, report, stdout)
-    return out
+    path_of = lambda n: work / f"smol-{n}.cawsd"  # noqa: E731
+    return convert_each(cawsfs, model_gguf, DELTA_SETTINGS, path_of, "--to", "delta")
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +159,9 @@ def test_llama_cpp_and_safetensors_read_the_mount(cawsfs, deltas, delta_exports,
 
 def test_corrupt_block_is_named_and_eio_only_there(cawsfs, deltas, delta_exports, work):
     path, _, _ = deltas["r64"]
-    info = json.loads(run([cawsfs, "inspect", path, "--json", "--blocks"]).stdout)
     name = "model.layers.10.mlp.up_proj.weight"
-    t = next(t for t in info["tensors"] if t["name"] == name)
-    off, ln = t["block_locations"][3]
     bad = work / "corrupt.cawsd"
-    shutil.copy(path, bad)
-    with open(bad, "r+b") as f:
-        f.seek(off + ln // 2)
-        b = f.read(1)
-        f.seek(off + ln // 2)
-        f.write(bytes([b[0] ^ 0x01]))
+    corrupt_block(cawsfs, path, bad, name, 3)
     p = run_status([cawsfs, "verify", bad])
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
@@ -186,17 +173,7 @@ def test_corrupt_block_is_named_and_eio_only_there(cawsfs, deltas, delta_exports
     m = Mount(cawsfs, bad, work / "mnt-delta-bad", "--cache-size", "64MiB")
     try:
         fname = "model.safetensors"
-        fd = os.open(m.mp / fname, os.O_RDONLY)
-        ref = open(delta_exports["r64"] / fname, "rb").read()
-        step, failed = 1 << 20, []
-        for pos in range(0, len(ref), step):
-            try:
-                got = os.pread(fd, step, pos)
-                assert got == ref[pos:pos + step], pos
-            except OSError as err:
-                assert err.errno == errno.EIO
-                failed.append(pos)
-        os.close(fd)
+        failed = pread_eio_offsets(m.mp / fname, (delta_exports["r64"] / fname).read_bytes())
         assert 1 <= len(failed) <= 2, failed
         log = open(m.socket.replace(".sock", ".log")).read()
         assert name in log and "block 3" in log, log[-2000:]

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from conftest import PROMPT, llama_generate, run, run_status
+from conftest import PROMPT, corrupt_block, llama_generate, pread_eio_offsets, run, run_status
 
 FILES = ["model.gguf", "model.safetensors", "config.json", "tokenizer.json",
          "tokenizer_config.json", "generation_config.json"]
@@ -180,30 +179,12 @@ def test_small_budget_serves_everything_within_budget(cawsfs, archives, work, ex
 
 def test_corrupt_block_gives_eio_only_there(cawsfs, archives, work, exported):
     path, _ = archives["default"]
-    info = json.loads(run([cawsfs, "inspect", path, "--json", "--blocks"]).stdout)
-    t = next(t for t in info["tensors"] if t["name"] == "model.layers.10.mlp.up_proj.weight")
-    off, ln = t["block_locations"][3]
     bad = work / "corrupt.cawsf"
-    shutil.copy(path, bad)
-    with open(bad, "r+b") as f:
-        f.seek(off + ln // 2)
-        b = f.read(1)
-        f.seek(off + ln // 2)
-        f.write(bytes([b[0] ^ 0x01]))
+    corrupt_block(cawsfs, path, bad, "model.layers.10.mlp.up_proj.weight", 3)
     m = Mount(cawsfs, bad, work / "mnt-bad", "--cache-size", "64MiB")
     try:
         name = "model.safetensors"
-        fd = os.open(m.mp / name, os.O_RDONLY)
-        ref = open(exported / name, "rb").read()
-        size, step, failed = len(ref), 1 << 20, []
-        for pos in range(0, size, step):
-            try:
-                got = os.pread(fd, step, pos)
-                assert got == ref[pos:pos + step], pos
-            except OSError as e:
-                assert e.errno == errno.EIO
-                failed.append(pos)
-        os.close(fd)
+        failed = pread_eio_offsets(m.mp / name, (exported / name).read_bytes())
         # Only the reads that cover the bad block fail (a 1 MiB read spans ≤ 2 of them).
         assert 1 <= len(failed) <= 2, failed
         assert m.stat()["cache"]["bytes_served"] > 0  # the daemon is still serving

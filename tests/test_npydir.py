@@ -18,7 +18,7 @@ import pytest
 import zstandard
 from safetensors.numpy import load_file
 
-from conftest import PROMPT, TEXT, convert, llama_generate, run, run_status
+from conftest import PROMPT, TEXT, convert, convert_each, llama_generate, run, run_status
 from test_mount import Mount
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,12 +30,9 @@ Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
 
 @pytest.fixture(scope="module")
 def npy_dirs(cawsfs, model_gguf, work):
-    out = {}
-    for name, args in NPY_SETTINGS.items():
-        path = work / f"smol-{name}.npydir"
-        report, _ = convert(cawsfs, model_gguf, path, "--to", "npy-dir", *args)
-        out[name] = (path, report)
-    return out
+    path_of = lambda n: work / f"smol-{n}.npydir"  # noqa: E731
+    made = convert_each(cawsfs, model_gguf, NPY_SETTINGS, path_of, "--to", "npy-dir")
+    return {name: (path, report) for name, (path, report, _) in made.items()}
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +298,21 @@ def test_bad_dirs_give_one_line_errors(cawsfs, npy_dirs, foreign, work):
     # A directory without manifest.json is not an archive.
     p = run_status([cawsfs, "inspect", work])
     assert p.returncode != 0 and "manifest.json" in p.stderr
+
+
+def test_options_of_other_kinds_are_refused(cawsfs, model_gguf, work):
+    """An option the chosen kind would silently ignore is refused in one line naming it
+    and the kinds it is for; nothing is written."""
+    out = work / "refused.out"
+    cases = [
+        (["--to", "npy-dir", "--max-rel-err", "0.1"], "--to npy-dir does not take --max-rel-err (for delta)"),
+        (["--to", "npy-dir", "--rank", "8", "--compression", "lz4"],
+         "--rank (for cawsf, delta), --compression (for cawsf, delta)"),
+        (["--bits", "4"], "--to cawsf does not take --bits (for npy-dir)"),
+        (["--to", "delta", "--zstd", "--seed", "3"], "--to delta does not take --seed (for cawsf), --zstd (for npy-dir)"),
+    ]
+    for args, needle in cases:
+        p = run_status([cawsfs, "convert", model_gguf, "-o", out, *args])
+        err = p.stderr.strip()
+        assert p.returncode != 0 and len(err.splitlines()) == 1 and needle in err, (args, err)
+        assert not out.exists()
