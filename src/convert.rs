@@ -164,6 +164,28 @@ fn encode_one(
     }
 }
 
+/// Encode tensors `0..n` in parallel, `window` at a time (bounding how many encoded
+/// tensors are held at once), handing each to `take` in order.
+pub(crate) fn in_windows<T: Send, E: Send>(
+    n: usize,
+    window: usize,
+    encode: impl Fn(usize) -> Result<T, E> + Sync,
+    mut take: impl FnMut(usize, T) -> Result<(), E>,
+) -> Result<(), E> {
+    use rayon::prelude::*;
+    let window = window.max(1);
+    let mut start = 0;
+    while start < n {
+        let end = (start + window).min(n);
+        let batch: Vec<Result<T, E>> = (start..end).into_par_iter().map(&encode).collect();
+        for (i, r) in (start..end).zip(batch) {
+            take(i, r?)?;
+        }
+        start = end;
+    }
+    Ok(())
+}
+
 /// Convert `src` into an archive at `out`. `progress(done, total, name)` is called
 /// after each tensor is written.
 pub fn convert(
@@ -172,22 +194,16 @@ pub fn convert(
     opts: &ConvertOptions,
     progress: &(dyn Fn(usize, usize, &str) + Sync),
 ) -> Result<ConvertReport, ConvertError> {
-    use rayon::prelude::*;
     opts.validate()?;
     let desc = src.desc();
     let n = desc.tensors.len();
     let mut writer = ArchiveWriter::create(out, opts.compression)?;
     let mut reports = Vec::with_capacity(n);
-    let window = opts.window.max(1);
-    let mut start = 0;
-    while start < n {
-        let end = (start + window).min(n);
-        let encoded: Vec<Result<EncodedTensor, ConvertError>> = (start..end)
-            .into_par_iter()
-            .map(|i| encode_one(src, i, opts))
-            .collect();
-        for (i, enc) in (start..end).zip(encoded) {
-            let enc = enc?;
+    in_windows(
+        n,
+        opts.window,
+        |i| encode_one(src, i, opts),
+        |i, enc: EncodedTensor| {
             let t = &desc.tensors[i];
             let rpb = rows_per_block(t);
             writer.add_tensor(i, rpb, &enc)?;
@@ -200,9 +216,9 @@ pub fn convert(
                 rel_err: enc.rel_err,
             });
             progress(i + 1, n, &t.name);
-        }
-        start = end;
-    }
+            Ok(())
+        },
+    )?;
     let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
     let (mut err_w, mut err_n, mut max_rel_err) = (0.0, 0u64, 0.0f64);
     for (r, t) in reports.iter().zip(&desc.tensors) {

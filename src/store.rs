@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crate::archive::{Archive, ArchiveError, SectionInfo};
-use crate::model::{ModelDesc, RowSource};
+use crate::model::{ModelDesc, ReadError, RowSource};
 
 /// Which format an archive is in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -102,6 +102,40 @@ pub trait Store: RowSource {
     }
 }
 
+/// `rel_err[name]` of a conversion report kept in an archive's extra metadata.
+pub fn rel_err_of(extra: &serde_json::Value, name: &str) -> Option<f64> {
+    extra.get("rel_err")?.get(name)?.as_f64()
+}
+
+/// The argument checks of [`RowSource::read_rows`] every kind makes: rows `r0..r1` of a
+/// `rows`×`cols` tensor into `out_len` values. Rows outside the tensor are
+/// `OutOfRange`; a buffer of the wrong size is a caller bug (InvalidInput).
+pub fn check_read(
+    name: &str,
+    (rows, cols): (u64, u64),
+    (r0, r1): (u64, u64),
+    out_len: usize,
+) -> Result<(), ReadError> {
+    if r0 > r1 || r1 > rows {
+        return Err(ReadError::OutOfRange {
+            tensor: name.to_string(),
+            r0,
+            r1,
+        });
+    }
+    // rows·cols is bounded at open, so this cannot overflow.
+    let want = (r1 - r0) * cols;
+    if out_len as u64 != want {
+        return Err(ReadError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "read_rows: out has {out_len} values, rows {r0}..{r1} of tensor {name} need {want}"
+            ),
+        )));
+    }
+    Ok(())
+}
+
 /// Open an archive of any kind: a directory is an npy-dir, a file is told by its magic.
 pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
     let meta = std::fs::metadata(path).map_err(|source| ArchiveError::Io {
@@ -141,10 +175,7 @@ impl Store for Archive {
             rows_per_block: info.rows_per_block,
             n_blocks: info.n_blocks,
             stored_bytes: info.stored_bytes,
-            rel_err: Archive::extra(self)
-                .get("rel_err")
-                .and_then(|r| r.get(name))
-                .and_then(|v| v.as_f64()),
+            rel_err: rel_err_of(Archive::extra(self), name),
         }
     }
     fn parts(&self) -> Vec<SectionInfo> {

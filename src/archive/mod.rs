@@ -573,26 +573,8 @@ impl Archive {
 impl RowSource for Archive {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
         let t = self.tensor(tensor)?;
-        if r0 > r1 || r1 > t.rows {
-            return Err(ReadError::OutOfRange {
-                tensor: t.name.clone(),
-                r0,
-                r1,
-            });
-        }
+        crate::store::check_read(&t.name, (t.rows, t.cols), (r0, r1), out.len())?;
         let cols = t.cols as usize;
-        // rows·cols ≤ MAX_ELEMENTS (checked at open), so this cannot overflow.
-        let want = (r1 - r0) as usize * cols;
-        if out.len() != want {
-            return Err(ReadError::Io(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "read_rows: out has {} values, rows {r0}..{r1} of tensor {} need {want}",
-                    out.len(),
-                    t.name
-                ),
-            )));
-        }
         if r0 == r1 {
             return Ok(());
         }

@@ -19,7 +19,9 @@ use super::format::*;
 use crate::archive::{ArchiveError, SectionInfo};
 use crate::codec::{self, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
-use crate::store::{Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary};
+use crate::store::{
+    check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
+};
 
 /// Bytes of decoded (f32) base blocks and Vᵀ blobs kept between reads. A Vᵀ is needed
 /// by every block of its matrix (up to rank·cols·4 = 3.5 MiB at full rank on a
@@ -650,25 +652,8 @@ impl RowSource for DeltaArchive {
                 r0,
                 r1,
             })?;
-        if r0 > r1 || r1 > t.rows {
-            return Err(ReadError::OutOfRange {
-                tensor: t.name.clone(),
-                r0,
-                r1,
-            });
-        }
+        check_read(&t.name, (t.rows, t.cols), (r0, r1), out.len())?;
         let cols = t.cols as usize;
-        let want = (r1 - r0) as usize * cols;
-        if out.len() != want {
-            return Err(ReadError::Io(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "read_rows: out has {} values, rows {r0}..{r1} of tensor {} need {want}",
-                    out.len(),
-                    t.name
-                ),
-            )));
-        }
         if r0 == r1 {
             return Ok(());
         }
@@ -732,11 +717,7 @@ impl Store for DeltaArchive {
             rows_per_block: t.rows_per_block,
             n_blocks: t.n_blocks,
             stored_bytes: stored,
-            rel_err: self
-                .extra
-                .get("rel_err")
-                .and_then(|r| r.get(&t.name))
-                .and_then(|v| v.as_f64()),
+            rel_err: rel_err_of(&self.extra, &t.name),
         }
     }
     fn parts(&self) -> Vec<SectionInfo> {

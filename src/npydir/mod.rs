@@ -28,7 +28,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::archive::{ArchiveError, SectionInfo};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
-use crate::store::{Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary};
+use crate::store::{
+    check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
+};
 use npy::Dtype;
 
 pub use writer::{convert, NpyOptions};
@@ -49,12 +51,7 @@ const MAX_FILES: usize = 1 << 20;
 /// The suffixes of the files one tensor may have (NPYDIR.md §2).
 const SUFFIXES: &[&str] = &["__q4", "__s4", "__q", "__s", "__pt", "__shape"];
 
-fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
-}
+use crate::archive::format::invalid;
 
 fn io_err(path: &Path, source: std::io::Error) -> ArchiveError {
     ArchiveError::Io {
@@ -729,20 +726,19 @@ impl NpyDir {
                 .collect()
         };
         match e.geom.geo {
-            Geo::Int8 { c, g } => quant::dequantize_int8(
-                &parts[0],
-                &f32s(&parts[1]),
-                c as usize,
-                g as usize,
-                &mut out,
-            ),
-            Geo::Int4 { c, g } => quant::dequantize_int4(
-                &parts[0],
-                &f32s(&parts[1]),
-                c as usize,
-                g as usize,
-                &mut out,
-            ),
+            Geo::Int8 { c, g } | Geo::Int4 { c, g } => {
+                let dequantize = match e.geom.geo {
+                    Geo::Int8 { .. } => quant::dequantize_int8,
+                    _ => quant::dequantize_int4,
+                };
+                dequantize(
+                    &parts[0],
+                    &f32s(&parts[1]),
+                    c as usize,
+                    g as usize,
+                    &mut out,
+                )
+            }
             Geo::Pt { sz: 4 } => out.copy_from_slice(&f32s(&parts[0])),
             Geo::Pt { .. } => {
                 for (o, c) in out.iter_mut().zip(parts[0].chunks_exact(2)) {
@@ -1197,14 +1193,8 @@ impl RowSource for NpyDir {
                 r1,
             });
         };
-        let (g, name) = (&e.geom, &t.name);
-        if r0 > r1 || r1 > g.rows || out.len() as u64 != (r1 - r0) * g.cols {
-            return Err(ReadError::OutOfRange {
-                tensor: name.clone(),
-                r0,
-                r1,
-            });
-        }
+        let g = &e.geom;
+        check_read(&t.name, (g.rows, g.cols), (r0, r1), out.len())?;
         if r0 == r1 {
             return Ok(());
         }
@@ -1242,11 +1232,7 @@ impl Store for NpyDir {
             rows_per_block: e.geom.rows_per_block,
             n_blocks: e.geom.n_blocks(),
             stored_bytes: e.stored_bytes,
-            rel_err: self
-                .extra
-                .get("rel_err")
-                .and_then(|r| r.get(&self.model.tensors[tensor].name))
-                .and_then(Value::as_f64),
+            rel_err: rel_err_of(&self.extra, &self.model.tensors[tensor].name),
         }
     }
     fn parts(&self) -> Vec<SectionInfo> {

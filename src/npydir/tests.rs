@@ -529,7 +529,8 @@ fn absurd_block_count_is_refused_before_allocating() {
     );
 }
 
-/// A tensor index past the model is an out-of-range read, not a panic.
+/// A tensor index past the model is an out-of-range read, not a panic (it used to
+/// index past the tensor table).
 #[test]
 fn read_of_a_missing_tensor_is_out_of_range() {
     let src = source();
@@ -539,4 +540,8 @@ fn read_of_a_missing_tensor_is_out_of_range() {
     let d = NpyDir::open(&dir).unwrap();
     let err = d.read_rows(4, 0, 1, &mut [0f32; 128]).unwrap_err();
     assert!(matches!(err, ReadError::OutOfRange { .. }), "{err}");
+    // A buffer of the wrong size is the caller's bug, as for the other kinds.
+    let err = d.read_rows(0, 0, 1, &mut [0f32; 127]).unwrap_err();
+    assert!(matches!(err, ReadError::Io(_)), "{err}");
+    assert!(d.read_rows(0, 0, 1, &mut [0f32; 128]).is_ok());
 }

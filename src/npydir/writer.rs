@@ -272,7 +272,6 @@ pub fn convert(
     opts: &NpyOptions,
     progress: &(dyn Fn(usize, usize, &str) + Sync),
 ) -> Result<ConvertReport, ConvertError> {
-    use rayon::prelude::*;
     if opts.bits != 8 && opts.bits != 4 {
         return Err(ConvertError::Options(format!(
             "--bits {} is not 8 or 4",
@@ -311,20 +310,16 @@ pub fn convert(
 
     let n = desc.tensors.len();
     let mut written = Vec::with_capacity(n);
-    let window = opts.window.max(1);
-    let mut start = 0;
-    while start < n {
-        let end = (start + window).min(n);
-        let batch: Vec<Result<Written, ConvertError>> = (start..end)
-            .into_par_iter()
-            .map(|i| encode_one(src, i, &tdir, opts))
-            .collect();
-        for (i, w) in (start..end).zip(batch) {
-            written.push(w?);
+    crate::convert::in_windows(
+        n,
+        opts.window,
+        |i| encode_one(src, i, &tdir, opts),
+        |i, w| {
+            written.push(w);
             progress(i + 1, n, &desc.tensors[i].name);
-        }
-        start = end;
-    }
+            Ok(())
+        },
+    )?;
 
     // Side files for Squish / numpy users (derived for a GGUF source) ...
     let write = |name: &str, bytes: &[u8]| {
