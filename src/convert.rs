@@ -110,6 +110,36 @@ pub struct ConvertReport {
     pub max_rel_err: f64,
 }
 
+impl ConvertReport {
+    /// Totals over `tensors` (model order): bits per weight of the whole archive, and
+    /// the element-weighted mean and the max of `rel_err` over the tensors that
+    /// `counted(i, report)` says were coded lossily.
+    pub fn new(
+        tensors: Vec<TensorReport>,
+        archive_bytes: u64,
+        desc: &crate::model::ModelDesc,
+        counted: impl Fn(usize, &TensorReport) -> bool,
+    ) -> ConvertReport {
+        let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
+        let (mut err_w, mut err_n, mut max_rel_err) = (0.0, 0u64, 0.0f64);
+        for (i, (r, t)) in tensors.iter().zip(&desc.tensors).enumerate() {
+            if counted(i, r) {
+                err_w += r.rel_err * t.numel() as f64;
+                err_n += t.numel();
+                max_rel_err = max_rel_err.max(r.rel_err);
+            }
+        }
+        ConvertReport {
+            tensors,
+            archive_bytes,
+            total_weights,
+            bits_per_weight: archive_bytes as f64 * 8.0 / total_weights.max(1) as f64,
+            mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
+            max_rel_err,
+        }
+    }
+}
+
 /// `*` matches any run of characters; everything else matches itself.
 pub fn wildcard_match(pattern: &str, name: &str) -> bool {
     match pattern.split_once('*') {
@@ -219,15 +249,6 @@ pub fn convert(
             Ok(())
         },
     )?;
-    let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
-    let (mut err_w, mut err_n, mut max_rel_err) = (0.0, 0u64, 0.0f64);
-    for (r, t) in reports.iter().zip(&desc.tensors) {
-        if r.codec.starts_with("ndsq") {
-            err_w += r.rel_err * t.numel() as f64;
-            err_n += t.numel();
-            max_rel_err = max_rel_err.max(r.rel_err);
-        }
-    }
     let extra = serde_json::json!({
         "convert": {
             "rank": opts.ndsq.rank,
@@ -249,14 +270,9 @@ pub fn convert(
         r.bytes = archive.tensor_info(i).stored_bytes;
         r.bits_per_weight = r.bytes as f64 * 8.0 / desc.tensors[i].numel().max(1) as f64;
     }
-    Ok(ConvertReport {
-        tensors: reports,
-        archive_bytes,
-        total_weights,
-        bits_per_weight: archive_bytes as f64 * 8.0 / total_weights.max(1) as f64,
-        mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
-        max_rel_err,
-    })
+    Ok(ConvertReport::new(reports, archive_bytes, desc, |_, r| {
+        r.codec.starts_with("ndsq")
+    }))
 }
 
 /// The ROUTING bytes (docs/FORMAT.md §7) every archive kind stores for `src`.

@@ -358,14 +358,7 @@ pub fn convert(
     mbytes.push(b'\n');
     write(MANIFEST, &mbytes)?;
 
-    let (mut err_w, mut err_n, mut max_rel_err) = (0.0, 0u64, 0.0f64);
-    for (w, t) in written.iter().zip(&desc.tensors) {
-        if w.quantized {
-            err_w += w.report.rel_err * t.numel() as f64;
-            err_n += t.numel();
-            max_rel_err = max_rel_err.max(w.report.rel_err);
-        }
-    }
+    let quantized: Vec<bool> = written.iter().map(|w| w.quantized).collect();
     let extra = json!({
         "convert": {
             "bits": opts.bits,
@@ -398,15 +391,9 @@ pub fn convert(
     // Reopening proves the directory reads back.
     super::NpyDir::open(out)?;
     let archive_bytes: u64 = walk_size(out).map_err(|e| io(out, e))?;
-    let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
-    Ok(ConvertReport {
-        tensors: reports,
-        archive_bytes,
-        total_weights,
-        bits_per_weight: archive_bytes as f64 * 8.0 / total_weights.max(1) as f64,
-        mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
-        max_rel_err,
-    })
+    Ok(ConvertReport::new(reports, archive_bytes, desc, |i, _| {
+        quantized[i]
+    }))
 }
 
 /// Total size of the regular files under `dir`.
