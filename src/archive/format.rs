@@ -480,6 +480,14 @@ pub fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
     }
 }
 
+/// `ArchiveError::Io` for `path`.
+pub fn io_error(path: &Path, source: std::io::Error) -> ArchiveError {
+    ArchiveError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
 /// `path` with `suffix` appended to its file name (`x.cawsf` → `x.cawsf.tmp`).
 pub fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
     let mut s = path.as_os_str().to_owned();
@@ -490,10 +498,7 @@ pub fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
 /// Memory-map the container at `path`, refusing files shorter than `min_len` (the fixed
 /// header plus its checksum) so the caller may read the fixed header directly.
 pub fn map_container(path: &Path, min_len: usize, what: &str) -> Result<Mmap, ArchiveError> {
-    let io = |e| ArchiveError::Io {
-        path: path.display().to_string(),
-        source: e,
-    };
+    let io = |e| io_error(path, e);
     let file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     if len < min_len as u64 {

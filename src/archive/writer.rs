@@ -46,31 +46,21 @@ pub struct ArchiveWriter {
 
 impl ArchiveWriter {
     fn io(&self, e: std::io::Error) -> ArchiveError {
-        ArchiveError::Io {
-            path: self.path.display().to_string(),
-            source: e,
-        }
+        io_error(&self.path, e)
     }
     fn invalid(&self, reason: String) -> ArchiveError {
-        ArchiveError::Invalid {
-            path: self.path.display().to_string(),
-            reason,
-        }
+        invalid(&self.path, reason)
     }
 
     pub fn create(path: &Path, compression: Compression) -> Result<ArchiveWriter, ArchiveError> {
         let tmp = with_suffix(path, ".tmp");
         let cb_tmp = with_suffix(path, ".cbtmp");
-        let io = |p: &Path, e| ArchiveError::Io {
-            path: p.display().to_string(),
-            source: e,
-        };
-        let f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        let f = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
         let cb = match File::create(&cb_tmp) {
             Ok(f) => f,
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
-                return Err(io(&cb_tmp, e));
+                return Err(io_error(&cb_tmp, e));
             }
         };
         let mut w = ArchiveWriter {

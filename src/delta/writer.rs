@@ -29,24 +29,15 @@ pub struct DeltaWriter {
 
 impl DeltaWriter {
     fn io(&self, e: std::io::Error) -> ArchiveError {
-        ArchiveError::Io {
-            path: self.path.display().to_string(),
-            source: e,
-        }
+        io_error(&self.path, e)
     }
     fn invalid(&self, reason: String) -> ArchiveError {
-        ArchiveError::Invalid {
-            path: self.path.display().to_string(),
-            reason,
-        }
+        invalid(&self.path, reason)
     }
 
     pub fn create(path: &Path, compression: Compression) -> Result<DeltaWriter, ArchiveError> {
         let tmp = with_suffix(path, ".tmp");
-        let f = File::create(&tmp).map_err(|e| ArchiveError::Io {
-            path: tmp.display().to_string(),
-            source: e,
-        })?;
+        let f = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
         let mut w = DeltaWriter {
             path: path.to_path_buf(),
             tmp,

@@ -51,14 +51,7 @@ const MAX_FILES: usize = 1 << 20;
 /// The suffixes of the files one tensor may have (NPYDIR.md §2).
 const SUFFIXES: &[&str] = &["__q4", "__s4", "__q", "__s", "__pt", "__shape"];
 
-use crate::archive::format::invalid;
-
-fn io_err(path: &Path, source: std::io::Error) -> ArchiveError {
-    ArchiveError::Io {
-        path: path.display().to_string(),
-        source,
-    }
-}
+use crate::archive::format::{invalid, io_error as io_err};
 
 fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
     let len = std::fs::metadata(path).map_err(|e| io_err(path, e))?.len();
