@@ -513,6 +513,23 @@ pub fn map_container(path: &Path, min_len: usize, what: &str) -> Result<Mmap, Ar
     unsafe { Mmap::map(&file) }.map_err(io)
 }
 
+/// The first 12 bytes of a container: `magic`, then a version this reader knows.
+/// `(archive, version)` name the kind in the two messages (docs/FORMAT.md §2).
+pub fn check_magic_version(
+    data: &[u8],
+    magic: &[u8; 8],
+    (archive, version_of): (&str, &str),
+) -> Result<(), String> {
+    if data[0..8] != magic[..] {
+        return Err(format!("not a {archive} (bad magic)"));
+    }
+    let version = le_u32(&data[8..12]);
+    if version != VERSION {
+        return Err(format!("unsupported {version_of} version {version}"));
+    }
+    Ok(())
+}
+
 /// The TOC of a container whose fixed header is `header_fixed` bytes and says it has
 /// `n` sections: the count bounded, the records and the header checksum inside `data`,
 /// the checksum right.

@@ -107,16 +107,8 @@ impl Archive {
         let len = data.len() as u64;
 
         // Header.
-        if data[0..8] != MAGIC {
-            return Err(invalid(path, "not a cawsf archive (bad magic)"));
-        }
-        let version = le_u32(&data[8..12]);
-        if version != VERSION {
-            return Err(invalid(
-                path,
-                format!("unsupported cawsf version {version}"),
-            ));
-        }
+        check_magic_version(data, &MAGIC, ("cawsf archive", "cawsf"))
+            .map_err(|r| invalid(path, r))?;
         let toc =
             parse_toc(data, HEADER_FIXED, le_u32(&data[12..16])).map_err(|r| invalid(path, r))?;
 

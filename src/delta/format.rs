@@ -9,11 +9,11 @@ use serde::{Deserialize, Serialize};
 use crate::model::SourceType;
 
 pub use crate::archive::format::{
-    check_checksum_index, check_meta_kind, check_toc, checked_payload, checksum_index, compress,
-    invalid, io_error, le_u32, le_u64, load_section, map_container, model_from_meta, model_to_meta,
-    pad16, pad_to_align, parse_toc, required, section_failures, section_infos, with_suffix,
-    write_header, write_section, BlobFault, TocRecord, ALIGN, COMP_LZ4, COMP_RAW, MAX_ELEMENTS,
-    META_ZSTD_LEVEL, TOC_RECORD,
+    check_checksum_index, check_magic_version, check_meta_kind, check_toc, checked_payload,
+    checksum_index, compress, invalid, io_error, le_u32, le_u64, load_section, map_container,
+    model_from_meta, model_to_meta, pad16, pad_to_align, parse_toc, required, section_failures,
+    section_infos, with_suffix, write_header, write_section, BlobFault, TocRecord, ALIGN, COMP_LZ4,
+    COMP_RAW, MAX_ELEMENTS, META_ZSTD_LEVEL, TOC_RECORD,
 };
 
 pub const MAGIC: [u8; 8] = *b"CAWSDLT\0";

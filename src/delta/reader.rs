@@ -101,16 +101,8 @@ impl DeltaArchive {
         let map = map_container(path, HEADER_FIXED + 8, "delta archive")?;
         let data: &[u8] = &map;
         let len = data.len() as u64;
-        if data[0..8] != MAGIC {
-            return Err(invalid(path, "not a delta archive (bad magic)"));
-        }
-        let version = le_u32(&data[8..12]);
-        if version != VERSION {
-            return Err(invalid(
-                path,
-                format!("unsupported delta archive version {version}"),
-            ));
-        }
+        check_magic_version(data, &MAGIC, ("delta archive", "delta archive"))
+            .map_err(|r| invalid(path, r))?;
         let n_layers = le_u32(&data[12..16]);
         let n_bases = le_u32(&data[16..20]);
         let base_dtype = BaseDtype::from_code(data[20])
