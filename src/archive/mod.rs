@@ -27,7 +27,7 @@ pub use crate::store::ReadCounterSnapshot;
 use crate::store::ReadCounters;
 
 use format::*;
-pub use routing::{encode_routing, parse_routing, Routing};
+pub use routing::{encode_routing, parse_routing, Routing, Shard, ShardKind};
 pub use writer::ArchiveWriter;
 
 #[derive(Debug, thiserror::Error)]
