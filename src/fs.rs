@@ -314,6 +314,9 @@ impl MountFs {
                 "entry_overhead_bytes": c.entry_overhead_bytes,
                 "readahead_triggers": c.readahead_triggers,
                 "prefetch_loads": c.prefetch_loads,
+                "prefetch_queue_len": c.prefetch_queue_len,
+                "prefetch_skipped": c.prefetch_skipped,
+                "loads_in_flight": c.loads_in_flight,
                 "route_hints": self.cache.hint_count(),
                 "tracing": self.cache.tracing(),
                 "latency_us": {

@@ -387,13 +387,21 @@ impl ControlHandler {
             "chunk_bytes": total,
         });
         if prefetch {
-            let keys = spans
+            // Each chunk once, in rank order (neighbouring shards share chunks).
+            let mut once = std::collections::HashSet::new();
+            let chunks: Vec<(u32, u64, u64)> = spans
                 .iter()
-                .flat_map(|(f, _, r)| r.clone().map(|index| ChunkKey { file: *f, index }));
-            let hinted = cache.set_hints(keys);
+                .flat_map(|(f, size, r)| r.clone().map(move |c| (*f, *size, c)))
+                .filter(|&(f, _, c)| once.insert((f, c)))
+                .collect();
+            let hinted = cache.set_hints(
+                chunks
+                    .iter()
+                    .map(|&(file, _, index)| ChunkKey { file, index }),
+            );
             let mut queued = 0;
-            for (f, size, r) in spans {
-                queued += cache.prefetch_registered(f, size, r);
+            for (f, size, c) in chunks {
+                queued += cache.prefetch_registered(f, size, c..c + 1);
             }
             reply["queued_chunks"] = json!(queued);
             reply["hinted_chunks"] = json!(hinted);
