@@ -549,6 +549,10 @@ mod tests {
             (r#"{"verb":"route","prompt":""}"#, "must not be empty"),
             (r#"{"verb":"route","prompt":"p","top_k":0}"#, "at least 1"),
             (
+                r#"{"verb":"route","prompt":"p","file":3}"#,
+                "\"file\" must be a string",
+            ),
+            (
                 r#"{"verb":"route","prompt":"p","budget_bytes":1.5}"#,
                 "non-negative integer",
             ),
