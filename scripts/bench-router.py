@@ -153,13 +153,15 @@ def token_ids(bin_dir, gguf, prompt):
 
 
 def embd_span(gguf_path, cs):
-    """(first chunk, end chunk, data offset, row bytes) of token_embd in a GGUF file."""
+    """(first chunk, end chunk, data offset, row bytes, end chunk of layer 0's tensors)
+    of token_embd in a GGUF file."""
     from gguf import GGUFReader
     r = GGUFReader(gguf_path)
     t = next(t for t in r.tensors if t.name == "token_embd.weight")
     start, n = int(t.data_offset), int(t.n_bytes)
     rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
-    return start // cs, (start + n + cs - 1) // cs, start, n // rows
+    l0 = max(int(x.data_offset) + int(x.n_bytes) for x in r.tensors if x.name.startswith("blk.0."))
+    return start // cs, (start + n + cs - 1) // cs, start, n // rows, (l0 + cs - 1) // cs
 
 
 def drop_page_cache(path):
@@ -192,7 +194,7 @@ def recall_section(archive, llama_bin, model, work, threads, shim, rows):
             try:
                 gguf = os.path.join(mp, "model.gguf")
                 cs = m.call({"verb": "stat"})["cache"]["chunk_size"]
-                c0, c1, off, rb = embd_span(gguf, cs)
+                c0, c1, off, rb, l0 = embd_span(gguf, cs)
                 drop_page_cache(gguf)  # the header pages GGUFReader just read
                 total = c1 - c0
                 if mode == "on-demand":
@@ -207,11 +209,16 @@ def recall_section(archive, llama_bin, model, work, threads, shim, rows):
                 fid = next(int(k) for k, v in t["files"].items() if v == "model.gguf")
                 seq = [e[1] for e in t["events"] if e[0] == fid]
                 if mode == "on-demand":
-                    # Up to the first read of a tensor after token_embd: the prompt's
-                    # get_rows. The chunk holding the table's end also holds layer 0's
-                    # first tensor; it counts as layer 0 here.
-                    cut = next((i for i, c in enumerate(seq) if c >= c1 - 1), len(seq))
-                    seq = seq[:cut]
+                    # Up to the first read of layer 0's tensors: the prompt's get_rows.
+                    # The chunk holding the table's end also holds layer 0's first
+                    # tensor; it counts as layer 0 here. (llama.cpp reads the file's
+                    # last chunk and the header first; neither is in these ranges.)
+                    # The header shares chunk c0 with the table's first rows: the phase
+                    # starts at the first read of another table chunk (a prompt whose
+                    # first token lies in chunk c0 would lose that read; none here).
+                    start = next((i for i, c in enumerate(seq) if c0 < c < c1), len(seq))
+                    cut = next((i for i, c in enumerate(seq) if c1 - 1 <= c < l0), len(seq))
+                    seq = seq[start:cut]
                 read = {c for c in seq if c0 <= c < c1}
                 read_n.append(len(read))
                 for k in KS:
