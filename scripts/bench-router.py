@@ -246,7 +246,8 @@ def timing_section(archive, llama_bin, work, threads, shim, cache, runs, rows):
     rows.append(f"### llama-completion through a cold mount, cache budget {cache}\n")
     rows.append(f"-n 8, -t {threads}, --no-warmup; {runs} runs per cell × {len(PROMPTS[:3])} prompts, "
                 "median; hit ratio = (hits + prefetch hits) / chunk lookups of the run.\n")
-    rows.append("| llama.cpp run | config | TTFT s | total s | hit ratio | prefetch hits | misses |")
+    rows.append("| llama.cpp run | config | TTFT s median (min) | total s median (min) | hit ratio | "
+                "prefetch hits | misses |")
     rows.append("|---|---|---|---|---|---|---|")
     for mode in ("mmap", "on-demand"):
         for name, args, use_route in configs:
@@ -280,7 +281,8 @@ def timing_section(archive, llama_bin, work, threads, shim, cache, runs, rows):
                     finally:
                         m.close()
             med = statistics.median
-            rows.append(f"| {mode} | {name} | {med(ttft):.2f} | {med(wall):.2f} | "
+            rows.append(f"| {mode} | {name} | {med(ttft):.2f} ({min(ttft):.2f}) | "
+                        f"{med(wall):.2f} ({min(wall):.2f}) | "
                         f"{pct(med(ratio))} | {med(ph):.0f} | {med(miss):.0f} |")
     rows.append("")
 
@@ -321,10 +323,12 @@ def main():
             + " ".join(f"--{k} {v}" for k, v in
                        (("cache", a.cache), ("runs", a.runs), ("threads", a.threads)))
             + (f" --archive {a.archive}" if a.archive else "") + "`.\n"]
+    load0 = os.getloadavg()[0]
     if not a.skip_recall:
         recall_section(archive, llama_bin, model, work, a.threads, shim, rows)
     if not a.skip_timing:
         timing_section(archive, llama_bin, work, a.threads, shim, a.cache, a.runs, rows)
+    rows.append(f"Load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f}.\n")
     text = "\n".join(rows)
     print(text)
     if a.out:

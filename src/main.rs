@@ -220,6 +220,9 @@ struct MountArgs {
     pin_infra: bool,
     #[arg(long, default_value_t = 2, requires = "pin_infra")]
     pin_infra_layers: u32,
+    /// With --pin-infra: also pin the token-embedding blocks of this text's tokens.
+    #[arg(long, requires = "pin_infra")]
+    pin_prompt: Option<String>,
     /// Stay attached and log to stderr instead of running in the background.
     #[arg(long)]
     foreground: bool,
@@ -748,6 +751,7 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
         allow_other: a.allow_other,
         socket: a.socket.clone(),
         pin_infra_layers: a.pin_infra.then_some(a.pin_infra_layers),
+        pin_prompt: a.pin_prompt.clone(),
     };
     if a.foreground {
         return cawsfs::mount::run(&a.archive, &a.mountpoint, &opts).map_err(Into::into);

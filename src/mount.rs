@@ -23,6 +23,8 @@ pub struct MountOptions {
     /// Pin infrastructure at mount time (`--pin-infra`): every 1-D tensor (norms,
     /// biases) and every tensor of the first this-many layers, in `model.gguf`.
     pub pin_infra_layers: Option<u32>,
+    /// With `pin_infra_layers`: also pin the embedding blocks holding this text's tokens.
+    pub pin_prompt: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +109,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         router,
     });
     if let Some(n) = opts.pin_infra_layers {
-        match handler.pin_infra(n) {
+        match handler.pin_infra(n, opts.pin_prompt.as_deref()) {
             Ok(bytes) => tracing::info!("--pin-infra: pinned {bytes} bytes"),
             Err(e) => {
                 drop(session);
@@ -281,12 +283,25 @@ impl ControlHandler {
         Ok((file_id(e.ino), e.file.size, (lo / cs)..hi.div_ceil(cs)))
     }
 
-    /// Pin infrastructure in model.gguf: 1-D tensors and the first `layers` layers.
-    /// All or nothing; returns the bytes reserved.
-    fn pin_infra(&self, layers: u32) -> Result<u64, String> {
+    /// Pin infrastructure in model.gguf: 1-D tensors, the first `layers` layers and,
+    /// given a prompt, the embedding blocks that hold its tokens (every block the router
+    /// scores above 0). All or nothing; returns the bytes reserved.
+    fn pin_infra(&self, layers: u32, prompt: Option<&str>) -> Result<u64, String> {
         let cache = self.fs.cache();
         let model = self.fs.archive().model();
         let mut spans = Vec::new();
+        if let Some(p) = prompt {
+            let router = match &self.router {
+                Ok(Some(r)) => r,
+                Ok(None) => return Err("the archive has no ROUTING section".into()),
+                Err(e) => return Err(format!("router unavailable: {e}")),
+            };
+            let (_, key) = router.prompt_key(p)?;
+            for r in router.rank(&key, usize::MAX) {
+                let s = &router.routing.shards[r.shard];
+                spans.push(self.rows_chunks(ROUTE_FILE, s.tensor as usize, s.row0, s.row1)?);
+            }
+        }
         for (i, t) in model.tensors.iter().enumerate() {
             let early = crate::names::layer_of(&t.name).is_some_and(|l| l < layers);
             if t.shape.len() <= 1 || early {

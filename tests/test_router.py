@@ -172,14 +172,15 @@ def test_route_hints_survive_a_scan_only_with_router_eviction(cawsfs, exact, wor
 
 
 def test_pinned_chunks_survive_and_pin_infra(cawsfs, exact, work):
-    m = Mount(cawsfs, exact, work / "mnt-infra", "--cache-size", "24MiB", "--pin-infra",
-              "--pin-infra-layers", "1")
+    m = Mount(cawsfs, exact, work / "mnt-infra", "--cache-size", "32MiB", "--pin-infra",
+              "--pin-infra-layers", "1", "--pin-prompt", PROMPTS[0])
     try:
         st = m.stat()["cache"]
         pinned = st["pinned_bytes"]
         # Layer 0 of model.gguf (F16) is ~7 MiB; each of the 61 norms is 2 KiB but takes a
-        # whole 256 KiB chunk (they lie between the layers' matrices).
-        assert 7 << 20 < pinned < 24 << 20, st
+        # whole 256 KiB chunk (they lie between the layers' matrices); the prompt's 4
+        # embedding blocks take at most 8 chunks.
+        assert 7 << 20 < pinned < 28 << 20, st
         for _ in range(200):
             if m.stat()["cache"]["pinned_resident_bytes"] == pinned:
                 break
@@ -188,6 +189,14 @@ def test_pinned_chunks_survive_and_pin_infra(cawsfs, exact, work):
         scan(m.mp / "model.safetensors")
         st = m.stat()["cache"]
         assert st["evictions"] > 0 and st["pinned_resident_bytes"] == pinned
+        # The prompt's embedding blocks were pinned too: still resident after the scans.
+        emb = route(cawsfs, m, PROMPTS[0], "--top-k", "8")["shards"]
+        mine = {c for s in emb for c in range(*s["chunks"])}
+        t = traced_read(cawsfs, m, [(s["chunks"][0] * CS, s["chunks"][0] * CS + 1)
+                                    for s in emb])
+        seen = [e for e in t["events"] if e[1] in mine]  # (kernel read-ahead adds others)
+        assert {e[1] for e in seen} >= {s["chunks"][0] for s in emb}
+        assert all(e[3] in ("hit", "prefetch_hit") for e in seen), seen
         # Reading layer 0's q_proj again: every lookup is a hit, the daemon reconstructs
         # nothing; an unpinned tensor of layer 5 is a miss.
         r0 = route(cawsfs, m, PROMPTS[0], "--top-k", "1", "--budget", "1GiB")
