@@ -275,11 +275,11 @@ pub fn convert(
     }))
 }
 
-/// The ROUTING bytes (docs/FORMAT.md §7) every archive kind stores for `src`.
-/// Empty (no routes) until the router computes keys at convert time.
+/// The ROUTING bytes (docs/FORMAT.md §7, docs/ROUTER.md) every archive kind stores
+/// for `src`: embedding blocks sized to the mount's default chunk, keyed by their tokens.
 pub fn routing_bytes(src: &dyn SourceModel) -> Result<Vec<u8>, ConvertError> {
-    let _ = src;
-    Ok(Vec::new())
+    let r = crate::router::build_routing(src, crate::cache::DEFAULT_CHUNK_SIZE)?;
+    Ok(crate::archive::encode_routing(&r))
 }
 
 pub fn codec_label(c: &TensorCodec) -> String {

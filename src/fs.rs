@@ -26,6 +26,8 @@ pub struct FsOptions {
     pub safetensors_dtype: Option<FloatType>,
     pub readahead_chunks: u64,
     pub prefetch_threads: usize,
+    /// Evict chunks a pending route names after other chunks (false: plain LRU).
+    pub router_eviction: bool,
 }
 
 impl Default for FsOptions {
@@ -37,6 +39,7 @@ impl Default for FsOptions {
             safetensors_dtype: None,
             readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
             prefetch_threads: 2,
+            router_eviction: true,
         }
     }
 }
@@ -106,6 +109,7 @@ impl MountFs {
         files.sort_by(|a, b| a.name.cmp(&b.name));
         let mut cfg = CacheConfig::new(opts.cache_bytes, opts.chunk_size);
         cfg.readahead_chunks = opts.readahead_chunks;
+        cfg.router_eviction = opts.router_eviction;
         let cache = Arc::new(ChunkCache::with_config(cfg)?);
         let entries: Vec<Entry> = files
             .into_iter()
@@ -310,6 +314,11 @@ impl MountFs {
                 "entry_overhead_bytes": c.entry_overhead_bytes,
                 "readahead_triggers": c.readahead_triggers,
                 "prefetch_loads": c.prefetch_loads,
+                "prefetch_queue_len": c.prefetch_queue_len,
+                "prefetch_skipped": c.prefetch_skipped,
+                "loads_in_flight": c.loads_in_flight,
+                "route_hints": self.cache.hint_count(),
+                "tracing": self.cache.tracing(),
                 "latency_us": {
                     "count": c.latency_us.count,
                     "mean": c.latency_us.mean_us,

@@ -10,7 +10,8 @@
 //! virtual layouts (layout): safetensors / GGUF / config.json / tokenizer.json
 //!                                  │
 //! export · chunk cache (cache) ─► filesystem (fs) ─► FUSE adapter (fuse)
-//! control socket (control) · daemon (mount) · CLI (main.rs)
+//! control socket (control) · router (router: ROUTING keys, prompt keys, ranking)
+//! daemon (mount) · CLI (main.rs)
 //! ```
 //! Importers (`import`) feed `convert`, which encodes tensors with a codec and writes an
 //! archive. Each module knows only the ones below it.
@@ -32,4 +33,5 @@ pub mod mount;
 pub mod names;
 pub mod npydir;
 pub mod quant;
+pub mod router;
 pub mod store;

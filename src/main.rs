@@ -77,6 +77,16 @@ enum Cmd {
         #[arg(long)]
         socket: Option<PathBuf>,
     },
+    /// Rank the shards a prompt will need (the archive's router); optionally prefetch them.
+    Route(RouteArgs),
+    /// Record which chunks are read, in order (`on`), and print the record (`off`, JSON).
+    Trace {
+        mountpoint: PathBuf,
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// Compute y = Ŵx for one tensor straight from its compressed components.
     Apply {
         archive: PathBuf,
@@ -140,6 +150,40 @@ impl SelectArgs {
 }
 
 #[derive(clap::Args)]
+struct RouteArgs {
+    mountpoint: PathBuf,
+    /// The prompt.
+    #[arg(short, long)]
+    prompt: String,
+    /// Keyed shards (embedding blocks, experts) to return.
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Cache bytes the route may name, e.g. 64MiB; the rest of the budget goes to the
+    /// other shards in forward-pass order.
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    budget: Option<u64>,
+    /// Reconstruct the routed shards in the background now.
+    #[arg(long)]
+    prefetch: bool,
+    /// Virtual file whose chunks to name (default model.gguf).
+    #[arg(long)]
+    file: Option<String>,
+    /// Print the daemon's reply as JSON.
+    #[arg(long)]
+    json: bool,
+    #[arg(long)]
+    socket: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Eviction {
+    /// Chunks a pending route names are evicted after all others.
+    Router,
+    /// Plain least-recently-used.
+    Lru,
+}
+
+#[derive(clap::Args)]
 struct MountArgs {
     archive: PathBuf,
     mountpoint: PathBuf,
@@ -164,6 +208,21 @@ struct MountArgs {
     /// Control socket path (default: derived from the mount point).
     #[arg(long)]
     socket: Option<PathBuf>,
+    /// Chunks queued after a sequential read (0: no read-ahead by cawsfs).
+    #[arg(long, default_value_t = cawsfs::cache::DEFAULT_READAHEAD_CHUNKS)]
+    readahead_chunks: u64,
+    /// Eviction policy of the chunk cache.
+    #[arg(long, value_enum, default_value_t = Eviction::Router)]
+    eviction: Eviction,
+    /// Pin infrastructure in model.gguf: norms and other 1-D tensors, and the first
+    /// --pin-infra-layers layers. The mount fails if they do not fit the cache budget.
+    #[arg(long)]
+    pin_infra: bool,
+    #[arg(long, default_value_t = 2, requires = "pin_infra")]
+    pin_infra_layers: u32,
+    /// With --pin-infra: also pin the token-embedding blocks of this text's tokens.
+    #[arg(long, requires = "pin_infra")]
+    pin_prompt: Option<String>,
     /// Stay attached and log to stderr instead of running in the background.
     #[arg(long)]
     foreground: bool,
@@ -362,6 +421,16 @@ fn run(cli: Cli) -> Result<()> {
             &mountpoint,
             socket.as_deref(),
             cawsfs::control::Request::Evict(None),
+        ),
+        Cmd::Route(a) => cmd_route(a),
+        Cmd::Trace {
+            mountpoint,
+            state,
+            socket,
+        } => control_call(
+            &mountpoint,
+            socket.as_deref(),
+            cawsfs::control::Request::Trace { on: state == "on" },
         ),
         Cmd::Apply {
             archive,
@@ -902,11 +971,15 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
             gguf_type: gguf_type_of(a.gguf_type),
             safetensors_dtype: a.dtype.map(float_of),
             prefetch_threads: a.prefetch_threads,
+            readahead_chunks: a.readahead_chunks,
+            router_eviction: a.eviction == Eviction::Router,
             ..Default::default()
         },
         threads: a.threads,
         allow_other: a.allow_other,
         socket: a.socket.clone(),
+        pin_infra_layers: a.pin_infra.then_some(a.pin_infra_layers),
+        pin_prompt: a.pin_prompt.clone(),
     };
     if a.foreground {
         return cawsfs::mount::run(&a.archive, &a.mountpoint, &opts).map_err(Into::into);
@@ -1070,5 +1143,64 @@ fn control_call(mp: &Path, socket: Option<&Path>, req: cawsfs::control::Request)
         o.remove("ok");
     }
     println!("{}", serde_json::to_string(&v)?);
+    Ok(())
+}
+
+fn cmd_route(a: RouteArgs) -> Result<()> {
+    use cawsfs::control::{self, Request};
+    let sock = a
+        .socket
+        .clone()
+        .unwrap_or_else(|| control::find_socket(&a.mountpoint));
+    let req = Request::Route {
+        prompt: a.prompt.clone(),
+        top_k: a.top_k,
+        budget_bytes: a.budget,
+        prefetch: a.prefetch,
+        file: a.file.clone(),
+    };
+    let v = control::request(&sock, &req, std::time::Duration::from_secs(30))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let toks: Vec<&str> = v["tokens"]
+        .as_array()
+        .map(|t| t.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    println!("prompt tokens: {}", toks.join(" "));
+    println!(
+        "{:>4}  {:<9} {:>6} {:>8}  {:>10}  {:>13}  tensor [rows]",
+        "rank", "kind", "order", "score", "cost", "chunks"
+    );
+    for s in v["shards"].as_array().into_iter().flatten() {
+        let score = s["score"]
+            .as_f64()
+            .map_or("-".to_string(), |x| format!("{x:.4}"));
+        println!(
+            "{:>4}  {:<9} {:>6} {:>8}  {:>10}  {:>13}  {} [{}..{}]",
+            s["rank"],
+            s["kind"].as_str().unwrap_or("?"),
+            s["order"],
+            score,
+            s["cost"],
+            format!("{}..{}", s["chunks"][0], s["chunks"][1]),
+            s["tensor"].as_str().unwrap_or("?"),
+            s["rows"][0],
+            s["rows"][1],
+        );
+    }
+    print!(
+        "{} of {} chunk bytes",
+        v["file"].as_str().unwrap_or("?"),
+        v["chunk_bytes"]
+    );
+    if a.prefetch {
+        print!(
+            "; queued {} chunks for prefetch, {} hinted",
+            v["queued_chunks"], v["hinted_chunks"]
+        );
+    }
+    println!();
     Ok(())
 }

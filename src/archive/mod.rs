@@ -27,7 +27,7 @@ use crate::store::ReadCounters;
 
 use format::*;
 pub(crate) use format::{model_from_meta, model_to_meta};
-pub use routing::{encode_routing, parse_routing, Routing};
+pub use routing::{encode_routing, parse_routing, Routing, Shard, ShardKind};
 pub use writer::ArchiveWriter;
 
 #[derive(Debug, thiserror::Error)]

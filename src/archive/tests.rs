@@ -85,11 +85,22 @@ fn encoded(m: &ModelDesc, i: usize) -> EncodedTensor {
 }
 
 fn routing() -> Routing {
+    let shard = |tensor, kind, key: Vec<(u32, f32)>| Shard {
+        tensor,
+        kind,
+        order: tensor + 1,
+        row0: 0,
+        row1: 2,
+        cost: 16,
+        key,
+    };
     Routing {
         dim: 3,
-        shard_ids: vec![0, 5],
-        costs: vec![1.5, 2.0],
-        keys: vec![1.0, 0.0, 0.0, 0.0, 0.6, 0.8],
+        shards: vec![
+            shard(0, ShardKind::Embedding, vec![(0, 1.0)]),
+            shard(1, ShardKind::Other, vec![]),
+            shard(2, ShardKind::Expert, vec![(1, 0.6), (2, -0.8)]),
+        ],
     }
 }
 
@@ -693,9 +704,8 @@ fn empty_routing_and_extra() {
 fn routing_parser_bounds() {
     let r = routing();
     let b = encode_routing(&r);
-    assert_eq!(b.len(), 6 + 8 * 2 + 4 * 2 * 3);
+    assert_eq!(b.len(), 32 + 40 * 3 + 8 * 3);
     assert_eq!(parse_routing(&b).unwrap(), r);
-    assert_eq!(r.key(1), &[0.0, 0.6, 0.8]);
     for l in 1..b.len() {
         assert!(parse_routing(&b[..l]).is_err(), "len {l}");
     }
@@ -703,11 +713,32 @@ fn routing_parser_bounds() {
     long.push(0);
     assert!(parse_routing(&long).is_err());
     // Absurd counts are rejected without allocating.
-    let mut huge = vec![0xff, 0xff];
-    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    let mut huge = b[..32].to_vec();
+    huge[12..16].copy_from_slice(&(1u32 << 24).to_le_bytes());
+    huge[16..24].copy_from_slice(&(1u64 << 32).to_le_bytes());
     assert!(parse_routing(&huge)
         .unwrap_err()
         .to_string()
         .contains("size mismatch"));
+    // Every single-byte corruption of the header and records parses or errs, never panics;
+    // the interesting ones name the problem.
+    for i in 0..b.len() {
+        let mut c = b.clone();
+        c[i] ^= 0xff;
+        let _ = parse_routing(&c);
+    }
+    let mut v1 = b.clone();
+    v1[4] = 1;
+    assert!(parse_routing(&v1)
+        .unwrap_err()
+        .to_string()
+        .contains("unsupported ROUTING version 1"));
+    let mut bad_idx = b.clone();
+    let at = 32 + 40 * 3; // first key entry's index
+    bad_idx[at..at + 4].copy_from_slice(&7u32.to_le_bytes());
+    assert!(parse_routing(&bad_idx)
+        .unwrap_err()
+        .to_string()
+        .contains("bad key entry"));
     assert_eq!(parse_routing(&[]).unwrap(), Routing::default());
 }

@@ -50,6 +50,15 @@
 //!   starting exactly there is sequential and queues the next `readahead_chunks` chunks
 //!   (default 4) after the last one it touched, using the loader given to
 //!   [`ChunkCache::register_file`]. Each chunk is queued once per sequential run.
+//! - **Route hints (router-aware eviction).** [`ChunkCache::set_hints`] names the
+//!   chunks a pending route says will be needed soon. Resident hinted chunks live in a
+//!   second LRU that is evicted only when the ordinary one is empty; a demand read of a
+//!   hinted chunk consumes its hint (it moves to the ordinary LRU as most recent). With
+//!   `router_eviction` off hints are ignored: plain LRU, for comparison.
+//! - **Trace.** [`ChunkCache::trace_start`] records every demand chunk lookup (file,
+//!   chunk, time, hit / prefetch hit / miss) in order into a bounded in-memory list
+//!   ([`TRACE_CAP`] events; later ones are counted as dropped) until
+//!   [`ChunkCache::trace_stop`] returns it.
 //! - **Statistics** are relaxed atomics plus a log2 µs latency histogram;
 //!   [`ChunkCache::stats`] returns a serializable [`CacheStats`] snapshot.
 
@@ -79,6 +88,8 @@ pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;
 /// Estimated per-entry bookkeeping outside the budget: LRU node (key, value, two
 /// links) ~64 B, hash slot ~24 B, `Arc<[u8]>` header 16 B, flags/padding; rounded up.
 pub const ENTRY_OVERHEAD_BYTES: u64 = 160;
+/// Most events one trace keeps (24 bytes each: 24 MiB at most).
+pub const TRACE_CAP: usize = 1 << 20;
 /// How long a prefetch worker sleeps before re-checking for waiting demand loads.
 pub const PREFETCH_BACKOFF: Duration = Duration::from_micros(200);
 
@@ -124,6 +135,8 @@ pub struct CacheConfig {
     /// Chunks queued after a sequential read; 0 disables read-ahead.
     pub readahead_chunks: u64,
     pub prefetch_queue_cap: usize,
+    /// Evict chunks named by route hints after all other unpinned chunks.
+    pub router_eviction: bool,
 }
 
 impl CacheConfig {
@@ -133,8 +146,42 @@ impl CacheConfig {
             chunk_size,
             readahead_chunks: DEFAULT_READAHEAD_CHUNKS,
             prefetch_queue_cap: DEFAULT_PREFETCH_QUEUE_CAP,
+            router_eviction: true,
         }
     }
+}
+
+/// How a traced demand chunk lookup was satisfied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceOutcome {
+    Hit,
+    PrefetchHit,
+    /// Loaded (or joined a load in flight) for this read.
+    Miss,
+}
+
+/// One traced chunk lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceEvent {
+    pub file: u32,
+    pub index: u64,
+    /// Microseconds since the trace started.
+    pub t_us: u64,
+    pub outcome: TraceOutcome,
+}
+
+#[derive(Default)]
+struct Trace {
+    on: AtomicBool,
+    inner: Mutex<TraceBuf>,
+}
+
+#[derive(Default)]
+struct TraceBuf {
+    start: Option<Instant>,
+    events: Vec<TraceEvent>,
+    dropped: u64,
 }
 
 /// How one chunk lookup was satisfied.
@@ -191,6 +238,9 @@ impl Flight {
 
 struct State {
     lru: LruCache<ChunkKey, Entry>,
+    /// Resident unpinned chunks named by a route hint; evicted after `lru`.
+    hinted: LruCache<ChunkKey, Entry>,
+    hints: HashSet<ChunkKey>,
     unpinned_bytes: u64,
     pinned: HashMap<ChunkKey, PinSlot>,
     pinned_reserved: u64,
@@ -202,9 +252,18 @@ impl State {
     /// Resident chunk for `key`; a demand lookup promotes it and consumes its
     /// prefetch mark.
     fn lookup(&mut self, key: &ChunkKey, demand: bool) -> Option<(Arc<[u8]>, Outcome)> {
+        if demand && self.hints.remove(key) {
+            // The route's prediction came true: an ordinary chunk from now on.
+            if let Some(e) = self.hinted.pop(key) {
+                self.lru.push(*key, e);
+            }
+        }
         let entry = match self.pinned.get_mut(key) {
             Some(slot) => slot.entry.as_mut(),
-            None => self.lru.get_mut(key),
+            None => match self.lru.get_mut(key) {
+                Some(e) => Some(e),
+                None => self.hinted.get_mut(key),
+            },
         }?;
         let outcome = if demand && entry.prefetched {
             entry.prefetched = false;
@@ -218,6 +277,7 @@ impl State {
     fn is_present(&self, key: &ChunkKey) -> bool {
         self.inflight.contains_key(key)
             || self.lru.contains(key)
+            || self.hinted.contains(key)
             || self.pinned.get(key).is_some_and(|s| s.entry.is_some())
     }
 
@@ -225,7 +285,7 @@ impl State {
     fn make_room(&mut self, budget: u64, extra: u64, counters: &Counters) {
         let room = budget.saturating_sub(self.pinned_reserved);
         while self.unpinned_bytes.saturating_add(extra) > room {
-            match self.lru.pop_lru() {
+            match self.lru.pop_lru().or_else(|| self.hinted.pop_lru()) {
                 Some((_, e)) => {
                     self.unpinned_bytes -= e.data.len() as u64;
                     bump(&counters.evictions);
@@ -245,7 +305,7 @@ impl State {
             }
             return;
         }
-        if let Some(old) = self.lru.pop(&key) {
+        if let Some(old) = self.pop_unpinned(&key) {
             self.unpinned_bytes -= old.data.len() as u64;
         }
         if len > budget.saturating_sub(self.pinned_reserved) {
@@ -253,8 +313,22 @@ impl State {
             return;
         }
         self.make_room(budget, len, counters);
-        self.lru.push(key, entry);
+        self.push_unpinned(key, entry);
         self.unpinned_bytes += len;
+    }
+
+    /// Remove an unpinned resident chunk from whichever LRU holds it.
+    fn pop_unpinned(&mut self, key: &ChunkKey) -> Option<Entry> {
+        self.lru.pop(key).or_else(|| self.hinted.pop(key))
+    }
+
+    /// Put an unpinned chunk in the LRU its hint says, as most recent.
+    fn push_unpinned(&mut self, key: ChunkKey, entry: Entry) {
+        if self.hints.contains(&key) {
+            self.hinted.push(key, entry);
+        } else {
+            self.lru.push(key, entry);
+        }
     }
 }
 
@@ -284,6 +358,7 @@ struct Queue {
 
 struct Shared {
     cfg: CacheConfig,
+    trace: Trace,
     state: Mutex<State>,
     files: RwLock<HashMap<u32, Arc<FileState>>>,
     counters: Counters,
@@ -612,8 +687,11 @@ impl ChunkCache {
         Ok(ChunkCache {
             shared: Arc::new(Shared {
                 cfg,
+                trace: Trace::default(),
                 state: Mutex::new(State {
                     lru: LruCache::unbounded(),
+                    hinted: LruCache::unbounded(),
+                    hints: HashSet::new(),
                     unpinned_bytes: 0,
                     pinned: HashMap::new(),
                     pinned_reserved: 0,
@@ -655,7 +733,9 @@ impl ChunkCache {
     /// Whether chunk `key` is resident (does not touch LRU order).
     pub fn contains(&self, key: ChunkKey) -> bool {
         let st = lock(&self.shared.state);
-        st.lru.contains(&key) || st.pinned.get(&key).is_some_and(|s| s.entry.is_some())
+        st.lru.contains(&key)
+            || st.hinted.contains(&key)
+            || st.pinned.get(&key).is_some_and(|s| s.entry.is_some())
     }
 
     /// Give the cache a `'static` loader for `file` so sequential reads of it can be
@@ -730,6 +810,7 @@ impl ChunkCache {
                 match st.lookup(&ChunkKey { file, index }, true) {
                     Some((data, outcome)) => {
                         self.count(outcome, fstate);
+                        self.trace(file, index, outcome);
                         *slot = Some(data);
                     }
                     None => missing.push(index),
@@ -742,6 +823,7 @@ impl ChunkCache {
                 .expect("index below chunk count");
             let (data, outcome) = sh.fetch(ChunkKey { file, index }, len, load, true)?;
             self.count(outcome, fstate);
+            self.trace(file, index, outcome);
             Ok(data)
         };
         // Scoped threads, not rayon: a load may block on another load's flight, and a
@@ -915,7 +997,7 @@ impl ChunkCache {
                 budget,
             });
         }
-        let entry = st.lru.pop(&key);
+        let entry = st.pop_unpinned(&key);
         if let Some(e) = &entry {
             st.unpinned_bytes -= e.data.len() as u64;
         }
@@ -955,7 +1037,7 @@ impl ChunkCache {
         if let Some(e) = slot.entry {
             st.pinned_resident -= slot.len;
             st.unpinned_bytes += e.data.len() as u64;
-            st.lru.push(key, e);
+            st.push_unpinned(key, e);
         }
         Ok(())
     }
@@ -969,10 +1051,121 @@ impl ChunkCache {
     pub fn evict_all_unpinned(&self) -> u64 {
         let mut st = lock(&self.shared.state);
         let freed = st.unpinned_bytes;
-        add(&self.shared.counters.evictions, st.lru.len() as u64);
+        add(
+            &self.shared.counters.evictions,
+            (st.lru.len() + st.hinted.len()) as u64,
+        );
         st.lru.clear();
+        st.hinted.clear();
         st.unpinned_bytes = 0;
         freed
+    }
+
+    /// Drop these chunks if they are resident and unpinned; returns the bytes freed.
+    pub fn evict(&self, keys: impl IntoIterator<Item = ChunkKey>) -> u64 {
+        let mut st = lock(&self.shared.state);
+        let mut freed = 0;
+        for k in keys {
+            if let Some(e) = st.pop_unpinned(&k) {
+                let len = e.data.len() as u64;
+                st.unpinned_bytes -= len;
+                freed += len;
+                bump(&self.shared.counters.evictions);
+            }
+        }
+        freed
+    }
+
+    /// Replace the route hints: `keys` are the chunks a pending route will need, to be
+    /// evicted after every other unpinned chunk. Ignored (returns 0) when the cache was
+    /// configured for plain LRU. Returns the number of hints set.
+    pub fn set_hints(&self, keys: impl IntoIterator<Item = ChunkKey>) -> usize {
+        if !self.shared.cfg.router_eviction {
+            return 0;
+        }
+        let mut st = lock(&self.shared.state);
+        let new: HashSet<ChunkKey> = keys.into_iter().collect();
+        // Chunks that lose their hint go back to the ordinary LRU, ...
+        let old: Vec<ChunkKey> = st
+            .hints
+            .iter()
+            .filter(|k| !new.contains(k))
+            .copied()
+            .collect();
+        st.hints = new;
+        for k in old {
+            if let Some(e) = st.hinted.pop(&k) {
+                st.lru.push(k, e);
+            }
+        }
+        // ... and resident chunks that gain one move to the hinted LRU.
+        let gained: Vec<ChunkKey> = st
+            .hints
+            .iter()
+            .filter(|k| st.lru.contains(k))
+            .copied()
+            .collect();
+        for k in gained {
+            if let Some(e) = st.lru.pop(&k) {
+                st.hinted.push(k, e);
+            }
+        }
+        st.hints.len()
+    }
+
+    /// Number of chunks hinted now (resident or not).
+    pub fn hint_count(&self) -> usize {
+        lock(&self.shared.state).hints.len()
+    }
+
+    /// Start (or restart, clearing) the read trace.
+    pub fn trace_start(&self) {
+        let t = &self.shared.trace;
+        let mut b = lock(&t.inner);
+        *b = TraceBuf {
+            start: Some(Instant::now()),
+            ..TraceBuf::default()
+        };
+        t.on.store(true, Relaxed);
+    }
+
+    /// Stop the trace; returns its events in order and how many did not fit.
+    pub fn trace_stop(&self) -> (Vec<TraceEvent>, u64) {
+        let t = &self.shared.trace;
+        let mut b = lock(&t.inner);
+        t.on.store(false, Relaxed);
+        let b = std::mem::take(&mut *b);
+        (b.events, b.dropped)
+    }
+
+    /// Whether a trace is running.
+    pub fn tracing(&self) -> bool {
+        self.shared.trace.on.load(Relaxed)
+    }
+
+    fn trace(&self, file: u32, index: u64, outcome: Outcome) {
+        let t = &self.shared.trace;
+        if !t.on.load(Relaxed) {
+            return;
+        }
+        let mut b = lock(&t.inner);
+        let Some(start) = b.start else { return };
+        if b.events.len() >= TRACE_CAP {
+            b.dropped += 1;
+            return;
+        }
+        let outcome = match outcome {
+            Outcome::Hit => TraceOutcome::Hit,
+            Outcome::PrefetchHit => TraceOutcome::PrefetchHit,
+            Outcome::Loaded | Outcome::Coalesced => TraceOutcome::Miss,
+        };
+        let t_us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        b.events.push(TraceEvent {
+            file,
+            index,
+            t_us,
+            outcome,
+        });
     }
 
     /// Add archive bytes decoded to produce chunks (reported by the loader's owner).
@@ -991,7 +1184,7 @@ impl ChunkCache {
                 st.unpinned_bytes,
                 st.pinned_reserved,
                 st.pinned_resident,
-                (st.lru.len() + pinned_res) as u64,
+                (st.lru.len() + st.hinted.len() + pinned_res) as u64,
                 st.pinned.len() as u64,
                 st.inflight.len() as u64,
             )

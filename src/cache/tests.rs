@@ -615,3 +615,90 @@ fn warm_read_throughput() {
         s.latency_us.p99_us
     );
 }
+
+#[test]
+fn hinted_chunks_are_evicted_last_and_hints_are_consumed_by_reads() {
+    let (cs, size) = (16, 320);
+    for router in [true, false] {
+        let mut cfg = CacheConfig::new(64, cs);
+        cfg.router_eviction = router;
+        let c = ChunkCache::with_config(cfg).unwrap();
+        let calls = AtomicU64::new(0);
+        let l = loader(0, size, cs, &calls);
+        // Chunk 0 is read first (least recent) but a route says it is needed soon.
+        read_vec(&c, 0, size, 0, 1, &l);
+        assert_eq!(
+            c.set_hints([key(0, 0), key(0, 9)]),
+            if router { 2 } else { 0 }
+        );
+        for i in 1..8 {
+            read_vec(&c, 0, size, i * cs, 1, &l);
+        }
+        // Budget of 4 chunks: plain LRU lost chunk 0, the router-aware cache kept it.
+        assert_eq!(c.contains(key(0, 0)), router);
+        assert!(c.stats().bytes_used <= 64);
+        if router {
+            // Reading it consumes the hint: from now on it ages like any chunk.
+            read_vec(&c, 0, size, 0, 1, &l);
+            assert_eq!(c.hint_count(), 1);
+            for i in 10..14 {
+                read_vec(&c, 0, size, i * cs, 1, &l);
+            }
+            assert!(!c.contains(key(0, 0)));
+            // Replacing the hints moves hinted chunks back to the ordinary LRU.
+            read_vec(&c, 0, size, 15 * cs, 1, &l);
+            c.set_hints([key(0, 15)]);
+            c.set_hints([]);
+            for i in 16..20 {
+                read_vec(&c, 0, size, i * cs, 1, &l);
+            }
+            assert!(!c.contains(key(0, 15)));
+        }
+    }
+}
+
+#[test]
+fn evict_selected_chunks_spares_pins() {
+    let (cs, size) = (16, 160);
+    let c = ChunkCache::new(160, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(0, size, cs, &calls);
+    read_vec(&c, 0, size, 0, 64, &l);
+    c.pin(key(0, 1), size).unwrap();
+    assert_eq!(c.evict([key(0, 0), key(0, 1), key(0, 7)]), 16);
+    assert!(!c.contains(key(0, 0)));
+    assert!(c.contains(key(0, 1)));
+    assert!(c.contains(key(0, 2)));
+}
+
+#[test]
+fn trace_records_demand_lookups_in_order() {
+    let (cs, size) = (16, 160);
+    let c = ChunkCache::new(160, cs).unwrap();
+    c.start_prefetcher(1);
+    let calls = Arc::new(AtomicU64::new(0));
+    let l = shared_loader(0, size, cs, calls.clone());
+    read_vec(&c, 0, size, 0, 1, &*l); // before the trace: not recorded
+    c.trace_start();
+    assert!(c.tracing());
+    c.prefetch(0, size, 5..6, l.clone());
+    assert!(c.wait_prefetch_idle(Duration::from_secs(5)));
+    read_vec(&c, 0, size, 0, 1, &*l);
+    read_vec(&c, 0, size, 3 * cs, 1, &*l);
+    read_vec(&c, 0, size, 5 * cs, 1, &*l);
+    let (ev, dropped) = c.trace_stop();
+    assert!(!c.tracing());
+    assert_eq!(dropped, 0);
+    let got: Vec<(u64, TraceOutcome)> = ev.iter().map(|e| (e.index, e.outcome)).collect();
+    assert_eq!(
+        got,
+        [
+            (0, TraceOutcome::Hit),
+            (3, TraceOutcome::Miss),
+            (5, TraceOutcome::PrefetchHit)
+        ]
+    );
+    assert!(ev.windows(2).all(|w| w[0].t_us <= w[1].t_us));
+    read_vec(&c, 0, size, 6 * cs, 1, &*l);
+    assert!(c.trace_stop().0.is_empty());
+}

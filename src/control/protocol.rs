@@ -51,6 +51,8 @@ pub enum Request {
         top_k: Option<u32>,
         budget_bytes: Option<u64>,
         prefetch: bool,
+        /// Virtual file whose chunks the route names (default `model.gguf`).
+        file: Option<String>,
     },
 }
 
@@ -100,8 +102,12 @@ impl Request {
                 top_k,
                 budget_bytes,
                 prefetch,
+                file,
             } => {
                 m.insert("prompt".into(), prompt.clone().into());
+                if let Some(f) = file {
+                    m.insert("file".into(), f.clone().into());
+                }
                 if let Some(k) = top_k {
                     m.insert("top_k".into(), (*k).into());
                 }
@@ -139,7 +145,7 @@ impl Request {
             "ping" | "stat" => &[],
             "prefetch" | "pin" | "unpin" | "evict" => &["file", "range", "tensor", "layer"],
             "trace" => &["on"],
-            "route" => &["prompt", "top_k", "budget_bytes", "prefetch"],
+            "route" => &["prompt", "top_k", "budget_bytes", "prefetch", "file"],
             _ => {
                 return Err(format!(
                     "unknown verb {} (expected one of: {})",
@@ -188,6 +194,7 @@ impl Request {
                     top_k,
                     budget_bytes: f.uint("budget_bytes")?,
                     prefetch: f.bool("prefetch")?.unwrap_or(false),
+                    file: f.string("file")?,
                 }
             }
             _ => unreachable!("verb checked above"),
@@ -462,12 +469,14 @@ mod tests {
                 top_k: Some(4),
                 budget_bytes: Some(1 << 40),
                 prefetch: true,
+                file: Some("model.safetensors".into()),
             },
             Request::Route {
                 prompt: "x".into(),
                 top_k: None,
                 budget_bytes: None,
                 prefetch: false,
+                file: None,
             },
         ];
         for r in all {
@@ -539,6 +548,10 @@ mod tests {
             (r#"{"verb":"route"}"#, "missing field \"prompt\""),
             (r#"{"verb":"route","prompt":""}"#, "must not be empty"),
             (r#"{"verb":"route","prompt":"p","top_k":0}"#, "at least 1"),
+            (
+                r#"{"verb":"route","prompt":"p","file":3}"#,
+                "\"file\" must be a string",
+            ),
             (
                 r#"{"verb":"route","prompt":"p","budget_bytes":1.5}"#,
                 "non-negative integer",

@@ -1,0 +1,201 @@
+//! The semantic router (seed 000 §5, made honest; docs/ROUTER.md).
+//!
+//! Keys are hashed bags of words: every token (its string in the model's own
+//! vocabulary) maps through XXH3-64 to a signed unit entry of a `dim`-dimensional key
+//! space, and a bag of tokens is the L2-normalized sum of its tokens' entries. Keys are
+//! sparse (a few hundred entries at most), so the key space can be large enough that
+//! unrelated tokens rarely collide, and ROUTING stays small.
+//!
+//! At convert time [`build`] gives each block of token-embedding rows the key of the
+//! tokens it holds and each expert of a mixture-of-experts layer the key of the tokens
+//! its gate scores highest; every other tensor gets an order (where in a forward pass
+//! it is used) and a cost. At mount time [`Router`] turns a prompt into a key with the
+//! same tokenizer and ranks the keyed shards by cosine similarity.
+
+use std::collections::BTreeMap;
+
+use tokenizers::Tokenizer;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::archive::{parse_routing, Routing, ShardKind};
+use crate::model::ModelDesc;
+
+pub mod build;
+
+pub use build::{build_routing, embedding_rows_per_shard};
+
+/// Key space dimension written by the converter: 2^24 (the format's maximum). Keys are
+/// sparse, so the dimension costs nothing to store; what it buys is few collisions.
+/// Measured on SmolLM2 (49 152 tokens): with 2^16 a prompt token's slot is shared with
+/// ~0.75 other vocabulary tokens, and blocks holding none of the prompt's tokens tied
+/// with the right ones; with 2^24 the expected share is ~0.003.
+pub const KEY_DIM: u32 = 1 << 24;
+
+/// Sparse vector: (index, value), indices strictly increasing.
+pub type SparseKey = Vec<(u32, f32)>;
+
+/// The signed slot of one token (hash scheme 1, docs/FORMAT.md §7).
+pub fn token_slot(token: &str, dim: u32) -> (u32, f32) {
+    let h = xxh3_64(token.as_bytes());
+    let sign = if h >> 63 == 1 { -1.0 } else { 1.0 };
+    ((h % dim as u64) as u32, sign)
+}
+
+/// The hashed bag-of-words key of `tokens` (with multiplicity), L2-normalized; empty
+/// when nothing is left (no tokens, or entries that cancelled out).
+pub fn bag_key<'a>(tokens: impl IntoIterator<Item = &'a str>, dim: u32) -> SparseKey {
+    let mut acc: BTreeMap<u32, f32> = BTreeMap::new();
+    for t in tokens {
+        let (i, s) = token_slot(t, dim);
+        *acc.entry(i).or_insert(0.0) += s;
+    }
+    let norm = acc.values().map(|v| v * v).sum::<f32>().sqrt();
+    if norm == 0.0 {
+        return Vec::new();
+    }
+    acc.into_iter()
+        .filter(|(_, v)| *v != 0.0)
+        .map(|(i, v)| (i, v / norm))
+        .collect()
+}
+
+/// Cosine similarity of two sparse keys (each re-normalized, for numeric stability).
+pub fn cosine(a: &[(u32, f32)], b: &[(u32, f32)]) -> f32 {
+    let (mut i, mut j, mut dot) = (0, 0, 0.0f32);
+    while i < a.len() && j < b.len() {
+        match a[i].0.cmp(&b[j].0) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                dot += a[i].1 * b[j].1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    let na = a.iter().map(|x| x.1 * x.1).sum::<f32>().sqrt();
+    let nb = b.iter().map(|x| x.1 * x.1).sum::<f32>().sqrt();
+    if na == 0.0 || nb == 0.0 {
+        0.0
+    } else {
+        dot / (na * nb)
+    }
+}
+
+/// The model's tokenizer: its `tokenizer.json`, verbatim from a Hugging Face source or
+/// derived from GGUF metadata (the same file the mount serves).
+pub fn load_tokenizer(model: &ModelDesc) -> Result<Tokenizer, String> {
+    let bytes = match model.hf_files.get("tokenizer.json") {
+        Some(b) => b.clone(),
+        None => crate::layout::hf_metadata_files(model)
+            .map_err(|e| format!("tokenizer: {e}"))?
+            .into_iter()
+            .find(|(n, _)| n == "tokenizer.json")
+            .map(|(_, b)| b)
+            .ok_or("the model has no tokenizer.json")?,
+    };
+    Tokenizer::from_bytes(&bytes).map_err(|e| format!("tokenizer.json does not load: {e}"))
+}
+
+/// Token strings of `text` under `tok` (no special tokens added).
+pub fn tokenize(tok: &Tokenizer, text: &str) -> Result<Vec<String>, String> {
+    let enc = tok
+        .encode(text, false)
+        .map_err(|e| format!("cannot tokenize the prompt: {e}"))?;
+    Ok(enc.get_tokens().to_vec())
+}
+
+/// One ranked shard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranked {
+    /// Index into [`Routing::shards`].
+    pub shard: usize,
+    pub score: f32,
+}
+
+/// The mount's router: the archive's ROUTING checked against its model, and the
+/// tokenizer that makes prompt keys.
+pub struct Router {
+    pub routing: Routing,
+    tokenizer: Option<Tokenizer>,
+}
+
+impl Router {
+    /// `Ok(None)` when the archive has no routes.
+    pub fn open(model: &ModelDesc, routing_bytes: &[u8]) -> Result<Option<Router>, String> {
+        let routing = parse_routing(routing_bytes).map_err(|e| e.to_string())?;
+        if routing.is_empty() {
+            return Ok(None);
+        }
+        for (i, s) in routing.shards.iter().enumerate() {
+            let t = model.tensors.get(s.tensor as usize).ok_or_else(|| {
+                format!(
+                    "ROUTING shard {i}: tensor {} does not exist ({} tensors)",
+                    s.tensor,
+                    model.tensors.len()
+                )
+            })?;
+            if s.row1 > t.rows() {
+                return Err(format!(
+                    "ROUTING shard {i}: rows {}..{} past the {} rows of {}",
+                    s.row0,
+                    s.row1,
+                    t.rows(),
+                    t.name
+                ));
+            }
+        }
+        let keyed = routing.shards.iter().any(|s| !s.key.is_empty());
+        let tokenizer = if keyed {
+            Some(load_tokenizer(model)?)
+        } else {
+            None
+        };
+        Ok(Some(Router { routing, tokenizer }))
+    }
+
+    /// The prompt's token strings and its key.
+    pub fn prompt_key(&self, prompt: &str) -> Result<(Vec<String>, SparseKey), String> {
+        let tok = self
+            .tokenizer
+            .as_ref()
+            .ok_or("this archive's routes have no keys")?;
+        let tokens = tokenize(tok, prompt)?;
+        let key = bag_key(tokens.iter().map(String::as_str), self.routing.dim);
+        Ok((tokens, key))
+    }
+
+    /// Keyed shards with a positive score, best first (ties: shard order), at most `top_k`.
+    pub fn rank(&self, key: &[(u32, f32)], top_k: usize) -> Vec<Ranked> {
+        let mut v: Vec<Ranked> = self
+            .routing
+            .shards
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.key.is_empty())
+            .map(|(i, s)| Ranked {
+                shard: i,
+                score: cosine(key, &s.key),
+            })
+            .filter(|r| r.score > 0.0)
+            .collect();
+        v.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.shard.cmp(&b.shard)));
+        v.truncate(top_k);
+        v
+    }
+
+    /// Shards without a key, in forward-pass order (then shard order).
+    pub fn ordered(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..self.routing.shards.len())
+            .filter(|&i| {
+                let s = &self.routing.shards[i];
+                s.key.is_empty() && s.kind == ShardKind::Other
+            })
+            .collect();
+        v.sort_by_key(|&i| (self.routing.shards[i].order, i));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests;

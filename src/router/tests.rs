@@ -1,0 +1,259 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::archive::{encode_routing, ShardKind};
+use crate::gguf::GgufValue;
+use crate::import::{ImportError, SourceModel};
+use crate::model::{ArchConfig, SourceType, TensorDesc};
+
+const WORDS: [&str; 12] = [
+    "<unk>", "the", "capital", "of", "france", "is", "paris", "dog", "cat", "red", "blue", "sky",
+];
+
+/// A word-level tokenizer over WORDS (ids = positions), split on whitespace.
+fn tokenizer_json() -> Vec<u8> {
+    let vocab: serde_json::Map<String, serde_json::Value> = WORDS
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "version": "1.0",
+        "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    }))
+    .unwrap()
+}
+
+struct Fake {
+    desc: ModelDesc,
+    data: Vec<Vec<f32>>,
+}
+
+impl SourceModel for Fake {
+    fn desc(&self) -> &ModelDesc {
+        &self.desc
+    }
+    fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
+        Ok(bytemuck::cast_slice(&self.data[i]).to_vec())
+    }
+    fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
+        Ok(self.data[i].clone())
+    }
+}
+
+/// 12-token vocabulary, hidden 4, one layer; with `moe`, a 2-expert layer whose gate
+/// row e equals the embedding of token 7 (e = 0) or 10 (e = 1).
+fn fake(moe: bool, tokenizer: bool) -> Fake {
+    let t = |name: &str, shape: &[u64]| TensorDesc {
+        name: name.into(),
+        shape: shape.to_vec(),
+        source: SourceType::F32,
+    };
+    let mut tensors = vec![
+        t("model.embed_tokens.weight", &[12, 4]),
+        t("model.layers.0.input_layernorm.weight", &[4]),
+        t("model.layers.0.mlp.up_proj.weight", &[8, 4]),
+        t("model.norm.weight", &[4]),
+    ];
+    // One-hot-ish embeddings: token i points along axis i % 4, scaled by i.
+    let emb: Vec<f32> = (0..12)
+        .flat_map(|i| (0..4).map(move |c| if c == i % 4 { 1.0 + i as f32 } else { 0.0 }))
+        .collect();
+    let mut data = vec![emb.clone(), vec![1.0; 4], vec![0.5; 32], vec![1.0; 4]];
+    if moe {
+        tensors.push(t("model.layers.0.block_sparse_moe.gate.weight", &[2, 4]));
+        let mut gate = emb[7 * 4..8 * 4].to_vec();
+        gate.extend_from_slice(&emb[10 * 4..11 * 4]);
+        data.push(gate);
+        for e in 0..2 {
+            for w in ["w1", "w2", "w3"] {
+                tensors.push(t(
+                    &format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"),
+                    &[8, 4],
+                ));
+                data.push(vec![0.25; 32]);
+            }
+        }
+    }
+    let mut hf_files = BTreeMap::new();
+    if tokenizer {
+        hf_files.insert("tokenizer.json".to_string(), tokenizer_json());
+    }
+    Fake {
+        desc: ModelDesc {
+            arch: ArchConfig {
+                model_type: "llama".into(),
+                gguf_arch: "llama".into(),
+                n_layers: 1,
+                hidden_size: 4,
+                intermediate_size: 8,
+                n_heads: 2,
+                n_kv_heads: 1,
+                head_dim: 2,
+                vocab_size: 12,
+                context_length: 64,
+                rope_theta: 10000.0,
+                rms_norm_eps: 1e-5,
+                tie_word_embeddings: true,
+                bos_token_id: None,
+                eos_token_id: None,
+                pad_token_id: None,
+            },
+            tensors,
+            hf_files,
+            gguf_meta: vec![("general.name".into(), GgufValue::String("fake".into()))],
+        },
+        data,
+    }
+}
+
+#[test]
+fn keys_are_normalized_and_deterministic() {
+    let k = bag_key(["a", "b", "a"], KEY_DIM);
+    let n: f32 = k.iter().map(|x| x.1 * x.1).sum();
+    assert!((n - 1.0).abs() < 1e-5);
+    assert_eq!(k, bag_key(["b", "a", "a"], KEY_DIM));
+    assert!(k.windows(2).all(|w| w[0].0 < w[1].0));
+    assert!(bag_key(std::iter::empty::<&str>(), KEY_DIM).is_empty());
+    assert_eq!(
+        token_slot("Ġcapital", KEY_DIM),
+        token_slot("Ġcapital", KEY_DIM)
+    );
+    // Same bag → cosine 1; disjoint bags → 0 (no collision among these few tokens).
+    assert!((cosine(&k, &k) - 1.0).abs() < 1e-5);
+    assert_eq!(
+        cosine(&bag_key(["x"], KEY_DIM), &bag_key(["y"], KEY_DIM)),
+        0.0
+    );
+    // In a one-dimensional space every token collides: only the sign is left.
+    let tiny = bag_key(["a", "b", "c", "d"], 1);
+    assert!(tiny.len() <= 1);
+}
+
+#[test]
+fn embedding_blocks_hold_their_tokens_and_rank_first() {
+    let src = fake(false, true);
+    // 4-column f32 rows are 16 bytes: 48-byte "chunks" give 3-row shards.
+    let r = build_routing(&src, 48).unwrap();
+    let emb: Vec<_> = r
+        .shards
+        .iter()
+        .filter(|s| s.kind == ShardKind::Embedding)
+        .collect();
+    assert_eq!(emb.len(), 4);
+    assert_eq!((emb[1].row0, emb[1].row1, emb[1].cost), (3, 6, 48));
+    assert!(emb.iter().all(|s| !s.key.is_empty() && s.order == 0));
+    // The others: order and cost, no key; the embedding has no whole-tensor shard.
+    let others: Vec<_> = r
+        .shards
+        .iter()
+        .filter(|s| s.kind == ShardKind::Other)
+        .collect();
+    assert_eq!(others.len(), 3);
+    assert!(others.iter().all(|s| s.key.is_empty()));
+    assert_eq!(
+        others.iter().map(|s| s.order).collect::<Vec<_>>(),
+        [1, 1, 2]
+    );
+
+    let bytes = encode_routing(&r);
+    let router = Router::open(&src.desc, &bytes).unwrap().unwrap();
+    let (tokens, key) = router.prompt_key("the capital of").unwrap();
+    assert_eq!(tokens, ["the", "capital", "of"]);
+    let ranked = router.rank(&key, 10);
+    // Tokens 1, 2 live in block 0 (rows 0..3), token 3 in block 1 (rows 3..6).
+    let rows: Vec<(u64, u64)> = ranked
+        .iter()
+        .map(|x| (r.shards[x.shard].row0, r.shards[x.shard].row1))
+        .collect();
+    assert_eq!(rows, [(0, 3), (3, 6)], "{ranked:?}");
+    assert!(ranked[0].score > ranked[1].score);
+    assert_eq!(router.rank(&key, 1).len(), 1);
+    // A prompt of unrelated words ranks nothing from block 0.
+    let (_, key) = router.prompt_key("red sky").unwrap();
+    assert!(router
+        .rank(&key, 10)
+        .iter()
+        .all(|x| r.shards[x.shard].row0 >= 9));
+    assert_eq!(router.ordered().len(), 3);
+}
+
+#[test]
+fn experts_are_keyed_by_the_tokens_their_gate_prefers() {
+    let src = fake(true, true);
+    let r = build_routing(&src, 1 << 20).unwrap();
+    let experts: Vec<_> = r
+        .shards
+        .iter()
+        .filter(|s| s.kind == ShardKind::Expert)
+        .collect();
+    assert_eq!(experts.len(), 6);
+    assert!(experts.iter().all(|s| s.order == 1 && s.cost == 8 * 4 * 4));
+    // 12 tokens / 2 experts: each key holds the 6 tokens its gate scores highest. Gate 0
+    // points along token 7's axis (tokens 3, 7, 11 score > 0), gate 1 along token 10's.
+    let router = Router::open(&src.desc, &encode_routing(&r))
+        .unwrap()
+        .unwrap();
+    let expert_of = |x: &Ranked| {
+        let name = &src.desc.tensors[r.shards[x.shard].tensor as usize].name;
+        name.contains("experts.0.")
+            .then_some(0)
+            .or(name.contains("experts.1.").then_some(1))
+    };
+    let (_, key) = router.prompt_key("dog").unwrap();
+    let hits: Vec<_> = router
+        .rank(&key, 100)
+        .iter()
+        .filter_map(expert_of)
+        .collect();
+    assert_eq!(hits, [0, 0, 0]);
+    let (_, key) = router.prompt_key("blue").unwrap();
+    let hits: Vec<_> = router
+        .rank(&key, 100)
+        .iter()
+        .filter_map(expert_of)
+        .collect();
+    assert_eq!(hits, [1, 1, 1]);
+    // Deterministic.
+    assert_eq!(
+        encode_routing(&r),
+        encode_routing(&build_routing(&src, 1 << 20).unwrap())
+    );
+}
+
+#[test]
+fn top_tokens_follow_the_gate() {
+    let emb: Vec<f32> = vec![1.0, 0.0, 0.0, 1.0, 0.7, 0.7, -1.0, 0.0];
+    assert_eq!(build::top_tokens_for_test(&emb, &[0.0, 1.0], 2), [1, 2]);
+    assert_eq!(build::top_tokens_for_test(&emb, &[1.0, 0.0], 1), [0]);
+}
+
+#[test]
+fn without_a_tokenizer_routes_have_no_keys() {
+    let src = fake(false, false);
+    let r = build_routing(&src, 48).unwrap();
+    assert!(!r.is_empty());
+    assert!(r.shards.iter().all(|s| s.key.is_empty()));
+    let router = Router::open(&src.desc, &encode_routing(&r))
+        .unwrap()
+        .unwrap();
+    assert!(router.prompt_key("the").is_err());
+}
+
+#[test]
+fn routing_that_does_not_fit_the_model_is_refused() {
+    let src = fake(false, true);
+    let mut r = build_routing(&src, 48).unwrap();
+    r.shards[0].row1 = 99;
+    let e = Router::open(&src.desc, &encode_routing(&r)).err().unwrap();
+    assert!(e.contains("past the 12 rows"), "{e}");
+    r.shards[0].row1 = 3;
+    r.shards[0].tensor = 50;
+    let e = Router::open(&src.desc, &encode_routing(&r)).err().unwrap();
+    assert!(e.contains("tensor 50 does not exist"), "{e}");
+    assert!(Router::open(&src.desc, &[]).unwrap().is_none());
+}
