@@ -71,12 +71,9 @@ enum Cmd {
     Pin(SelectArgs),
     /// Let pinned chunks be evicted again.
     Unpin(SelectArgs),
-    /// Drop every unpinned chunk from a mount's cache.
-    Evict {
-        mountpoint: PathBuf,
-        #[arg(long)]
-        socket: Option<PathBuf>,
-    },
+    /// Drop unpinned chunks from a mount's cache: all of them, or those of a tensor,
+    /// layer or byte range.
+    Evict(EvictArgs),
     /// Rank the shards a prompt will need (the archive's router); optionally prefetch them.
     Route(RouteArgs),
     /// Record which chunks are read, in order (`on`), and print the record (`off`, JSON).
@@ -116,6 +113,23 @@ struct SelectArgs {
     #[arg(long)]
     file: Option<String>,
     /// Byte range A..B of --file.
+    #[arg(long, requires = "file", value_parser = parse_range)]
+    range: Option<(u64, u64)>,
+    #[arg(long)]
+    socket: Option<PathBuf>,
+}
+
+/// `evict`: the selectors of [`SelectArgs`], none required (none = everything unpinned).
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("what").args(["tensor", "layer", "file"])))]
+struct EvictArgs {
+    mountpoint: PathBuf,
+    #[arg(long)]
+    tensor: Option<String>,
+    #[arg(long)]
+    layer: Option<u32>,
+    #[arg(long)]
+    file: Option<String>,
     #[arg(long, requires = "file", value_parser = parse_range)]
     range: Option<(u64, u64)>,
     #[arg(long)]
@@ -417,11 +431,28 @@ fn run(cli: Cli) -> Result<()> {
             a.socket.as_deref(),
             cawsfs::control::Request::Unpin(a.target()),
         ),
-        Cmd::Evict { mountpoint, socket } => control_call(
-            &mountpoint,
-            socket.as_deref(),
-            cawsfs::control::Request::Evict(None),
-        ),
+        Cmd::Evict(a) => {
+            let target = if a.tensor.is_some() || a.layer.is_some() || a.file.is_some() {
+                Some(
+                    SelectArgs {
+                        mountpoint: a.mountpoint.clone(),
+                        tensor: a.tensor,
+                        layer: a.layer,
+                        file: a.file,
+                        range: a.range,
+                        socket: None,
+                    }
+                    .target(),
+                )
+            } else {
+                None
+            };
+            control_call(
+                &a.mountpoint,
+                a.socket.as_deref(),
+                cawsfs::control::Request::Evict(target),
+            )
+        }
         Cmd::Route(a) => cmd_route(a),
         Cmd::Trace {
             mountpoint,
@@ -1177,13 +1208,14 @@ fn cmd_route(a: RouteArgs) -> Result<()> {
         let score = s["score"]
             .as_f64()
             .map_or("-".to_string(), |x| format!("{x:.4}"));
+        // serde_json values ignore width, so numbers go through to_string first.
         println!(
             "{:>4}  {:<9} {:>6} {:>8}  {:>10}  {:>13}  {} [{}..{}]",
-            s["rank"],
+            s["rank"].to_string(),
             s["kind"].as_str().unwrap_or("?"),
-            s["order"],
+            s["order"].to_string(),
             score,
-            s["cost"],
+            s["cost"].to_string(),
             format!("{}..{}", s["chunks"][0], s["chunks"][1]),
             s["tensor"].as_str().unwrap_or("?"),
             s["rows"][0],
@@ -1191,9 +1223,9 @@ fn cmd_route(a: RouteArgs) -> Result<()> {
         );
     }
     print!(
-        "{} of {} chunk bytes",
-        v["file"].as_str().unwrap_or("?"),
-        v["chunk_bytes"]
+        "the routed shards cover {} bytes of {} chunks",
+        v["chunk_bytes"],
+        v["file"].as_str().unwrap_or("?")
     );
     if a.prefetch {
         print!(

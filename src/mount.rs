@@ -296,7 +296,7 @@ impl ControlHandler {
                 Ok(None) => return Err("the archive has no ROUTING section".into()),
                 Err(e) => return Err(format!("router unavailable: {e}")),
             };
-            let (_, key) = router.prompt_key(p)?;
+            let (_, key) = router.prompt_key(model, p)?;
             for r in router.rank(&key, usize::MAX) {
                 let s = &router.routing.shards[r.shard];
                 spans.push(self.rows_chunks(ROUTE_FILE, s.tensor as usize, s.row0, s.row1)?);
@@ -354,7 +354,7 @@ impl ControlHandler {
         let cache = self.fs.cache();
         let cs = cache.chunk_size();
         let model = self.fs.archive().model();
-        let (tokens, key) = router.prompt_key(prompt)?;
+        let (tokens, key) = router.prompt_key(model, prompt)?;
         let k = top_k.map_or(DEFAULT_TOP_K, |k| k as usize);
         let ranked = router.rank(&key, k);
         // Keyed shards by score, then (with a budget) the others in forward-pass order,

@@ -117,7 +117,12 @@ pub struct Ranked {
 /// tokenizer that makes prompt keys.
 pub struct Router {
     pub routing: Routing,
-    tokenizer: Option<Tokenizer>,
+    /// Whether any shard has a key (only then can a prompt be routed).
+    keyed: bool,
+    /// The model's tokenizer, for prompt keys. Loaded on the first route, not at mount:
+    /// its vocabulary and merges take ~25 MiB of heap that a mount which is never asked
+    /// to route should not carry (the budget test counts every resident byte).
+    tokenizer: std::sync::OnceLock<Result<Tokenizer, String>>,
 }
 
 impl Router {
@@ -146,20 +151,27 @@ impl Router {
             }
         }
         let keyed = routing.shards.iter().any(|s| !s.key.is_empty());
-        let tokenizer = if keyed {
-            Some(load_tokenizer(model)?)
-        } else {
-            None
-        };
-        Ok(Some(Router { routing, tokenizer }))
+        Ok(Some(Router {
+            routing,
+            keyed,
+            tokenizer: std::sync::OnceLock::new(),
+        }))
     }
 
     /// The prompt's token strings and its key.
-    pub fn prompt_key(&self, prompt: &str) -> Result<(Vec<String>, SparseKey), String> {
+    pub fn prompt_key(
+        &self,
+        model: &ModelDesc,
+        prompt: &str,
+    ) -> Result<(Vec<String>, SparseKey), String> {
+        if !self.keyed {
+            return Err("this archive's routes have no keys".into());
+        }
         let tok = self
             .tokenizer
+            .get_or_init(|| load_tokenizer(model))
             .as_ref()
-            .ok_or("this archive's routes have no keys")?;
+            .map_err(Clone::clone)?;
         let tokens = tokenize(tok, prompt)?;
         let key = bag_key(tokens.iter().map(String::as_str), self.routing.dim);
         Ok((tokens, key))

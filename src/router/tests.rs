@@ -162,7 +162,7 @@ fn embedding_blocks_hold_their_tokens_and_rank_first() {
 
     let bytes = encode_routing(&r);
     let router = Router::open(&src.desc, &bytes).unwrap().unwrap();
-    let (tokens, key) = router.prompt_key("the capital of").unwrap();
+    let (tokens, key) = router.prompt_key(&src.desc, "the capital of").unwrap();
     assert_eq!(tokens, ["the", "capital", "of"]);
     let ranked = router.rank(&key, 10);
     // Tokens 1, 2 live in block 0 (rows 0..3), token 3 in block 1 (rows 3..6).
@@ -174,7 +174,7 @@ fn embedding_blocks_hold_their_tokens_and_rank_first() {
     assert!(ranked[0].score > ranked[1].score);
     assert_eq!(router.rank(&key, 1).len(), 1);
     // A prompt of unrelated words ranks nothing from block 0.
-    let (_, key) = router.prompt_key("red sky").unwrap();
+    let (_, key) = router.prompt_key(&src.desc, "red sky").unwrap();
     assert!(router
         .rank(&key, 10)
         .iter()
@@ -204,14 +204,14 @@ fn experts_are_keyed_by_the_tokens_their_gate_prefers() {
             .then_some(0)
             .or(name.contains("experts.1.").then_some(1))
     };
-    let (_, key) = router.prompt_key("dog").unwrap();
+    let (_, key) = router.prompt_key(&src.desc, "dog").unwrap();
     let hits: Vec<_> = router
         .rank(&key, 100)
         .iter()
         .filter_map(expert_of)
         .collect();
     assert_eq!(hits, [0, 0, 0]);
-    let (_, key) = router.prompt_key("blue").unwrap();
+    let (_, key) = router.prompt_key(&src.desc, "blue").unwrap();
     let hits: Vec<_> = router
         .rank(&key, 100)
         .iter()
@@ -241,7 +241,7 @@ fn without_a_tokenizer_routes_have_no_keys() {
     let router = Router::open(&src.desc, &encode_routing(&r))
         .unwrap()
         .unwrap();
-    assert!(router.prompt_key("the").is_err());
+    assert!(router.prompt_key(&src.desc, "the").is_err());
 }
 
 #[test]
