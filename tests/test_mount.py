@@ -310,7 +310,19 @@ def test_prefetch_pin_unpin_evict_from_the_cli(cawsfs, archives, work):
         assert q > 0
         assert json.loads(run([cawsfs, "unpin", m.mp, "--tensor", name]).stdout)["unpinned_chunks"] > 0
         assert m.stat()["cache"]["pinned_bytes"] == 0
-        run([cawsfs, "evict", m.mp])
+        # Evict by selector frees only that tensor's chunks (layer 2 was just prefetched);
+        # then evict everything.
+        for _ in range(200):
+            c = m.stat()["cache"]
+            if c["prefetch_queue_len"] == 0 and c["loads_in_flight"] == 0:
+                break
+            time.sleep(0.05)
+        used = m.stat()["cache"]["bytes_used"]
+        freed = json.loads(run([cawsfs, "evict", m.mp, "--tensor", "model.layers.2.mlp.down_proj.weight"]).stdout)["freed_bytes"]
+        assert 0 < freed < used, (freed, used)
+        assert m.stat()["cache"]["bytes_used"] == used - freed
+        assert json.loads(run([cawsfs, "evict", m.mp]).stdout)["freed_bytes"] == used - freed
+        assert m.stat()["cache"]["bytes_used"] == 0
         assert run_status([cawsfs, "prefetch", m.mp, "--tensor", "no.such"]).returncode != 0
     finally:
         m.close()
