@@ -54,6 +54,7 @@ done <<'EOF2'
 cawsf|exact|--passthrough *
 cawsf|default|
 cawsf|q4|--pq-dim 2 --rank 0
+cawsf|q4-r16|--pq-dim 2 --rank 16
 cawsf|low|--pq-dim 4 --rank 16
 npy-dir|int8|--bits 8
 npy-dir|int4|--bits 4

@@ -241,9 +241,10 @@ def test_bad_requests_get_errors_and_the_daemon_keeps_serving(cawsfs, routed):
     assert routed.stat()["cache"]["pinned_bytes"] == 0
     r = routed.request(b'{"verb":"route","prompt":"The capital","top_k":2}\n')
     assert r["ok"] is True and len(r["shards"]) == 2
-    # Evict with a selector drops only those chunks.
+    # Well-formed requests are still served after the bad ones (that an evict selector
+    # frees only its chunks is test_mount.py::test_prefetch_pin_unpin_evict_from_the_cli).
     r = routed.request(b'{"verb":"evict","layer":0}\n')
-    assert r["ok"] is True and r["freed_bytes"] >= 0
+    assert r["ok"] is True and "freed_bytes" in r
 
 
 def test_socket_is_private_and_other_uids_are_refused(cawsfs, exact, work):

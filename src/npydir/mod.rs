@@ -334,6 +334,24 @@ impl Opener<'_> {
                     Storage::Framed { map, frames }
                 }
                 None => {
+                    // A whole-file stream is decompressed into memory on read: its size
+                    // must be known and bounded now, or one crafted file could make the
+                    // daemon reserve gigabytes (and abort) on its first read.
+                    if frames.iter().any(|f| f.2.is_none()) {
+                        return Err(invalid(
+                            &path,
+                            "a zstd frame does not record its decompressed size; recompress with `zstd` (it records sizes)",
+                        ));
+                    }
+                    if expect > WHOLE_LRU_BYTES as u64 {
+                        return Err(invalid(
+                            &path,
+                            format!(
+                                "one zstd stream of {expect} bytes decompressed is over the {} MiB that can be served by decompressing it whole; decompress it (`zstd -d`) or reconvert with `cawsfs convert --to npy-dir --zstd` (framed per row block)",
+                                WHOLE_LRU_BYTES >> 20
+                            ),
+                        ));
+                    }
                     self.next_whole += 1;
                     Storage::Whole {
                         map,

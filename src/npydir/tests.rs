@@ -485,6 +485,21 @@ fn foreign_directory() {
     let e = NpyDir::open(&dir).err().expect("opened").to_string();
     assert!(e.contains("dtype <f2 is not allowed"), "{e}");
     npy(&dir, &format!("{k1}__s4.npy"), Dtype::F32, &[300, 2], &s4);
+    // A whole-file stream whose frame does not record its size is refused at open: its
+    // first read would otherwise size a buffer by the npy header's claim alone.
+    let zst = dir.join(TENSOR_DIR).join(format!("{k0}__q.npy.zst"));
+    let sized = std::fs::read(&zst).unwrap();
+    let mut enc = zstd::stream::Encoder::new(Vec::new(), 3).unwrap();
+    enc.include_contentsize(false).unwrap();
+    std::io::Write::write_all(&mut enc, &plain).unwrap();
+    std::fs::write(&zst, enc.finish().unwrap()).unwrap();
+    let e = NpyDir::open(&dir).err().expect("opened").to_string();
+    assert!(
+        e.contains("__q.npy.zst") && e.contains("does not record its decompressed size"),
+        "{e}"
+    );
+    std::fs::write(&zst, sized).unwrap();
+    NpyDir::open(&dir).unwrap();
     // Without config.json the model cannot be described.
     std::fs::remove_file(dir.join("config.json")).unwrap();
     let e = NpyDir::open(&dir).err().expect("opened").to_string();
