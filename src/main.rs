@@ -99,10 +99,9 @@ enum Cmd {
     },
 }
 
+/// What a cache verb acts on: a tensor, a layer, or a virtual file's byte range.
 #[derive(clap::Args)]
-#[command(group(clap::ArgGroup::new("what").required(true).args(["tensor", "layer", "file"])))]
-struct SelectArgs {
-    mountpoint: PathBuf,
+struct Selector {
     /// A tensor (Hugging Face name), in every file that holds it.
     #[arg(long)]
     tensor: Option<String>,
@@ -115,23 +114,48 @@ struct SelectArgs {
     /// Byte range A..B of --file.
     #[arg(long, requires = "file", value_parser = parse_range)]
     range: Option<(u64, u64)>,
+}
+
+impl Selector {
+    /// None when no selector was given (clap allows at most one).
+    fn target(&self) -> Option<cawsfs::control::Target> {
+        use cawsfs::control::Target;
+        match (&self.tensor, self.layer, &self.file) {
+            (Some(t), _, _) => Some(Target::Tensor(t.clone())),
+            (_, Some(l), _) => Some(Target::Layer(l)),
+            (_, _, Some(f)) => Some(Target::File {
+                file: f.clone(),
+                range: self.range,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// prefetch / pin / unpin: exactly one selector.
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["tensor", "layer", "file"])))]
+struct SelectArgs {
+    mountpoint: PathBuf,
+    #[command(flatten)]
+    what: Selector,
     #[arg(long)]
     socket: Option<PathBuf>,
 }
 
-/// `evict`: the selectors of [`SelectArgs`], none required (none = everything unpinned).
+impl SelectArgs {
+    fn target(&self) -> cawsfs::control::Target {
+        self.what.target().expect("clap requires one selector")
+    }
+}
+
+/// evict: at most one selector (none = everything unpinned).
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("what").args(["tensor", "layer", "file"])))]
 struct EvictArgs {
     mountpoint: PathBuf,
-    #[arg(long)]
-    tensor: Option<String>,
-    #[arg(long)]
-    layer: Option<u32>,
-    #[arg(long)]
-    file: Option<String>,
-    #[arg(long, requires = "file", value_parser = parse_range)]
-    range: Option<(u64, u64)>,
+    #[command(flatten)]
+    what: Selector,
     #[arg(long)]
     socket: Option<PathBuf>,
 }
@@ -146,21 +170,6 @@ fn parse_range(s: &str) -> std::result::Result<(u64, u64), String> {
         return Err(format!("{s:?}: empty range"));
     }
     Ok((a, b))
-}
-
-impl SelectArgs {
-    fn target(&self) -> cawsfs::control::Target {
-        use cawsfs::control::Target;
-        match (&self.tensor, self.layer, &self.file) {
-            (Some(t), _, _) => Target::Tensor(t.clone()),
-            (_, Some(l), _) => Target::Layer(l),
-            (_, _, Some(f)) => Target::File {
-                file: f.clone(),
-                range: self.range,
-            },
-            _ => unreachable!("clap requires one selector"),
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -431,28 +440,11 @@ fn run(cli: Cli) -> Result<()> {
             a.socket.as_deref(),
             cawsfs::control::Request::Unpin(a.target()),
         ),
-        Cmd::Evict(a) => {
-            let target = if a.tensor.is_some() || a.layer.is_some() || a.file.is_some() {
-                Some(
-                    SelectArgs {
-                        mountpoint: a.mountpoint.clone(),
-                        tensor: a.tensor,
-                        layer: a.layer,
-                        file: a.file,
-                        range: a.range,
-                        socket: None,
-                    }
-                    .target(),
-                )
-            } else {
-                None
-            };
-            control_call(
-                &a.mountpoint,
-                a.socket.as_deref(),
-                cawsfs::control::Request::Evict(target),
-            )
-        }
+        Cmd::Evict(a) => control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Evict(a.what.target()),
+        ),
         Cmd::Route(a) => cmd_route(a),
         Cmd::Trace {
             mountpoint,
