@@ -311,7 +311,8 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
     })
 }
 
-fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
+/// Little-endian f16 values into f32 (`out.len()` values; extra bytes ignored).
+pub(crate) fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
         *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
     }

@@ -47,11 +47,7 @@ fn f16_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
 }
 
 /// Little-endian f16 bytes → f32 (`out.len()` values).
-pub fn f16_to_f32(bytes: &[u8], out: &mut [f32]) {
-    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-    }
-}
+pub(crate) use crate::codec::f16s_to_f32 as f16_to_f32;
 
 fn sq_norm(a: &[f32]) -> f64 {
     a.iter().map(|&x| x as f64 * x as f64).sum()

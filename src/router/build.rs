@@ -110,6 +110,19 @@ pub fn build_routing(src: &dyn SourceModel, chunk_bytes: u64) -> Result<Routing,
             None => Vec::new(),
         }
     };
+    // A shard covering a whole tensor (experts and everything without a key).
+    let whole = |i: usize, kind: ShardKind, key: Vec<(u32, f32)>| {
+        let t = &desc.tensors[i];
+        Shard {
+            tensor: i as u32,
+            kind,
+            order: order_of(&t.name, n_layers),
+            row0: 0,
+            row1: t.rows().max(1),
+            cost: cost(t, t.rows().max(1)),
+            key,
+        }
+    };
     let mut shards = Vec::new();
     if let Some(e) = embed {
         let t = &desc.tensors[e];
@@ -153,16 +166,7 @@ pub fn build_routing(src: &dyn SourceModel, chunk_bytes: u64) -> Result<Routing,
                 let key = key_of(&mut top_tokens(&emb, row, m).into_iter());
                 for &i in tensors {
                     is_expert[i] = true;
-                    let t = &desc.tensors[i];
-                    shards.push(Shard {
-                        tensor: i as u32,
-                        kind: ShardKind::Expert,
-                        order: order_of(&t.name, n_layers),
-                        row0: 0,
-                        row1: t.rows().max(1),
-                        cost: cost(t, t.rows().max(1)),
-                        key: key.clone(),
-                    });
+                    shards.push(whole(i, ShardKind::Expert, key.clone()));
                 }
             }
         }
@@ -171,15 +175,7 @@ pub fn build_routing(src: &dyn SourceModel, chunk_bytes: u64) -> Result<Routing,
         if Some(i) == embed || is_expert[i] || t.numel() == 0 {
             continue;
         }
-        shards.push(Shard {
-            tensor: i as u32,
-            kind: ShardKind::Other,
-            order: order_of(&t.name, n_layers),
-            row0: 0,
-            row1: t.rows().max(1),
-            cost: cost(t, t.rows().max(1)),
-            key: Vec::new(),
-        });
+        shards.push(whole(i, ShardKind::Other, Vec::new()));
     }
     Ok(Routing {
         dim: KEY_DIM,
