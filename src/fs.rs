@@ -10,10 +10,10 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
+use crate::archive::Store;
 use crate::cache::{CacheConfig, CacheError, ChunkCache, ChunkLoader};
 use crate::layout::{self, GgufOutType, LayoutError, VirtualFile};
 use crate::model::{FloatType, ReadError};
-use crate::store::Store;
 
 pub const ROOT_INO: u64 = 1;
 

@@ -8,7 +8,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use cawsfs::archive::{Archive, Compression};
+use cawsfs::archive::cawsf::CawsfArchive;
+use cawsfs::archive::Compression;
 use cawsfs::convert::{self, ConvertOptions};
 use cawsfs::layout::{self, GgufOutType};
 use cawsfs::model::{FloatType, RowSource};
@@ -632,7 +633,8 @@ fn compression_of(c: Comp) -> Compression {
 }
 
 fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
-    use cawsfs::delta::{self, BaseDtype, DeltaOptions, RankChoice};
+    use cawsfs::codec::delta::{BaseDtype, RankChoice};
+    use cawsfs::convert::delta::{self, DeltaOptions};
     let mut opts = DeltaOptions::default();
     if let Some(r) = a.rank {
         opts.rank = RankChoice::Fixed(r as usize);
@@ -661,7 +663,7 @@ fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
     write_report_json(&report, &a)
 }
 
-fn print_delta_report(r: &cawsfs::delta::DeltaReport) {
+fn print_delta_report(r: &cawsfs::convert::delta::DeltaReport) {
     let opt = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
     println!(
         "{:<44} {:>5} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8}",
@@ -700,7 +702,7 @@ fn print_delta_report(r: &cawsfs::delta::DeltaReport) {
     }
     for ty in types {
         let ms: Vec<_> = r.matrices.iter().filter(|m| m.ty == ty).collect();
-        let mean = |f: &dyn Fn(&cawsfs::delta::MatrixReport) -> Option<f64>| {
+        let mean = |f: &dyn Fn(&cawsfs::convert::delta::MatrixReport) -> Option<f64>| {
             let v: Vec<f64> = ms.iter().filter_map(|m| f(m)).collect();
             v.iter().sum::<f64>() / v.len().max(1) as f64
         };
@@ -732,7 +734,7 @@ fn print_delta_report(r: &cawsfs::delta::DeltaReport) {
 
 fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
     let src = cawsfs::import::open_source(&a.src)?;
-    let mut opts = cawsfs::npydir::NpyOptions {
+    let mut opts = cawsfs::convert::npydir::NpyOptions {
         bits: a.bits,
         group: a.group,
         zstd: a.zstd,
@@ -744,17 +746,18 @@ fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
     opts.passthrough.extend(a.passthrough.iter().cloned());
     let n = src.desc().tensors.len();
     let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
-    let report = cawsfs::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
-        pb.set_position(done as u64);
-        pb.set_message(name.to_string());
-    })
-    .with_context(|| format!("converting {}", a.src.display()))?;
+    let report =
+        cawsfs::convert::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
+            pb.set_position(done as u64);
+            pb.set_message(name.to_string());
+        })
+        .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
     print_report(&report, ("kind", 22), ("directory", "quantized"), &a)
 }
 
 fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
-    let ar = cawsfs::store::open(path)?;
+    let ar = cawsfs::archive::open(path)?;
     let m = ar.model();
     if json {
         let tensors: Vec<_> = m
@@ -838,7 +841,7 @@ fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
 }
 
 fn cmd_verify(path: &Path) -> Result<()> {
-    let ar = cawsfs::store::open(path)?;
+    let ar = cawsfs::archive::open(path)?;
     let fails = ar.verify_all();
     if let Some(first) = fails.first() {
         // One line: the first failure names the block; the count says how much more.
@@ -874,7 +877,7 @@ fn float_of(d: Dtype) -> FloatType {
 
 fn cmd_export(a: ExportArgs) -> Result<()> {
     init_threads(a.threads)?;
-    let ar = cawsfs::store::open(&a.archive)?;
+    let ar = cawsfs::archive::open(&a.archive)?;
     let model = ar.model();
     let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {
         let pb = bar(
@@ -945,7 +948,7 @@ fn read_vector(path: &Path) -> Result<Vec<f32>> {
 }
 
 fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Result<()> {
-    let ar = Archive::open(path)?;
+    let ar = CawsfArchive::open(path)?;
     let i = ar
         .model()
         .tensor_index(tensor)
@@ -1008,7 +1011,7 @@ fn cmd_mount(a: MountArgs) -> Result<()> {
         return cawsfs::mount::run(&a.archive, &a.mountpoint, &opts).map_err(Into::into);
     }
     // Check what can be checked before detaching, so mistakes are reported here.
-    cawsfs::store::open(&a.archive)?;
+    cawsfs::archive::open(&a.archive)?;
     if !a.mountpoint.is_dir() {
         bail!("{}: not a directory", a.mountpoint.display());
     }

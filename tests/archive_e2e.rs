@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use cawsfs::archive::Archive;
+use cawsfs::archive::cawsf::CawsfArchive;
 use cawsfs::convert::{convert, ConvertOptions};
 use cawsfs::import::open_source;
 use cawsfs::model::RowSource;
@@ -120,7 +120,7 @@ fn small_opts() -> ConvertOptions {
     o
 }
 
-fn full(ar: &Archive, t: usize) -> Vec<f32> {
+fn full(ar: &CawsfArchive, t: usize) -> Vec<f32> {
     let d = &ar.model().tensors[t];
     let mut out = vec![0f32; (d.rows() * d.cols()) as usize];
     ar.read_rows(t, 0, d.rows(), &mut out).unwrap();
@@ -131,7 +131,7 @@ fn full(ar: &Archive, t: usize) -> Vec<f32> {
 fn row_ranges_equal_full_reconstruction() {
     let tmp = tempfile::tempdir().unwrap();
     let path = converted(tmp.path(), &small_opts());
-    let ar = Archive::open(&path).unwrap();
+    let ar = CawsfArchive::open(&path).unwrap();
     ar.verify().unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let fulls: HashMap<usize, Vec<f32>> = (0..ar.model().tensors.len())
@@ -160,7 +160,7 @@ fn passthrough_is_bit_exact() {
     let mut opts = small_opts();
     opts.passthrough = vec!["*".into()];
     let path = converted(tmp.path(), &opts);
-    let ar = Archive::open(&path).unwrap();
+    let ar = CawsfArchive::open(&path).unwrap();
     let src = open_source(&tmp.path().join("hf")).unwrap();
     for (i, t) in ar.model().tensors.iter().enumerate() {
         let j = src.desc().tensor_index(&t.name).unwrap();
@@ -173,7 +173,7 @@ fn every_corrupted_block_is_named_and_never_decoded() {
     let tmp = tempfile::tempdir().unwrap();
     let path = converted(tmp.path(), &small_opts());
     let clean = std::fs::read(&path).unwrap();
-    let ar = Archive::open(&path).unwrap();
+    let ar = CawsfArchive::open(&path).unwrap();
     let tensors = ar.model().tensors.clone();
     let mut locations = Vec::new();
     for (t, d) in tensors.iter().enumerate() {
@@ -194,7 +194,7 @@ fn every_corrupted_block_is_named_and_never_decoded() {
         let mut bytes = clean.clone();
         bytes[(off + len / 2) as usize] ^= 0x10;
         std::fs::write(&bad, &bytes).unwrap();
-        let ar = Archive::open(&bad).unwrap();
+        let ar = CawsfArchive::open(&bad).unwrap();
         let err = ar.verify().unwrap_err().to_string();
         assert!(
             err.contains(&format!("tensor {name}")) && err.contains(&format!("block {b}")),
@@ -223,7 +223,7 @@ fn truncated_archives_are_errors_not_panics() {
     let mut cut = 0;
     while cut + 4096 < clean.len() {
         std::fs::write(&bad, &clean[..cut]).unwrap();
-        let err = Archive::open(&bad)
+        let err = CawsfArchive::open(&bad)
             .err()
             .expect("truncated archive opened")
             .to_string();
@@ -307,7 +307,7 @@ fn mountfs_random_reads_equal_export() {
 
     let tmp = tempfile::tempdir().unwrap();
     let path = converted(tmp.path(), &small_opts());
-    let ar = Arc::new(Archive::open(&path).unwrap());
+    let ar = Arc::new(CawsfArchive::open(&path).unwrap());
     let opts = FsOptions {
         cache_bytes: 8 << 10,
         chunk_size: 4 << 10,
@@ -374,7 +374,7 @@ fn uncodable_tensors_fall_back_to_passthrough() {
     let mut opts = small_opts();
     opts.ndsq.pq_dim = 5; // divides FFN (160), not HIDDEN (64)
     let path = converted(tmp.path(), &opts);
-    let ar = Archive::open(&path).unwrap();
+    let ar = CawsfArchive::open(&path).unwrap();
     for (i, t) in ar.model().tensors.iter().enumerate() {
         let codec = ar.tensor_info(i).codec;
         let ndsq = matches!(codec, TensorCodec::Ndsq { .. });

@@ -8,11 +8,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use cawsfs::gguf::quant::{dequantize, quantize_q8_0};
 use cawsfs::gguf::{GgmlType, GgufArray, GgufFile, GgufHeader, GgufValue};
 use cawsfs::import::gguf::GgufSource;
 use cawsfs::import::SourceModel;
-use cawsfs::names;
-use cawsfs::quant::{dequantize, quantize_q8_0};
+use cawsfs::model::names;
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -9,6 +9,8 @@
 //!
 //! Byte layouts of globals and payloads: docs/CODECS.md.
 
+pub mod delta;
+pub mod intq;
 mod ndsq;
 mod passthrough;
 mod pq;
@@ -312,7 +314,7 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
 }
 
 /// Little-endian f16 values into f32 (`out.len()` values; extra bytes ignored).
-pub(crate) fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
+pub fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
         *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
     }
@@ -321,5 +323,24 @@ pub(crate) fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
 fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
         *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
+/// Short human label of how a tensor is coded, as reports and `inspect` print it.
+pub fn codec_label(c: &TensorCodec) -> String {
+    match c {
+        TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
+        TensorCodec::Ndsq {
+            rank, pq_dim, pq_k, ..
+        } => format!("ndsq(r={rank},d={pq_dim},k={pq_k})"),
+    }
+}
+
+fn format_label(s: SourceType) -> String {
+    match s {
+        SourceType::F32 => "f32".into(),
+        SourceType::F16 => "f16".into(),
+        SourceType::BF16 => "bf16".into(),
+        SourceType::Ggml(t) => format!("{t:?}").to_lowercase(),
     }
 }

@@ -86,7 +86,7 @@ pub(super) fn decode_rows(
             let rb = rb as usize;
             if cols > 0 {
                 for (row_out, row_in) in out.chunks_exact_mut(cols).zip(bytes.chunks_exact(rb)) {
-                    crate::quant::dequantize(ty, row_in, row_out)
+                    crate::gguf::quant::dequantize(ty, row_in, row_out)
                         .map_err(|e| CodecError::Corrupt(format!("passthrough {ty:?} row: {e}")))?;
                 }
             }

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod quant;
 pub mod reader;
 pub mod writer;
 

@@ -15,10 +15,10 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::{ImportError, SourceModel};
+use crate::gguf::quant;
 use crate::gguf::{meta_get, GgmlType, GgufArray, GgufError, GgufFile, GgufValue};
+use crate::model::names;
 use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
-use crate::names;
-use crate::quant;
 
 pub struct GgufSource {
     desc: ModelDesc,

@@ -147,7 +147,7 @@ impl HfSource {
 
 /// (non-layer first, layer number, name): embeddings, then layers in order, then the rest.
 pub(crate) fn sort_key(name: &str) -> (u8, u32, String) {
-    match crate::names::layer_of(name) {
+    match crate::model::names::layer_of(name) {
         Some(l) => (1, l, name.to_string()),
         None if name.contains("embed") => (0, 0, name.to_string()),
         None => (2, 0, name.to_string()),
@@ -282,7 +282,7 @@ impl SourceModel for HfSource {
             SourceType::Ggml(ty) => ty,
         };
         let mut out = vec![0f32; t.numel() as usize];
-        crate::quant::dequantize(ty, bytes, &mut out).map_err(|e| ImportError::Invalid {
+        crate::gguf::quant::dequantize(ty, bytes, &mut out).map_err(|e| ImportError::Invalid {
             path: format!("tensor {}", t.name),
             reason: e.to_string(),
         })?;

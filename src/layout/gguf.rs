@@ -5,8 +5,8 @@
 //! derived from `ArchConfig` and the Hugging Face side files.
 
 use crate::gguf::{GgmlType, GgufHeader, GgufValue};
+use crate::model::names;
 use crate::model::{FloatType, ModelDesc};
-use crate::names;
 
 use super::{tokenizer, Builder, GgufOutType, LayoutError, VirtualFile};
 

@@ -280,7 +280,7 @@ fn read_tensor(
         let mut vals = vec![0f32; t.cols as usize];
         src.read_rows(t.tensor, 0, 1, &mut vals)?;
         let perm: Vec<f32> = (0..t.cols)
-            .map(|g| vals[crate::names::gguf_row_to_hf(g, t.cols, heads) as usize])
+            .map(|g| vals[crate::model::names::gguf_row_to_hf(g, t.cols, heads) as usize])
             .collect();
         encode(&perm, t.dtype, &mut encoded);
         out.copy_from_slice(&encoded[rel as usize..end as usize]);
@@ -322,7 +322,7 @@ fn read_tensor(
             None => encode(&scratch, t.dtype, &mut encoded),
             Some(heads) => {
                 for g in r..r_end {
-                    let s = crate::names::gguf_row_to_hf(g, t.rows, heads) - s0;
+                    let s = crate::model::names::gguf_row_to_hf(g, t.rows, heads) - s0;
                     let row = &scratch[(s * t.cols) as usize..((s + 1) * t.cols) as usize];
                     encode(row, t.dtype, &mut encoded);
                 }

@@ -31,7 +31,7 @@ fn cost(t: &TensorDesc, rows: u64) -> u64 {
 /// Where in a forward pass tensor `name` is used: 0 before the first block (the token
 /// embedding), `l + 1` in block `l`, `n_layers + 1` after the last (final norm, head).
 pub fn order_of(name: &str, n_layers: u32) -> u32 {
-    match crate::names::layer_of(name) {
+    match crate::model::names::layer_of(name) {
         Some(l) => l.saturating_add(1),
         None if name.contains("embed") => 0,
         None => n_layers.saturating_add(1),

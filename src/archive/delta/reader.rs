@@ -14,14 +14,14 @@ use faer::{Accum, MatMut, MatRef, Par};
 use memmap2::Mmap;
 use rayon::prelude::*;
 
-use super::decompose::{decode_base_block, f16_to_f32};
 use super::format::*;
-use crate::archive::{ArchiveError, SectionInfo};
-use crate::codec::{self, TensorCodec};
-use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
-use crate::store::{
+use crate::archive::{
     check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
 };
+use crate::archive::{ArchiveError, SectionInfo};
+use crate::codec::delta::{decode_base_block, f16_to_f32};
+use crate::codec::{self, TensorCodec};
+use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
 
 /// Bytes of decoded (f32) base blocks and Vᵀ blobs kept between reads. A Vᵀ is needed
 /// by every block of its matrix (up to rank·cols·4 = 3.5 MiB at full rank on a
@@ -375,7 +375,7 @@ impl DeltaArchive {
                                 mb.rows, mb.cols, mb.rows_per_block),
                         ));
                     }
-                    let layer = crate::names::layer_of(&d.name);
+                    let layer = crate::model::names::layer_of(&d.name);
                     if !d.name.ends_with(&mb.ty) || layer.is_none_or(|l| !mb.layers.contains(&l)) {
                         return Err(invalid(
                             path,
@@ -688,7 +688,7 @@ impl Store for DeltaArchive {
             .sum();
         let codec = match t.kind {
             TensorKind::Pass { format } => {
-                crate::convert::codec_label(&TensorCodec::Passthrough { format })
+                crate::codec::codec_label(&TensorCodec::Passthrough { format })
             }
             TensorKind::Delta {
                 base,

@@ -30,7 +30,7 @@ pub struct MountOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error(transparent)]
-    Archive(#[from] ArchiveError),
+    CawsfArchive(#[from] ArchiveError),
     #[error("{0}")]
     Setup(#[from] SetupError),
     #[error("control socket: {0}")]
@@ -73,7 +73,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // Block the signals before any thread starts so every thread inherits the mask
     // and only the wait below receives them.
     let sigs = blocked_signals();
-    let archive = crate::store::open(archive_path)?;
+    let archive = crate::archive::open(archive_path)?;
     let fs = Arc::new(MountFs::new(archive, &opts.fs)?);
 
     let mut config = fuser::Config::default();
@@ -303,7 +303,7 @@ impl ControlHandler {
             }
         }
         for (i, t) in model.tensors.iter().enumerate() {
-            let early = crate::names::layer_of(&t.name).is_some_and(|l| l < layers);
+            let early = crate::model::names::layer_of(&t.name).is_some_and(|l| l < layers);
             if t.shape.len() <= 1 || early {
                 spans.push(self.rows_chunks(ROUTE_FILE, i, 0, t.rows())?);
             }
@@ -458,7 +458,9 @@ impl ControlHandler {
                     }
                     Target::Layer(l) => {
                         let v: Vec<usize> = (0..model.tensors.len())
-                            .filter(|&i| crate::names::layer_of(&model.tensors[i].name) == Some(*l))
+                            .filter(|&i| {
+                                crate::model::names::layer_of(&model.tensors[i].name) == Some(*l)
+                            })
                             .collect();
                         if v.is_empty() {
                             return Err(format!(

@@ -10,10 +10,8 @@
 //! foreign single-frame `.npy.zst` is decompressed whole into a small LRU.
 
 pub mod npy;
-pub mod quant;
 #[cfg(test)]
 mod tests;
-mod writer;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
@@ -26,20 +24,20 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::archive::{ArchiveError, SectionInfo};
-use crate::model::{ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
-use crate::store::{
+use crate::archive::{
     check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
 };
+use crate::archive::{ArchiveError, SectionInfo};
+use crate::model::{ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
 use npy::Dtype;
 
-pub use writer::{convert, NpyOptions};
+use crate::codec::intq as quant;
 
 pub const MANIFEST: &str = "manifest.json";
 pub const SIDECAR: &str = "cawsfs.json";
 pub const ROUTING_FILE: &str = "routing.bin";
 pub const TENSOR_DIR: &str = "tensors";
-const SIDECAR_FORMAT: &str = "cawsfs-npy-dir";
+pub const SIDECAR_FORMAT: &str = "cawsfs-npy-dir";
 /// Decompressed foreign `.npy.zst` files kept in memory (NPYDIR.md §4).
 const WHOLE_LRU_BYTES: usize = 256 << 20;
 /// zstd cannot expand data by more than this (an RLE block: 4 bytes → 128 KiB).
@@ -51,7 +49,7 @@ const MAX_FILES: usize = 1 << 20;
 /// The suffixes of the files one tensor may have (NPYDIR.md §2).
 const SUFFIXES: &[&str] = &["__q4", "__s4", "__q", "__s", "__pt", "__shape"];
 
-use crate::archive::format::{invalid, io_error as io_err};
+use crate::archive::container::{invalid, io_error as io_err};
 
 fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
     let len = std::fs::metadata(path).map_err(|e| io_err(path, e))?.len();
@@ -64,7 +62,7 @@ fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
     std::fs::read(path).map_err(|e| io_err(path, e))
 }
 
-fn hex(v: u64) -> String {
+pub fn hex(v: u64) -> String {
     format!("{v:016x}")
 }
 
@@ -85,40 +83,41 @@ pub fn safe_key(name: &str) -> String {
 // cawsfs.json
 
 #[derive(Serialize, Deserialize)]
-struct Sidecar {
-    format: String,
-    version: u32,
-    model: Value,
+/// `cawsfs.json` (docs/NPYDIR.md §3), written by `convert::npydir`.
+pub struct Sidecar {
+    pub format: String,
+    pub version: u32,
+    pub model: Value,
     #[serde(default)]
-    hf_files: BTreeMap<String, String>,
+    pub hf_files: BTreeMap<String, String>,
     #[serde(default)]
-    routing_xxh3: Option<String>,
-    tensors: Vec<SideTensor>,
+    pub routing_xxh3: Option<String>,
+    pub tensors: Vec<SideTensor>,
     #[serde(default)]
-    extra: Value,
+    pub extra: Value,
 }
 
 #[derive(Serialize, Deserialize)]
-struct SideTensor {
-    name: String,
-    key: String,
-    kind: String,
-    rows_per_block: u64,
+pub struct SideTensor {
+    pub name: String,
+    pub key: String,
+    pub kind: String,
+    pub rows_per_block: u64,
     /// Columns per scale (int4; int8 has one scale per row).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    group: Option<u64>,
-    files: BTreeMap<String, SideFile>,
+    pub group: Option<u64>,
+    pub files: BTreeMap<String, SideFile>,
 }
 
 #[derive(Serialize, Deserialize, Default)]
-struct SideFile {
-    file: String,
+pub struct SideFile {
+    pub file: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    header_xxh3: Option<String>,
+    pub header_xxh3: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    blocks: Option<Vec<String>>,
+    pub blocks: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    xxh3: Option<String>,
+    pub xxh3: Option<String>,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -805,8 +804,8 @@ fn open_with_sidecar(
             ),
         ));
     }
-    let mut model =
-        crate::archive::model_from_meta(sc.model, BTreeMap::new()).map_err(|e| invalid(side, e))?;
+    let mut model = crate::archive::container::model_from_meta(sc.model, BTreeMap::new())
+        .map_err(|e| invalid(side, e))?;
     let mut parts = vec![
         (MANIFEST.to_string(), file_len(&dir.join(MANIFEST))),
         (SIDECAR.to_string(), file_len(side)),
@@ -1178,7 +1177,7 @@ fn open_foreign_tensor(
     let geom = Geometry {
         rows: t.rows(),
         cols: t.cols(),
-        rows_per_block: crate::convert::rows_per_block(&t),
+        rows_per_block: crate::archive::container::rows_per_block(&t),
         geo,
     };
     Ok((

@@ -14,7 +14,8 @@ use crate::codec::{EncodedTensor, TensorCodec};
 use crate::model::ModelDesc;
 
 use super::format::*;
-use super::{ArchiveError, Compression};
+use crate::archive::container::*;
+use crate::archive::ArchiveError;
 
 struct PendingTensor {
     codec: TensorCodec,
@@ -26,7 +27,7 @@ struct PendingTensor {
 
 /// Streaming writer: tensors are added in model order as they are encoded, then
 /// `finish` writes META, CODEBOOKS and ROUTING and the header/TOC.
-pub struct ArchiveWriter {
+pub struct CawsfWriter {
     path: PathBuf,
     tmp: PathBuf,
     cb_tmp: PathBuf,
@@ -44,7 +45,7 @@ pub struct ArchiveWriter {
     done: bool,
 }
 
-impl ArchiveWriter {
+impl CawsfWriter {
     fn io(&self, e: std::io::Error) -> ArchiveError {
         io_error(&self.path, e)
     }
@@ -52,7 +53,7 @@ impl ArchiveWriter {
         invalid(&self.path, reason)
     }
 
-    pub fn create(path: &Path, compression: Compression) -> Result<ArchiveWriter, ArchiveError> {
+    pub fn create(path: &Path, compression: Compression) -> Result<CawsfWriter, ArchiveError> {
         let tmp = with_suffix(path, ".tmp");
         let cb_tmp = with_suffix(path, ".cbtmp");
         let f = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
@@ -63,7 +64,7 @@ impl ArchiveWriter {
                 return Err(io_error(&cb_tmp, e));
             }
         };
-        let mut w = ArchiveWriter {
+        let mut w = CawsfWriter {
             path: path.to_path_buf(),
             tmp,
             cb_tmp,
@@ -297,7 +298,7 @@ impl ArchiveWriter {
     }
 }
 
-impl Drop for ArchiveWriter {
+impl Drop for CawsfWriter {
     /// An unfinished (failed or abandoned) conversion leaves no files behind.
     fn drop(&mut self) {
         if !self.done {

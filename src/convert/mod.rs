@@ -1,4 +1,6 @@
-//! The conversion pipeline: source model → codec per tensor → `.cawsf` archive.
+//! The conversion pipelines: source model → codec per tensor → archive. This file holds
+//! the `.cawsf` pipeline and what every kind's pipeline shares (errors, the report,
+//! encoding in windows, the ROUTING bytes); [`delta`] and [`npydir`] hold the others.
 //!
 //! Tensors are encoded in parallel (rayon) in windows and written in model order, so
 //! the archive bytes do not depend on the thread count. Each tensor's k-means seed is
@@ -9,14 +11,15 @@ use std::path::Path;
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::archive::{ArchiveError, ArchiveWriter, Compression};
-use crate::codec::{self, CodecError, EncodedTensor, NdsqOptions, TensorCodec};
+use crate::archive::cawsf::CawsfWriter;
+use crate::archive::container::rows_per_block;
+use crate::archive::{ArchiveError, Compression};
+use crate::codec::{self, codec_label, CodecError, EncodedTensor, NdsqOptions};
 use crate::import::{ImportError, SourceModel};
 use crate::model::TensorDesc;
 
-/// Decoded elements a row block aims for: 32 Ki f32 = 128 KiB, small enough that a
-/// 4 KiB read decodes little, large enough that a 1 MiB read touches few blocks.
-pub const BLOCK_TARGET_ELEMS: u64 = 32 * 1024;
+pub mod delta;
+pub mod npydir;
 
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
@@ -155,10 +158,6 @@ pub fn wildcard_match(pattern: &str, name: &str) -> bool {
     }
 }
 
-pub fn rows_per_block(t: &TensorDesc) -> u64 {
-    (BLOCK_TARGET_ELEMS / t.cols().max(1)).clamp(1, t.rows().max(1))
-}
-
 fn is_passthrough(t: &TensorDesc, opts: &ConvertOptions) -> bool {
     t.shape.len() < 2 || opts.passthrough.iter().any(|p| wildcard_match(p, &t.name))
 }
@@ -227,7 +226,7 @@ pub fn convert(
     opts.validate()?;
     let desc = src.desc();
     let n = desc.tensors.len();
-    let mut writer = ArchiveWriter::create(out, opts.compression)?;
+    let mut writer = CawsfWriter::create(out, opts.compression)?;
     let mut reports = Vec::with_capacity(n);
     in_windows(
         n,
@@ -265,7 +264,7 @@ pub fn convert(
     let routing = routing_bytes(src)?;
     let archive_bytes = writer.finish(desc, extra, &routing)?;
     // Stored sizes come from the archive as written, which also proves it opens.
-    let archive = crate::archive::Archive::open(out)?;
+    let archive = crate::archive::cawsf::CawsfArchive::open(out)?;
     for (i, r) in reports.iter_mut().enumerate() {
         r.bytes = archive.tensor_info(i).stored_bytes;
         r.bits_per_weight = r.bytes as f64 * 8.0 / desc.tensors[i].numel().max(1) as f64;
@@ -280,24 +279,6 @@ pub fn convert(
 pub fn routing_bytes(src: &dyn SourceModel) -> Result<Vec<u8>, ConvertError> {
     let r = crate::router::build_routing(src, crate::cache::DEFAULT_CHUNK_SIZE)?;
     Ok(crate::archive::encode_routing(&r))
-}
-
-pub fn codec_label(c: &TensorCodec) -> String {
-    match c {
-        TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
-        TensorCodec::Ndsq {
-            rank, pq_dim, pq_k, ..
-        } => format!("ndsq(r={rank},d={pq_dim},k={pq_k})"),
-    }
-}
-
-fn format_label(s: crate::model::SourceType) -> String {
-    match s {
-        crate::model::SourceType::F32 => "f32".into(),
-        crate::model::SourceType::F16 => "f16".into(),
-        crate::model::SourceType::BF16 => "bf16".into(),
-        crate::model::SourceType::Ggml(t) => format!("{t:?}").to_lowercase(),
-    }
 }
 
 #[cfg(test)]

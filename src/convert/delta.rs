@@ -9,10 +9,12 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::decompose::{self, EncodedDelta, RankChoice, TAIL_THRESHOLDS};
-use super::format::{type_label, weight_type_of, BaseDtype, WEIGHT_TYPES};
-use super::writer::DeltaWriter;
+use crate::archive::delta::format::{type_label, weight_type_of, WEIGHT_TYPES};
+use crate::archive::delta::DeltaWriter;
 use crate::archive::Compression;
+use crate::codec::delta::{
+    self as decompose, BaseDtype, EncodedDelta, RankChoice, TAIL_THRESHOLDS,
+};
 use crate::codec::{self, CodecError};
 use crate::convert::{rows_per_block, ConvertError};
 use crate::import::SourceModel;
@@ -293,7 +295,7 @@ pub fn convert(
                 passthrough.push(PassReport {
                     name: t.name.clone(),
                     shape: t.shape.clone(),
-                    codec: crate::convert::codec_label(&enc.codec),
+                    codec: crate::codec::codec_label(&enc.codec),
                     bytes,
                 });
             }
@@ -362,6 +364,6 @@ pub fn convert(
     report.archive_bytes = writer.finish(desc, opts.base_dtype, extra, &routing)?;
     report.bits_per_weight = report.archive_bytes as f64 * 8.0 / total_weights.max(1) as f64;
     // Prove the archive opens before reporting success.
-    super::DeltaArchive::open(out)?;
+    crate::archive::delta::DeltaArchive::open(out)?;
     Ok(report)
 }

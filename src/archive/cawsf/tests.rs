@@ -8,6 +8,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::format::*;
 use super::*;
+use crate::archive::container::*;
+use crate::archive::{encode_routing, Shard, ShardKind};
 use crate::codec::EncodedTensor;
 use crate::gguf::GgufValue;
 use crate::model::{ArchConfig, SourceType, TensorDesc};
@@ -106,7 +108,7 @@ fn routing() -> Routing {
 
 fn write(path: &Path, c: Compression) -> u64 {
     let m = model();
-    let mut w = ArchiveWriter::create(path, c).unwrap();
+    let mut w = CawsfWriter::create(path, c).unwrap();
     for i in 0..m.tensors.len() {
         w.add_tensor(i, RPB[i], &encoded(&m, i)).unwrap();
     }
@@ -135,7 +137,7 @@ fn round_trip_all_compressions() {
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "{c:?}");
 
-        let a = Archive::open(&p).unwrap();
+        let a = CawsfArchive::open(&p).unwrap();
         let m = model();
         assert_eq!(a.model(), &m);
         assert_eq!(a.extra(), &serde_json::json!({"opts": {"b": 1, "a": 2}}));
@@ -174,8 +176,8 @@ fn compression_shrinks_blocks() {
     let (_d2, p2) = tmp();
     write(&p1, Compression::None);
     write(&p2, Compression::Zstd(3));
-    let a1 = Archive::open(&p1).unwrap();
-    let a2 = Archive::open(&p2).unwrap();
+    let a1 = CawsfArchive::open(&p1).unwrap();
+    let a2 = CawsfArchive::open(&p2).unwrap();
     assert!(a2.tensor_info(0).stored_bytes < a1.tensor_info(0).stored_bytes);
 }
 
@@ -195,7 +197,7 @@ fn flipped_byte_in_any_block_is_caught() {
     let (_d, p) = tmp();
     write(&p, Compression::Zstd(3));
     let clean = std::fs::read(&p).unwrap();
-    let a = Archive::open(&p).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
     let m = model();
     let mut locs = Vec::new();
     for i in 0..m.tensors.len() {
@@ -210,7 +212,7 @@ fn flipped_byte_in_any_block_is_caught() {
             bytes[at as usize] ^= 0x40;
             std::fs::write(&p, &bytes).unwrap();
             // The index and META are intact, so open succeeds; the block fails on read.
-            let a = Archive::open(&p).unwrap();
+            let a = CawsfArchive::open(&p).unwrap();
             match a.block_payload(i, b) {
                 Err(ReadError::Checksum { tensor, block, .. }) => {
                     assert_eq!(tensor, m.tensors[i].name);
@@ -248,7 +250,7 @@ fn flipped_byte_in_any_block_is_caught() {
 fn corrupt_global_blob_is_caught() {
     let (_d, p) = tmp();
     write(&p, Compression::None);
-    let a = Archive::open(&p).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
     let cb = a
         .sections()
         .into_iter()
@@ -259,7 +261,7 @@ fn corrupt_global_blob_is_caught() {
     let mut bytes = std::fs::read(&p).unwrap();
     bytes[cb.offset as usize + 5] ^= 1;
     std::fs::write(&p, &bytes).unwrap();
-    let a = Archive::open(&p).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
     let fails = a.verify_all();
     assert!(
         fails
@@ -282,7 +284,7 @@ fn corrupt_global_blob_is_caught() {
 fn read_rows_rejects_bad_ranges() {
     let (_d, p) = tmp();
     write(&p, Compression::Lz4);
-    let a = Archive::open(&p).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
     let mut out = vec![0f32; 4];
     assert!(matches!(
         a.read_rows(0, 10, 11, &mut out),
@@ -302,7 +304,7 @@ fn read_rows_rejects_bad_ranges() {
 }
 
 fn open_err(p: &Path) -> String {
-    match Archive::open(p) {
+    match CawsfArchive::open(p) {
         Ok(_) => panic!("open of a damaged archive succeeded"),
         Err(e) => e.to_string(),
     }
@@ -315,7 +317,7 @@ fn truncated_files_error_without_panic() {
     let clean = std::fs::read(&p).unwrap();
     let n = clean.len();
     // Only the trailing zero padding after the last section may be cut.
-    let last_end = Archive::open(&p)
+    let last_end = CawsfArchive::open(&p)
         .unwrap()
         .sections()
         .iter()
@@ -324,7 +326,7 @@ fn truncated_files_error_without_panic() {
         .unwrap() as usize;
     for l in last_end..n {
         std::fs::write(&p, &clean[..l]).unwrap();
-        Archive::open(&p).unwrap().verify().unwrap();
+        CawsfArchive::open(&p).unwrap().verify().unwrap();
     }
     let mut lens: Vec<usize> = vec![0, 1, 7, 8, 12, 16, 17, 100, 215, 216, 223, 224, 4095, 4096];
     lens.extend((4097..last_end).step_by(97));
@@ -549,7 +551,7 @@ fn tamper(p: &Path, f: impl Fn(&mut serde_json::Value, &mut Vec<u8>)) -> String 
         }
     });
     std::fs::write(p, &bytes).unwrap();
-    match Archive::open(p) {
+    match CawsfArchive::open(p) {
         Ok(_) => "ok".into(),
         Err(e) => e.to_string(),
     }
@@ -562,7 +564,7 @@ fn hostile_tables_are_rejected() {
     let clean = std::fs::read(&p).unwrap();
     // The untouched tables round-trip through `tamper` and still open.
     assert_eq!(tamper(&p, |_, _| {}), "ok");
-    Archive::open(&p).unwrap().verify().unwrap();
+    CawsfArchive::open(&p).unwrap().verify().unwrap();
 
     fn set_u32(idx: &mut [u8], entry: usize, field: usize, v: u32) {
         let at = entry * INDEX_ENTRY + field;
@@ -663,12 +665,12 @@ fn writer_errors_leave_no_files() {
     let m = model();
     // Out-of-order tensor.
     let (dir, p) = tmp();
-    let mut w = ArchiveWriter::create(&p, Compression::Zstd(3)).unwrap();
+    let mut w = CawsfWriter::create(&p, Compression::Zstd(3)).unwrap();
     assert!(w.add_tensor(1, 1, &encoded(&m, 1)).is_err());
     drop(w);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     // Block count disagreeing with the shape, found at finish.
-    let mut w = ArchiveWriter::create(&p, Compression::Zstd(3)).unwrap();
+    let mut w = CawsfWriter::create(&p, Compression::Zstd(3)).unwrap();
     w.add_tensor(0, 3, &encoded(&m, 0)).unwrap();
     w.add_tensor(1, 1, &encoded(&m, 1)).unwrap();
     w.add_tensor(2, 2, &encoded(&m, 2)).unwrap(); // 1 block given, 8 rows / 2 need 4
@@ -679,7 +681,7 @@ fn writer_errors_leave_no_files() {
     assert!(e.contains("need 4"), "{e}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     // Missing tensors.
-    let mut w = ArchiveWriter::create(&p, Compression::None).unwrap();
+    let mut w = CawsfWriter::create(&p, Compression::None).unwrap();
     w.add_tensor(0, 3, &encoded(&m, 0)).unwrap();
     assert!(w.finish(&m, serde_json::Value::Null, &[]).is_err());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -689,12 +691,12 @@ fn writer_errors_leave_no_files() {
 fn empty_routing_and_extra() {
     let m = model();
     let (_d, p) = tmp();
-    let mut w = ArchiveWriter::create(&p, Compression::Lz4).unwrap();
+    let mut w = CawsfWriter::create(&p, Compression::Lz4).unwrap();
     for i in 0..3 {
         w.add_tensor(i, RPB[i], &encoded(&m, i)).unwrap();
     }
     w.finish(&m, serde_json::Value::Null, &[]).unwrap();
-    let a = Archive::open(&p).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
     assert!(a.routing().is_empty());
     assert!(a.routes().unwrap().is_empty());
     a.verify().unwrap();

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use super::npy::{write_header, Dtype};
 use super::*;
+use crate::convert::npydir::{convert, NpyOptions};
 use crate::import::mem::MemSource;
 use crate::model::ArchConfig;
 

@@ -10,14 +10,15 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::decompose::{self, RankChoice};
 use super::format::*;
 use super::*;
-use crate::archive::format::{align_up, decompress};
+use crate::archive::container::{align_up, decompress};
 use crate::archive::Compression;
+use crate::archive::Store;
+use crate::codec::delta::{self as decompose, RankChoice};
+use crate::convert::delta::{convert, DeltaOptions, DeltaReport};
 use crate::import::mem::MemSource;
 use crate::model::{ArchConfig, ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
-use crate::store::Store;
 
 const ROWS: usize = 48;
 const COLS: usize = 1024; // 32 rows per block: blocks of 32 and 16 rows
@@ -292,8 +293,8 @@ fn int8_bases_and_determinism() {
         .unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), std::fs::read(&q).unwrap());
     // Through store::open, by magic.
-    let s = crate::store::open(&p).unwrap();
-    assert_eq!(s.kind(), crate::store::Kind::Delta);
+    let s = crate::archive::open(&p).unwrap();
+    assert_eq!(s.kind(), crate::archive::Kind::Delta);
 }
 
 /// A small valid archive's bytes.

@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::gguf::{GgmlType, GgufValue};
 
+pub mod names;
+
 /// How a tensor's elements were stored in the source the archive was made from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::codec::delta::BaseDtype;
 use crate::model::SourceType;
 
-pub use crate::archive::format::{
+pub use crate::archive::container::{
     check_checksum_index, check_magic_version, check_meta_kind, check_toc, checked_payload,
     checksum_index, compress, invalid, io_error, le_u32, le_u64, load_section, map_container,
     model_from_meta, model_to_meta, pad16, pad_to_align, parse_toc, required, section_failures,
@@ -52,38 +53,6 @@ pub fn kind_name(kind: u8) -> &'static str {
         KIND_VT => "Vt blob",
         KIND_PASS => "block",
         _ => "blob",
-    }
-}
-
-/// How a base is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BaseDtype {
-    F16,
-    Int8,
-}
-
-impl BaseDtype {
-    pub fn code(self) -> u8 {
-        match self {
-            BaseDtype::F16 => DTYPE_F16,
-            BaseDtype::Int8 => DTYPE_INT8,
-        }
-    }
-    pub fn from_code(c: u8) -> Option<BaseDtype> {
-        match c {
-            DTYPE_F16 => Some(BaseDtype::F16),
-            DTYPE_INT8 => Some(BaseDtype::Int8),
-            _ => None,
-        }
-    }
-    /// Payload bytes of `n` rows of `cols` values (None on overflow).
-    pub fn block_bytes(self, n: u64, cols: u64) -> Option<u64> {
-        let vals = n.checked_mul(cols)?;
-        match self {
-            BaseDtype::F16 => vals.checked_mul(2),
-            BaseDtype::Int8 => vals.checked_add(n.checked_mul(4)?),
-        }
     }
 }
 
@@ -221,7 +190,7 @@ pub const WEIGHT_TYPES: [&str; 7] = [
 
 /// (layer, type index) of a Hugging Face name that is one of the seven projections.
 pub fn weight_type_of(name: &str) -> Option<(u32, usize)> {
-    let layer = crate::names::layer_of(name)?;
+    let layer = crate::model::names::layer_of(name)?;
     let suffix = name.strip_prefix("model.layers.")?.split_once('.')?.1;
     let ty = WEIGHT_TYPES.iter().position(|t| *t == suffix)?;
     Some((layer, ty))

@@ -8,8 +8,42 @@ use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use rayon::prelude::*;
 
-use super::format::BaseDtype;
+use serde::{Deserialize, Serialize};
+
 use crate::codec::{thin_svd, CodecError};
+
+/// How a base is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseDtype {
+    F16,
+    Int8,
+}
+
+impl BaseDtype {
+    /// The byte the delta file stores (docs/FORMAT-DELTA.md: 1 = f16, 2 = int8).
+    pub fn code(self) -> u8 {
+        match self {
+            BaseDtype::F16 => 1,
+            BaseDtype::Int8 => 2,
+        }
+    }
+    pub fn from_code(c: u8) -> Option<BaseDtype> {
+        match c {
+            1 => Some(BaseDtype::F16),
+            2 => Some(BaseDtype::Int8),
+            _ => None,
+        }
+    }
+    /// Payload bytes of `n` rows of `cols` values (None on overflow).
+    pub fn block_bytes(self, n: u64, cols: u64) -> Option<u64> {
+        let vals = n.checked_mul(cols)?;
+        match self {
+            BaseDtype::F16 => vals.checked_mul(2),
+            BaseDtype::Int8 => vals.checked_add(n.checked_mul(4)?),
+        }
+    }
+}
 
 /// Error thresholds whose SVD-tail rank the report lists for every matrix.
 pub const TAIL_THRESHOLDS: [f64; 4] = [0.05, 0.1, 0.2, 0.3];
@@ -47,7 +81,7 @@ fn f16_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
 }
 
 /// Little-endian f16 bytes → f32 (`out.len()` values).
-pub(crate) use crate::codec::f16s_to_f32 as f16_to_f32;
+pub use crate::codec::f16s_to_f32 as f16_to_f32;
 
 fn sq_norm(a: &[f32]) -> f64 {
     a.iter().map(|&x| x as f64 * x as f64).sum()

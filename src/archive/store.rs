@@ -5,9 +5,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 
-use crate::archive::{Archive, ArchiveError, SectionInfo};
 use crate::model::{ModelDesc, ReadError, RowSource};
 
 /// Which format an archive is in.
@@ -27,6 +25,16 @@ impl Kind {
             Kind::NpyDir => "npy-dir",
         }
     }
+}
+
+/// One part of an archive as `inspect` lists it: a section of a container file, or a
+/// file of a directory.
+#[derive(Clone, Debug)]
+pub struct SectionInfo {
+    pub kind: String,
+    pub offset: u64,
+    pub size: u64,
+    pub flags: u32,
 }
 
 /// What `inspect` shows about one tensor.
@@ -134,68 +142,4 @@ pub fn check_read(
         )));
     }
     Ok(())
-}
-
-/// Open an archive of any kind: a directory is an npy-dir, a file is told by its magic.
-pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
-    let meta = std::fs::metadata(path).map_err(|source| ArchiveError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
-    if meta.is_dir() {
-        if !crate::npydir::is_npy_dir(path) {
-            return Err(ArchiveError::Invalid {
-                path: path.display().to_string(),
-                reason: "a directory without manifest.json is not an npy-dir archive".into(),
-            });
-        }
-        return Ok(Arc::new(crate::npydir::NpyDir::open(path)?));
-    }
-    if crate::delta::has_magic(path) {
-        return Ok(Arc::new(crate::delta::DeltaArchive::open(path)?));
-    }
-    Ok(Arc::new(Archive::open(path)?))
-}
-
-impl Store for Archive {
-    fn kind(&self) -> Kind {
-        Kind::Cawsf
-    }
-    fn path(&self) -> &Path {
-        &self.path
-    }
-    fn model(&self) -> &ModelDesc {
-        Archive::model(self)
-    }
-    fn tensor_summary(&self, tensor: usize) -> TensorSummary {
-        let info = self.tensor_info(tensor);
-        let name = &Archive::model(self).tensors[tensor].name;
-        TensorSummary {
-            codec: crate::convert::codec_label(&info.codec),
-            rows_per_block: info.rows_per_block,
-            n_blocks: info.n_blocks,
-            stored_bytes: info.stored_bytes,
-            rel_err: rel_err_of(Archive::extra(self), name),
-        }
-    }
-    fn parts(&self) -> Vec<SectionInfo> {
-        self.sections()
-    }
-    fn verify_all(&self) -> Vec<String> {
-        Archive::verify_all(self)
-    }
-    fn read_counters(&self) -> ReadCounterSnapshot {
-        Archive::read_counters(self)
-    }
-    fn extra(&self) -> serde_json::Value {
-        Archive::extra(self).clone()
-    }
-    fn block_locations(&self, tensor: usize) -> Vec<(u64, u64)> {
-        (0..self.tensor_info(tensor).n_blocks)
-            .map(|b| self.block_location(tensor, b))
-            .collect()
-    }
-    fn routing_bytes(&self) -> &[u8] {
-        self.routing()
-    }
 }

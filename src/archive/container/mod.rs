@@ -1,6 +1,9 @@
-//! On-disk constants and the binary records of the `.cawsf` container (docs/FORMAT.md):
-//! header/TOC, block records, block index entries, META's JSON shape, and the
-//! (de)compression helpers shared by the writer and the reader.
+//! What the `.cawsf` and delta kinds share of their container (docs/FORMAT.md §2): the
+//! header and TOC of 4 KiB-aligned sections, section and block compression, checksums,
+//! META's model part, mapping and validating a file, writing sections. The ROUTING
+//! section's bytes, which every kind stores, are in [`routing`].
+
+pub mod routing;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -11,25 +14,33 @@ use std::path::Path;
 use memmap2::Mmap;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
-use serde::{Deserialize, Serialize};
+use crate::model::{ModelDesc, TensorDesc};
 
-use crate::codec::TensorCodec;
-use crate::model::ModelDesc;
+use crate::archive::{ArchiveError, SectionInfo};
 
-use super::{ArchiveError, Compression, SectionInfo};
+/// Compression applied to each block / section payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Zstd(i32),
+    Lz4,
+}
 
-pub const MAGIC: [u8; 8] = *b"CAWSF\0\0\0";
+/// Decoded elements a row block aims for: 32 Ki f32 = 128 KiB, small enough that a
+/// 4 KiB read decodes little, large enough that a 1 MiB read touches few blocks.
+pub const BLOCK_TARGET_ELEMS: u64 = 32 * 1024;
+
+/// Rows per row block of a tensor, as every kind's writer blocks it (and npy-dir's
+/// reader blocks a foreign directory).
+pub fn rows_per_block(t: &TensorDesc) -> u64 {
+    (BLOCK_TARGET_ELEMS / t.cols().max(1)).clamp(1, t.rows().max(1))
+}
+
+/// Container version both kinds write and read.
 pub const VERSION: u32 = 1;
 pub const ALIGN: u64 = 4096;
-pub const HEADER_FIXED: usize = 16;
 pub const TOC_RECORD: usize = 40;
 pub const MAX_SECTIONS: usize = 100;
-
-pub const SEC_META: u32 = 1;
-pub const SEC_CODEBOOKS: u32 = 2;
-pub const SEC_SHARD_BANK: u32 = 3;
-pub const SEC_ROUTING: u32 = 4;
-pub const SEC_BLOCK_INDEX: u32 = 5;
 
 pub const FLAG_ZSTD: u32 = 1 << 0;
 pub const FLAG_LZ4: u32 = 1 << 1;
@@ -38,27 +49,12 @@ pub const COMP_RAW: u8 = 0;
 pub const COMP_ZSTD: u8 = 1;
 pub const COMP_LZ4: u8 = 2;
 
-pub const REC_ROW_BLOCK: u8 = 4;
-pub const REC_HEADER: usize = 20;
-pub const INDEX_ENTRY: usize = 32;
-
 /// Largest tensor (elements) a reader accepts: 2^40, far above any real model tensor,
 /// small enough that element and byte counts never overflow.
 pub const MAX_ELEMENTS: u64 = 1 << 40;
 
 /// zstd level for META and BLOCK_INDEX (small, read once at open).
 pub const META_ZSTD_LEVEL: i32 = 9;
-
-pub fn section_name(ty: u32) -> String {
-    match ty {
-        SEC_META => "META".into(),
-        SEC_CODEBOOKS => "CODEBOOKS".into(),
-        SEC_SHARD_BANK => "SHARD_BANK".into(),
-        SEC_ROUTING => "ROUTING".into(),
-        SEC_BLOCK_INDEX => "BLOCK_INDEX".into(),
-        other => format!("type{other}"),
-    }
-}
 
 pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
@@ -108,82 +104,6 @@ impl TocRecord {
     }
 }
 
-/// One BLOCK_INDEX entry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IndexEntry {
-    /// Offset of the record header, relative to SHARD_BANK.
-    pub offset: u64,
-    pub csize: u32,
-    pub usize: u32,
-    pub xxh3: u64,
-    pub comp: u8,
-    pub tensor: u32,
-}
-
-impl IndexEntry {
-    pub fn write(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.offset.to_le_bytes());
-        out.extend_from_slice(&self.csize.to_le_bytes());
-        out.extend_from_slice(&self.usize.to_le_bytes());
-        out.extend_from_slice(&self.xxh3.to_le_bytes());
-        out.push(self.comp);
-        out.extend_from_slice(&[0u8; 3]);
-        out.extend_from_slice(&self.tensor.to_le_bytes());
-    }
-    /// `b` must be exactly 32 bytes.
-    pub fn parse(b: &[u8]) -> (IndexEntry, [u8; 3]) {
-        (
-            IndexEntry {
-                offset: le_u64(&b[0..8]),
-                csize: le_u32(&b[8..12]),
-                usize: le_u32(&b[12..16]),
-                xxh3: le_u64(&b[16..24]),
-                comp: b[24],
-                tensor: le_u32(&b[28..32]),
-            },
-            [b[25], b[26], b[27]],
-        )
-    }
-}
-
-/// The 20-byte header in front of each block payload in SHARD_BANK.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecordHeader {
-    pub ty: u8,
-    pub comp: u8,
-    pub reserved: u16,
-    pub tensor: u32,
-    pub block: u32,
-    pub usize: u32,
-    pub csize: u32,
-}
-
-impl RecordHeader {
-    pub fn to_bytes(self) -> [u8; REC_HEADER] {
-        let mut b = [0u8; REC_HEADER];
-        b[0] = self.ty;
-        b[1] = self.comp;
-        b[2..4].copy_from_slice(&self.reserved.to_le_bytes());
-        b[4..8].copy_from_slice(&self.tensor.to_le_bytes());
-        b[8..12].copy_from_slice(&self.block.to_le_bytes());
-        b[12..16].copy_from_slice(&self.usize.to_le_bytes());
-        b[16..20].copy_from_slice(&self.csize.to_le_bytes());
-        b
-    }
-    /// `b` must be exactly 20 bytes.
-    pub fn parse(b: &[u8]) -> RecordHeader {
-        RecordHeader {
-            ty: b[0],
-            comp: b[1],
-            reserved: u16::from_le_bytes([b[2], b[3]]),
-            tensor: le_u32(&b[4..8]),
-            block: le_u32(&b[8..12]),
-            usize: le_u32(&b[12..16]),
-            csize: le_u32(&b[16..20]),
-        }
-    }
-}
-
 pub fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
@@ -192,55 +112,6 @@ pub fn le_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[..8]);
     u64::from_le_bytes(a)
-}
-
-/// Where a tensor's global blob lies in CODEBOOKS.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct GlobalRef {
-    pub offset: u64,
-    pub csize: u64,
-    pub usize: u64,
-    pub comp: u8,
-    pub xxh3: String,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct MetaTensor {
-    pub name: String,
-    pub codec: TensorCodec,
-    pub rows: u64,
-    pub cols: u64,
-    pub rows_per_block: u64,
-    pub first_block: u64,
-    pub n_blocks: u64,
-    pub global: GlobalRef,
-}
-
-/// META as written. Field order here is the JSON key order.
-#[derive(Serialize)]
-pub struct MetaOut<'a> {
-    pub format: &'a str,
-    pub version: u32,
-    /// `ModelDesc` with `hf_files` emptied (they go to the `hf_files` key below).
-    pub model: serde_json::Value,
-    pub hf_files: BTreeMap<String, serde_json::Value>,
-    pub tensors: &'a [MetaTensor],
-    pub checksum_index: BTreeMap<String, String>,
-    pub extra: &'a serde_json::Value,
-}
-
-/// META as read (unknown keys ignored).
-#[derive(Deserialize)]
-pub struct MetaIn {
-    pub format: String,
-    pub version: u32,
-    pub model: serde_json::Value,
-    #[serde(default)]
-    pub hf_files: BTreeMap<String, serde_json::Value>,
-    pub tensors: Vec<MetaTensor>,
-    pub checksum_index: BTreeMap<String, String>,
-    #[serde(default)]
-    pub extra: serde_json::Value,
 }
 
 /// META's `model` + `hf_files` for a model: side files as JSON strings when they are

@@ -6,18 +6,12 @@
 //!
 //! - `format`: constants, the blob index entry, META's JSON.
 //! - `decompose`: bases, k-means over layers, base quantization, SVD and rank choice.
-//! - `writer` / `reader`: the file; the reader implements [`crate::store::Store`].
-//! - `convert`: source model → archive, with the per-matrix report.
 
-mod convert;
-mod decompose;
-mod format;
+pub mod format;
 mod reader;
 #[cfg(test)]
 mod tests;
 mod writer;
 
-pub use convert::{convert, BaseReport, DeltaOptions, DeltaReport, MatrixReport, PassReport};
-pub use decompose::{RankChoice, TAIL_THRESHOLDS};
-pub use format::BaseDtype;
 pub use reader::{has_magic, DeltaArchive};
+pub use writer::DeltaWriter;

@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::npy::{self, Dtype};
-use super::{hex, quant, safe_key, SideFile, SideTensor, Sidecar};
-use super::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
+use crate::archive::npydir::npy::{self, Dtype};
+use crate::archive::npydir::{hex, safe_key, SideFile, SideTensor, Sidecar};
+use crate::archive::npydir::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::ArchiveError;
+use crate::codec::intq as quant;
 use crate::convert::{wildcard_match, ConvertError, ConvertReport, TensorReport};
 use crate::import::SourceModel;
 use crate::model::TensorDesc;
@@ -209,7 +210,7 @@ fn encode_one(
         };
     let rel_err = quant::rel_err(&w, &recon);
     drop((w, recon));
-    let rpb = crate::convert::rows_per_block(t) as usize;
+    let rpb = crate::archive::container::rows_per_block(t) as usize;
     let mut files = BTreeMap::new();
     let mut bytes = 0;
     for c in &comps {
@@ -368,7 +369,7 @@ pub fn convert(
         },
         "rel_err": written.iter().map(|w| (w.report.name.clone(), json!(w.report.rel_err))).collect::<serde_json::Map<String, Value>>(),
     });
-    let (model, _) = crate::archive::model_to_meta(desc)
+    let (model, _) = crate::archive::container::model_to_meta(desc)
         .map_err(|e| ConvertError::Options(format!("model description: {e}")))?;
     let (reports, sides): (Vec<TensorReport>, Vec<SideTensor>) =
         written.into_iter().map(|w| (w.report, w.side)).unzip();
@@ -389,7 +390,7 @@ pub fn convert(
     }
     std::fs::rename(&tmp, out).map_err(|e| io(out, e))?;
     // Reopening proves the directory reads back.
-    super::NpyDir::open(out)?;
+    crate::archive::npydir::NpyDir::open(out)?;
     let archive_bytes: u64 = walk_size(out).map_err(|e| io(out, e))?;
     Ok(ConvertReport::new(reports, archive_bytes, desc, |i, _| {
         quantized[i]

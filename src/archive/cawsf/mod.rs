@@ -1,0 +1,623 @@
+//! The `.cawsf` container (see docs/FORMAT.md): header + TOC of 4 KiB-aligned sections
+//! (META, CODEBOOKS, SHARD_BANK, ROUTING, BLOCK_INDEX), a tensor table, row blocks
+//! compressed and checksummed one by one, and an index from (tensor, row) to block.
+//!
+//! The reader memory-maps the file and validates every offset and length at open, so
+//! later reads only index into ranges already known to be inside the file. A block's
+//! XXH3-64 is checked on every read before it is decompressed or decoded.
+
+pub mod format;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use memmap2::Mmap;
+use rayon::prelude::*;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::archive::container::*;
+use crate::archive::{
+    check_read, parse_routing, rel_err_of, ArchiveError, Kind, ReadCounterSnapshot, ReadCounters,
+    Routing, SectionInfo, Store, TensorSummary,
+};
+use crate::codec::{self, DecodedGlobal, TensorCodec};
+use crate::model::{ModelDesc, ReadError, RowSource};
+
+use format::*;
+pub use writer::CawsfWriter;
+
+/// What `inspect` shows about one tensor.
+#[derive(Clone, Debug)]
+pub struct TensorEntryInfo {
+    pub codec: TensorCodec,
+    pub rows_per_block: u64,
+    pub n_blocks: usize,
+    /// Stored (compressed) bytes of global blob + blocks.
+    pub stored_bytes: u64,
+}
+
+/// A tensor's table entry, validated at open.
+struct TensorEntry {
+    name: String,
+    codec: TensorCodec,
+    rows: u64,
+    cols: u64,
+    rows_per_block: u64,
+    first_block: usize,
+    n_blocks: usize,
+    global: GlobalRef,
+    global_xxh3: u64,
+}
+
+/// An opened archive (memory-mapped). Implements [`RowSource`].
+pub struct CawsfArchive {
+    counters: ReadCounters,
+    pub path: PathBuf,
+    map: Mmap,
+    toc: Vec<TocRecord>,
+    model: ModelDesc,
+    extra: serde_json::Value,
+    tensors: Vec<TensorEntry>,
+    index: Vec<IndexEntry>,
+    routing: Vec<u8>,
+    /// Byte ranges (absolute) of SHARD_BANK and CODEBOOKS.
+    bank: (u64, u64),
+    codebooks: (u64, u64),
+    /// Decoded global blobs, or why one cannot be used (cached, so it is reported on
+    /// every read).
+    globals: Vec<OnceLock<Result<DecodedGlobal, BlobFault>>>,
+}
+
+impl CawsfArchive {
+    pub fn open(path: &Path) -> Result<CawsfArchive, ArchiveError> {
+        let map = map_container(path, HEADER_FIXED + 8, "cawsf")?;
+        let data: &[u8] = &map;
+        let len = data.len() as u64;
+
+        // Header.
+        check_magic_version(data, &MAGIC, ("cawsf archive", "cawsf"))
+            .map_err(|r| invalid(path, r))?;
+        let toc =
+            parse_toc(data, HEADER_FIXED, le_u32(&data[12..16])).map_err(|r| invalid(path, r))?;
+
+        // Section bounds.
+        let by_type = check_toc(&toc, len, &[SEC_CODEBOOKS, SEC_SHARD_BANK], section_name)
+            .map_err(|r| invalid(path, r))?;
+        let need = |ty: u32| required(&by_type, ty, section_name).map_err(|r| invalid(path, r));
+        let meta_rec = need(SEC_META)?;
+        let cb_rec = need(SEC_CODEBOOKS)?;
+        let bank_rec = need(SEC_SHARD_BANK)?;
+        let index_rec = need(SEC_BLOCK_INDEX)?;
+        let routing_rec = by_type[SEC_ROUTING as usize];
+
+        // Small sections: checksum against the TOC, then decompress.
+        let load = |rec: &TocRecord| {
+            load_section(data, rec, &section_name(rec.ty)).map_err(|r| invalid(path, r))
+        };
+        let meta_bytes = load(&meta_rec)?;
+        let meta: MetaIn = serde_json::from_slice(&meta_bytes)
+            .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
+        drop(meta_bytes);
+        check_meta_kind(&meta.format, meta.version, "cawsf").map_err(|r| invalid(path, r))?;
+        // The integrity index must agree with the TOC.
+        check_checksum_index(&toc, SEC_META, &meta.checksum_index, section_name)
+            .map_err(|r| invalid(path, r))?;
+
+        let index_bytes = load(&index_rec)?;
+        if index_bytes.len() % INDEX_ENTRY != 0 {
+            return Err(invalid(
+                path,
+                format!(
+                    "BLOCK_INDEX is {} bytes, not a multiple of {INDEX_ENTRY}",
+                    index_bytes.len()
+                ),
+            ));
+        }
+        let index: Vec<IndexEntry> = index_bytes
+            .chunks_exact(INDEX_ENTRY)
+            .map(|c| {
+                let (e, reserved) = IndexEntry::parse(c);
+                if reserved != [0; 3] {
+                    // Folded into comp so the check below reports it.
+                    IndexEntry { comp: u8::MAX, ..e }
+                } else {
+                    e
+                }
+            })
+            .collect();
+        drop(index_bytes);
+        let routing = match &routing_rec {
+            Some(r) => load(r)?,
+            None => Vec::new(),
+        };
+
+        // Tensor table.
+        let model = model_from_meta(meta.model, meta.hf_files)
+            .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
+        if meta.tensors.len() != model.tensors.len() {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor table has {} entries but the model has {} tensors",
+                    meta.tensors.len(),
+                    model.tensors.len()
+                ),
+            ));
+        }
+        let mut tensors = Vec::with_capacity(meta.tensors.len());
+        let mut next_block: u64 = 0;
+        let mut prev_end: u64 = 0;
+        for (ti, (mt, d)) in meta.tensors.into_iter().zip(&model.tensors).enumerate() {
+            let bad = |what: String| invalid(path, format!("tensor {}: {what}", mt.name));
+            if mt.name != d.name {
+                return Err(bad(format!(
+                    "table name disagrees with model tensor {ti} ({})",
+                    d.name
+                )));
+            }
+            // Checked first: TensorDesc's helpers multiply without overflow checks.
+            let numel = d.shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
+            if numel.is_none_or(|n| n > MAX_ELEMENTS) {
+                return Err(bad(format!("absurd shape {:?}", d.shape)));
+            }
+            if mt.rows != d.rows() || mt.cols != d.cols() {
+                return Err(bad(format!(
+                    "table says {}x{} but the model shape {:?} is {}x{}",
+                    mt.rows,
+                    mt.cols,
+                    d.shape,
+                    d.rows(),
+                    d.cols()
+                )));
+            }
+            if mt.rows_per_block == 0 {
+                return Err(bad("rows_per_block is 0".into()));
+            }
+            if mt.n_blocks != mt.rows.div_ceil(mt.rows_per_block) {
+                return Err(bad(format!(
+                    "{} blocks but {} rows at {} rows per block need {}",
+                    mt.n_blocks,
+                    mt.rows,
+                    mt.rows_per_block,
+                    mt.rows.div_ceil(mt.rows_per_block)
+                )));
+            }
+            if mt.first_block != next_block {
+                return Err(bad(format!(
+                    "first_block is {} but should be {next_block}",
+                    mt.first_block
+                )));
+            }
+            let end_block = next_block
+                .checked_add(mt.n_blocks)
+                .filter(|&e| e <= index.len() as u64)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "blocks {}..+{} lie outside BLOCK_INDEX ({} entries)",
+                        next_block,
+                        mt.n_blocks,
+                        index.len()
+                    ))
+                })?;
+            // Per-block usize bound: a corrupt entry must not make us allocate gigabytes.
+            let max_block = mt
+                .rows_per_block
+                .min(mt.rows.max(1))
+                .saturating_mul(mt.cols)
+                .saturating_mul(16)
+                .saturating_add(64 << 10);
+            for (b, e) in index[next_block as usize..end_block as usize]
+                .iter()
+                .enumerate()
+            {
+                let bad_block =
+                    |what: String| invalid(path, format!("tensor {} block {b}: {what}", mt.name));
+                if e.tensor as usize != ti {
+                    return Err(bad_block(format!("index entry names tensor {}", e.tensor)));
+                }
+                if e.comp > COMP_LZ4 {
+                    return Err(bad_block(format!(
+                        "invalid compression code {} (or reserved bytes set)",
+                        e.comp
+                    )));
+                }
+                if e.comp == COMP_RAW && e.usize != e.csize {
+                    return Err(bad_block(format!(
+                        "raw block has csize {} but usize {}",
+                        e.csize, e.usize
+                    )));
+                }
+                if e.usize as u64 > max_block {
+                    return Err(bad_block(format!(
+                        "usize {} exceeds the bound {max_block} for its shape",
+                        e.usize
+                    )));
+                }
+                let end = e.offset.checked_add(REC_HEADER as u64 + e.csize as u64);
+                match end {
+                    Some(end) if end <= bank_rec.size && e.offset >= prev_end => prev_end = end,
+                    _ => {
+                        return Err(bad_block(format!(
+                            "record at {}+{} lies outside SHARD_BANK ({} bytes) or overlaps the previous one",
+                            e.offset,
+                            REC_HEADER as u64 + e.csize as u64,
+                            bank_rec.size
+                        )))
+                    }
+                }
+            }
+            let g = &mt.global;
+            let global_xxh3 = parse_hex64(&g.xxh3)
+                .ok_or_else(|| bad(format!("global xxh3 {:?} is not 16 hex digits", g.xxh3)))?;
+            let gend = g.offset.checked_add(g.csize).filter(|&e| e <= cb_rec.size);
+            if gend.is_none() {
+                return Err(bad(format!(
+                    "global blob at {}+{} lies outside CODEBOOKS ({} bytes)",
+                    g.offset, g.csize, cb_rec.size
+                )));
+            }
+            if g.comp > COMP_LZ4 || (g.comp == COMP_RAW && g.usize != g.csize) {
+                return Err(bad(format!(
+                    "global blob has comp {} csize {} usize {}",
+                    g.comp, g.csize, g.usize
+                )));
+            }
+            let max_global = (mt.rows.saturating_add(mt.cols).saturating_add(1024))
+                .saturating_mul(mt.cols)
+                .saturating_mul(8)
+                .saturating_add(16 << 20);
+            if g.usize > max_global {
+                return Err(bad(format!(
+                    "global blob usize {} exceeds the bound {max_global}",
+                    g.usize
+                )));
+            }
+            tensors.push(TensorEntry {
+                name: mt.name,
+                codec: mt.codec,
+                rows: mt.rows,
+                cols: mt.cols,
+                rows_per_block: mt.rows_per_block,
+                first_block: next_block as usize,
+                n_blocks: mt.n_blocks as usize,
+                global: mt.global,
+                global_xxh3,
+            });
+            next_block = end_block;
+        }
+        if next_block != index.len() as u64 {
+            return Err(invalid(
+                path,
+                format!(
+                    "BLOCK_INDEX has {} entries but the tensor table uses {next_block}",
+                    index.len()
+                ),
+            ));
+        }
+
+        let globals = (0..tensors.len()).map(|_| OnceLock::new()).collect();
+        Ok(CawsfArchive {
+            path: path.to_path_buf(),
+            toc,
+            model,
+            extra: meta.extra,
+            tensors,
+            index,
+            routing,
+            bank: (bank_rec.offset, bank_rec.size),
+            codebooks: (cb_rec.offset, cb_rec.size),
+            globals,
+            map,
+            counters: ReadCounters::default(),
+        })
+    }
+
+    /// What reads have cost so far: blocks fetched and their stored (compressed) and
+    /// decompressed bytes. The mount reports these as "archive bytes read".
+    pub fn read_counters(&self) -> ReadCounterSnapshot {
+        self.counters.snapshot()
+    }
+
+    pub fn model(&self) -> &ModelDesc {
+        &self.model
+    }
+    pub fn extra(&self) -> &serde_json::Value {
+        &self.extra
+    }
+    pub fn sections(&self) -> Vec<SectionInfo> {
+        section_infos(&self.toc, section_name)
+    }
+    /// Panics if `tensor` is not a tensor index (a caller bug).
+    pub fn tensor_info(&self, tensor: usize) -> TensorEntryInfo {
+        let t = &self.tensors[tensor];
+        let blocks: u64 = self.index[t.first_block..t.first_block + t.n_blocks]
+            .iter()
+            .map(|e| e.csize as u64)
+            .sum();
+        TensorEntryInfo {
+            codec: t.codec.clone(),
+            rows_per_block: t.rows_per_block,
+            n_blocks: t.n_blocks,
+            stored_bytes: t.global.csize + blocks,
+        }
+    }
+    /// Decompressed ROUTING bytes (empty when the archive has no routes).
+    pub fn routing(&self) -> &[u8] {
+        &self.routing
+    }
+    /// ROUTING parsed.
+    pub fn routes(&self) -> Result<Routing, ArchiveError> {
+        parse_routing(&self.routing).map_err(|e| match e {
+            ArchiveError::Invalid { reason, .. } => {
+                invalid(&self.path, format!("ROUTING: {reason}"))
+            }
+            other => other,
+        })
+    }
+
+    /// Absolute file offset and length of the stored (compressed) bytes of a block.
+    /// Panics if `tensor`/`block` are out of range (a caller bug).
+    pub fn block_location(&self, tensor: usize, block: usize) -> (u64, u64) {
+        let t = &self.tensors[tensor];
+        assert!(block < t.n_blocks, "block {block} out of range");
+        let e = &self.index[t.first_block + block];
+        (self.bank.0 + e.offset + REC_HEADER as u64, e.csize as u64)
+    }
+
+    /// The checked, decompressed payload of one block (codec-independent).
+    pub fn block_payload(&self, tensor: usize, block: usize) -> Result<Vec<u8>, ReadError> {
+        let t = self.tensor(tensor)?;
+        if block >= t.n_blocks {
+            return Err(ReadError::OutOfRange {
+                tensor: t.name.clone(),
+                r0: block as u64 * t.rows_per_block,
+                r1: (block as u64 + 1) * t.rows_per_block,
+            });
+        }
+        self.payload(tensor, block).map(Cow::into_owned)
+    }
+
+    fn tensor(&self, tensor: usize) -> Result<&TensorEntry, ReadError> {
+        self.tensors
+            .get(tensor)
+            .ok_or_else(|| ReadError::OutOfRange {
+                tensor: format!("#{tensor}"),
+                r0: 0,
+                r1: 0,
+            })
+    }
+
+    /// Checksum, header check and decompression of one block (indices already valid).
+    fn payload(&self, tensor: usize, block: usize) -> Result<Cow<'_, [u8]>, ReadError> {
+        let t = &self.tensors[tensor];
+        let e = &self.index[t.first_block + block];
+        // In range: validated at open.
+        let rec_start = (self.bank.0 + e.offset) as usize;
+        let pay_start = rec_start + REC_HEADER;
+        let stored = &self.map[pay_start..pay_start + e.csize as usize];
+        self.counters.record(e.csize as u64, e.usize as u64);
+        let computed = xxh3_64(stored);
+        if computed != e.xxh3 {
+            return Err(ReadError::Checksum {
+                tensor: t.name.clone(),
+                block,
+                stored: e.xxh3,
+                computed,
+            });
+        }
+        let corrupt = |reason: String| ReadError::Corrupt {
+            tensor: t.name.clone(),
+            block,
+            reason,
+        };
+        let hdr = RecordHeader::parse(&self.map[rec_start..pay_start]);
+        let want = RecordHeader {
+            ty: REC_ROW_BLOCK,
+            comp: e.comp,
+            reserved: 0,
+            tensor: e.tensor,
+            block: block as u32,
+            usize: e.usize,
+            csize: e.csize,
+        };
+        if hdr != want {
+            return Err(corrupt(format!(
+                "record header {hdr:?} disagrees with the block index {want:?}"
+            )));
+        }
+        decompress(stored, e.comp, e.usize as usize).map_err(corrupt)
+    }
+
+    /// Check and decode a tensor's global blob (once; the result is cached).
+    fn global(&self, tensor: usize) -> Result<&DecodedGlobal, BlobFault> {
+        self.globals[tensor]
+            .get_or_init(|| {
+                let t = &self.tensors[tensor];
+                let raw = checked_payload(
+                    self.global_stored(t),
+                    t.global_xxh3,
+                    t.global.comp,
+                    t.global.usize as usize,
+                )?;
+                codec::decode_global(&t.codec, &raw, t.rows, t.cols)
+                    .map_err(|e| BlobFault::Corrupt(e.to_string()))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    fn global_stored(&self, t: &TensorEntry) -> &[u8] {
+        let start = (self.codebooks.0 + t.global.offset) as usize;
+        &self.map[start..start + t.global.csize as usize]
+    }
+
+    fn global_error(&self, tensor: usize, block: usize, f: BlobFault) -> ReadError {
+        let reason = f.describe("its tensor's global blob");
+        ReadError::Corrupt {
+            tensor: self.tensors[tensor].name.clone(),
+            block,
+            reason,
+        }
+    }
+
+    /// Check every checksum; Err names the first bad section or block.
+    pub fn verify(&self) -> Result<(), ReadError> {
+        match self.verify_all().into_iter().next() {
+            None => Ok(()),
+            Some(msg) => Err(ReadError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                msg,
+            ))),
+        }
+    }
+
+    /// Every failure, one line each: whole-section checksums, every global blob, every
+    /// block (checksum, header, decompression to its usize). Empty = archive intact.
+    pub fn verify_all(&self) -> Vec<String> {
+        let mut fails = Vec::new();
+        for (ti, t) in self.tensors.iter().enumerate() {
+            let stored = self.global_stored(t);
+            let (xxh3, comp, usize) = (t.global_xxh3, t.global.comp, t.global.usize as usize);
+            if let Err(f) = checked_payload(stored, xxh3, comp, usize) {
+                fails.push(f.describe(&format!("tensor {} global blob", t.name)));
+            }
+            let bad: Vec<String> = (0..t.n_blocks)
+                .into_par_iter()
+                .filter_map(|b| self.payload(ti, b).err().map(|e| e.to_string()))
+                .collect();
+            fails.extend(bad);
+        }
+        // Whole sections last: a block failure also fails SHARD_BANK, and the block is
+        // the more useful thing to name first.
+        fails.extend(section_failures(&self.map, &self.toc, section_name));
+        fails
+    }
+
+    /// y = Ŵx for tensor `tensor`, from the components.
+    pub fn apply(&self, tensor: usize, x: &[f32]) -> Result<Vec<f32>, ReadError> {
+        let t = self.tensor(tensor)?;
+        if x.len() as u64 != t.cols {
+            return Err(ReadError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "apply: x has {} values but tensor {} has {} columns",
+                    x.len(),
+                    t.name,
+                    t.cols
+                ),
+            )));
+        }
+        let mut y = vec![0f32; t.rows as usize];
+        if t.rows == 0 {
+            return Ok(y);
+        }
+        y.par_chunks_mut(t.rows_per_block as usize)
+            .enumerate()
+            .try_for_each(|(b, ys)| {
+                let payload = self.payload(tensor, b)?;
+                let g = self
+                    .global(tensor)
+                    .map_err(|f| self.global_error(tensor, b, f))?;
+                let first = b as u64 * t.rows_per_block;
+                codec::apply_block(&t.codec, g, &payload, first, ys.len() as u64, t.cols, x, ys)
+                    .map_err(|e| ReadError::Corrupt {
+                        tensor: t.name.clone(),
+                        block: b,
+                        reason: e.to_string(),
+                    })
+            })?;
+        Ok(y)
+    }
+}
+
+impl RowSource for CawsfArchive {
+    fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
+        let t = self.tensor(tensor)?;
+        check_read(&t.name, (t.rows, t.cols), (r0, r1), out.len())?;
+        let cols = t.cols as usize;
+        if r0 == r1 {
+            return Ok(());
+        }
+        let rpb = t.rows_per_block;
+        let b0 = (r0 / rpb) as usize;
+        let b1 = ((r1 - 1) / rpb) as usize;
+        // Split `out` into one slice per overlapping block.
+        let mut jobs = Vec::with_capacity(b1 - b0 + 1);
+        let mut rest = out;
+        for b in b0..=b1 {
+            let first = b as u64 * rpb;
+            let last = (first + rpb).min(t.rows);
+            let lo = r0.max(first);
+            let hi = r1.min(last);
+            let (mine, tail) = rest.split_at_mut((hi - lo) as usize * cols);
+            rest = tail;
+            jobs.push((b, first, last - first, lo - first, hi - first, mine));
+        }
+        let run = |(b, first, n, lo, hi, dst): (usize, u64, u64, u64, u64, &mut [f32])| {
+            // The block's own checksum first, then the (cached) global blob.
+            let payload = self.payload(tensor, b)?;
+            let g = self
+                .global(tensor)
+                .map_err(|f| self.global_error(tensor, b, f))?;
+            codec::decode_block_rows(&t.codec, g, &payload, first, n, t.cols, lo, hi, dst).map_err(
+                |e| ReadError::Corrupt {
+                    tensor: t.name.clone(),
+                    block: b,
+                    reason: e.to_string(),
+                },
+            )
+        };
+        if jobs.len() == 1 {
+            jobs.into_iter().try_for_each(run)
+        } else {
+            jobs.into_par_iter().try_for_each(run)
+        }
+    }
+}
+
+impl Store for CawsfArchive {
+    fn kind(&self) -> Kind {
+        Kind::Cawsf
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn model(&self) -> &ModelDesc {
+        CawsfArchive::model(self)
+    }
+    fn tensor_summary(&self, tensor: usize) -> TensorSummary {
+        let info = self.tensor_info(tensor);
+        let name = &CawsfArchive::model(self).tensors[tensor].name;
+        TensorSummary {
+            codec: crate::codec::codec_label(&info.codec),
+            rows_per_block: info.rows_per_block,
+            n_blocks: info.n_blocks,
+            stored_bytes: info.stored_bytes,
+            rel_err: rel_err_of(CawsfArchive::extra(self), name),
+        }
+    }
+    fn parts(&self) -> Vec<SectionInfo> {
+        self.sections()
+    }
+    fn verify_all(&self) -> Vec<String> {
+        CawsfArchive::verify_all(self)
+    }
+    fn read_counters(&self) -> ReadCounterSnapshot {
+        CawsfArchive::read_counters(self)
+    }
+    fn extra(&self) -> serde_json::Value {
+        CawsfArchive::extra(self).clone()
+    }
+    fn block_locations(&self, tensor: usize) -> Vec<(u64, u64)> {
+        (0..self.tensor_info(tensor).n_blocks)
+            .map(|b| self.block_location(tensor, b))
+            .collect()
+    }
+    fn routing_bytes(&self) -> &[u8] {
+        self.routing()
+    }
+}
