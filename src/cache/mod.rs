@@ -10,13 +10,13 @@
 //! exactly what is resident — a chunk's size is the bytes the reader sees, not a
 //! larger intermediate. Invariant 3 ("budgets hold") is therefore checkable here.
 //!
-//! Design:
+//! Design (the file that implements each part in parentheses):
 //! - **Keys** are [`ChunkKey`] `{ file, index }`; chunk `index` covers bytes
 //!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<[u8]>`, so a
 //!   reader keeps its chunk alive while copying even if it is evicted meanwhile (the
 //!   "plus chunks being handed to readers" slack of the memory invariant).
-//! - **Budget.** One mutex guards an unbounded `lru::LruCache` of unpinned chunks plus a
-//!   map of pinned chunks, with our own byte accounting:
+//! - **Budget** (`lru.rs`). One mutex guards an unbounded `lru::LruCache` of unpinned
+//!   chunks plus a map of pinned chunks, with our own byte accounting:
 //!   `unpinned_bytes + pinned_reserved <= budget` always, and resident bytes
 //!   (`unpinned_bytes + pinned_resident`) are at most that. Inserting evicts
 //!   least-recently-used unpinned chunks until the new one fits. A chunk larger than the
@@ -28,56 +28,67 @@
 //!   buffers of loads in flight (at most one per concurrent reader or prefetch
 //!   worker, each at most one chunk) — so resident memory is bounded by
 //!   `budget + (readers + workers) * chunk_size + entries * overhead`.
-//! - **Single-flight.** A miss registers a `Flight` for its key and loads *without* the
-//!   global lock; concurrent misses on the same key wait on the flight's condvar and get
-//!   the same `Arc` (or a copy of the same error). Errors are never cached: the flight is
-//!   removed first, so the next read retries. A panicking loader fails its waiters
-//!   instead of hanging them. Different chunks load in parallel; a read that misses
-//!   more than one chunk loads them on scoped threads (never on rayon workers, which
-//!   must not block on a flight whose loader itself needs rayon).
-//! - **Pinning.** [`ChunkCache::pin`] reserves a chunk's bytes (it may be loaded later,
-//!   by a read or a prefetch) and refuses when pinned bytes would exceed the budget.
-//!   Pins nest; [`ChunkCache::unpin`] returns a resident chunk to the LRU as most recent.
-//! - **Prefetch.** [`ChunkCache::start_prefetcher`] starts N workers draining a bounded,
-//!   de-duplicated FIFO of `(chunk, loader)` jobs. Demand reads have priority: a
-//!   demand load in progress (or a demand read waiting on a load) increments
-//!   `demand_waiting`, and a worker about to start a job sleeps in
+//! - **Single-flight** (`flight.rs`). A miss registers a flight for its key and loads
+//!   *without* the global lock; concurrent misses on the same key wait on the flight's
+//!   condvar and get the same `Arc` (or a copy of the same error). Errors are never
+//!   cached: the flight is removed first, so the next read retries. A panicking loader
+//!   fails its waiters instead of hanging them. Different chunks load in parallel; a
+//!   read that misses more than one chunk loads them on scoped threads (never on rayon
+//!   workers, which must not block on a flight whose loader itself needs rayon).
+//! - **Pinning** (`lru.rs`). [`ChunkCache::pin`] reserves a chunk's bytes (it may be
+//!   loaded later, by a read or a prefetch) and refuses when pinned bytes would exceed
+//!   the budget. Pins nest; [`ChunkCache::unpin`] returns a resident chunk to the LRU as
+//!   most recent.
+//! - **Prefetch** (`prefetch.rs`). [`ChunkCache::start_prefetcher`] starts N workers
+//!   draining a bounded, de-duplicated FIFO of `(chunk, loader)` jobs. Demand reads
+//!   have priority: a demand load in progress (or a demand read waiting on a load)
+//!   increments `demand_waiting`, and a worker about to start a job sleeps in
 //!   [`PREFETCH_BACKOFF`] steps while it is non-zero. Loads already running are not
 //!   interrupted. A chunk loaded by prefetch is marked; the first demand lookup it
 //!   serves counts as a prefetch hit (a demand read that joined the prefetch's flight
 //!   counts as a coalesced miss and clears the mark).
-//! - **Read-ahead.** Per file, `read` remembers where the previous read ended; a read
-//!   starting exactly there is sequential and queues the next `readahead_chunks` chunks
-//!   (default 4) after the last one it touched, using the loader given to
-//!   [`ChunkCache::register_file`]. Each chunk is queued once per sequential run.
-//! - **Route hints (router-aware eviction).** [`ChunkCache::set_hints`] names the
-//!   chunks a pending route says will be needed soon. Resident hinted chunks live in a
-//!   second LRU that is evicted only when the ordinary one is empty; a demand read of a
-//!   hinted chunk consumes its hint (it moves to the ordinary LRU as most recent). With
-//!   `router_eviction` off hints are ignored: plain LRU, for comparison.
-//! - **Trace.** [`ChunkCache::trace_start`] records every demand chunk lookup (file,
-//!   chunk, time, hit / prefetch hit / miss) in order into a bounded in-memory list
-//!   ([`TRACE_CAP`] events; later ones are counted as dropped) until
+//! - **Read-ahead** (`prefetch.rs`). Per file, `read` remembers where the previous read
+//!   ended; a read starting exactly there is sequential and queues the next
+//!   `readahead_chunks` chunks (default 4) after the last one it touched, using the
+//!   loader given to [`ChunkCache::register_file`]. Each chunk is queued once per
+//!   sequential run.
+//! - **Route hints** (router-aware eviction, `lru.rs`). [`ChunkCache::set_hints`] names
+//!   the chunks a pending route says will be needed soon. Resident hinted chunks live in
+//!   a second LRU that is evicted only when the ordinary one is empty; a demand read of
+//!   a hinted chunk consumes its hint (it moves to the ordinary LRU as most recent).
+//!   With `router_eviction` off hints are ignored: plain LRU, for comparison.
+//! - **Trace** (`trace.rs`). [`ChunkCache::trace_start`] records every demand chunk
+//!   lookup (file, chunk, time, hit / prefetch hit / miss) in order into a bounded
+//!   in-memory list ([`TRACE_CAP`] events; later ones are counted as dropped) until
 //!   [`ChunkCache::trace_stop`] returns it.
-//! - **Statistics** are relaxed atomics plus a log2 µs latency histogram;
+//! - **Statistics** (`stats.rs`) are relaxed atomics plus a log2 µs latency histogram;
 //!   [`ChunkCache::stats`] returns a serializable [`CacheStats`] snapshot.
+//!
+//! This file holds the public types, the shared state and the demand read path.
 
+mod flight;
+mod lru;
+mod prefetch;
 mod stats;
+mod trace;
 
 #[cfg(test)]
 mod tests;
 
 pub use stats::{CacheStats, FileStats, LatencyStats};
+pub use trace::{TraceEvent, TraceOutcome};
 
+// `self::` because `lru` alone would also name the `lru` crate.
+use self::lru::State;
 use crate::model::ReadError;
-use lru::LruCache;
+use prefetch::Queue;
 use stats::{add, bump, Counters, FileCounters, Histogram};
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::ops::Range;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use trace::Trace;
 
 /// Default chunk size: 256 KiB (two default FUSE read requests).
 pub const DEFAULT_CHUNK_SIZE: u64 = 256 * 1024;
@@ -151,39 +162,6 @@ impl CacheConfig {
     }
 }
 
-/// How a traced demand chunk lookup was satisfied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TraceOutcome {
-    Hit,
-    PrefetchHit,
-    /// Loaded (or joined a load in flight) for this read.
-    Miss,
-}
-
-/// One traced chunk lookup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TraceEvent {
-    pub file: u32,
-    pub index: u64,
-    /// Microseconds since the trace started.
-    pub t_us: u64,
-    pub outcome: TraceOutcome,
-}
-
-#[derive(Default)]
-struct Trace {
-    on: AtomicBool,
-    inner: Mutex<TraceBuf>,
-}
-
-#[derive(Default)]
-struct TraceBuf {
-    start: Option<Instant>,
-    events: Vec<TraceEvent>,
-    dropped: u64,
-}
-
 /// How one chunk lookup was satisfied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
@@ -191,145 +169,6 @@ enum Outcome {
     PrefetchHit,
     Loaded,
     Coalesced,
-}
-
-struct Entry {
-    data: Arc<[u8]>,
-    /// Loaded by prefetch and not yet served to a demand read.
-    prefetched: bool,
-}
-
-struct PinSlot {
-    count: u32,
-    len: u64,
-    entry: Option<Entry>,
-}
-
-type FlightResult = Result<Arc<[u8]>, ReadError>;
-
-/// One in-progress load that others may wait on.
-struct Flight {
-    slot: Mutex<Option<FlightResult>>,
-    cv: Condvar,
-    prefetch: bool,
-    /// A demand read joined this (prefetch) load; set and read under the state lock.
-    demand_joined: AtomicBool,
-}
-
-impl Flight {
-    fn wait(&self) -> FlightResult {
-        let mut slot = lock(&self.slot);
-        loop {
-            if let Some(r) = slot.as_ref() {
-                return match r {
-                    Ok(d) => Ok(d.clone()),
-                    Err(e) => Err(clone_read_error(e)),
-                };
-            }
-            slot = self.cv.wait(slot).unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    fn publish(&self, r: FlightResult) {
-        *lock(&self.slot) = Some(r);
-        self.cv.notify_all();
-    }
-}
-
-struct State {
-    lru: LruCache<ChunkKey, Entry>,
-    /// Resident unpinned chunks named by a route hint; evicted after `lru`.
-    hinted: LruCache<ChunkKey, Entry>,
-    hints: HashSet<ChunkKey>,
-    unpinned_bytes: u64,
-    pinned: HashMap<ChunkKey, PinSlot>,
-    pinned_reserved: u64,
-    pinned_resident: u64,
-    inflight: HashMap<ChunkKey, Arc<Flight>>,
-}
-
-impl State {
-    /// Resident chunk for `key`; a demand lookup promotes it and consumes its
-    /// prefetch mark.
-    fn lookup(&mut self, key: &ChunkKey, demand: bool) -> Option<(Arc<[u8]>, Outcome)> {
-        if demand && self.hints.remove(key) {
-            // The route's prediction came true: an ordinary chunk from now on.
-            if let Some(e) = self.hinted.pop(key) {
-                self.lru.push(*key, e);
-            }
-        }
-        let entry = match self.pinned.get_mut(key) {
-            Some(slot) => slot.entry.as_mut(),
-            None => match self.lru.get_mut(key) {
-                Some(e) => Some(e),
-                None => self.hinted.get_mut(key),
-            },
-        }?;
-        let outcome = if demand && entry.prefetched {
-            entry.prefetched = false;
-            Outcome::PrefetchHit
-        } else {
-            Outcome::Hit
-        };
-        Some((entry.data.clone(), outcome))
-    }
-
-    fn is_present(&self, key: &ChunkKey) -> bool {
-        self.inflight.contains_key(key)
-            || self.lru.contains(key)
-            || self.hinted.contains(key)
-            || self.pinned.get(key).is_some_and(|s| s.entry.is_some())
-    }
-
-    /// Evict LRU unpinned chunks until `unpinned_bytes + extra` fits beside the pins.
-    fn make_room(&mut self, budget: u64, extra: u64, counters: &Counters) {
-        let room = budget.saturating_sub(self.pinned_reserved);
-        while self.unpinned_bytes.saturating_add(extra) > room {
-            match self.lru.pop_lru().or_else(|| self.hinted.pop_lru()) {
-                Some((_, e)) => {
-                    self.unpinned_bytes -= e.data.len() as u64;
-                    bump(&counters.evictions);
-                }
-                None => break,
-            }
-        }
-    }
-
-    fn insert(&mut self, key: ChunkKey, entry: Entry, budget: u64, counters: &Counters) {
-        let len = entry.data.len() as u64;
-        if let Some(slot) = self.pinned.get_mut(&key) {
-            // Its bytes are already reserved by the pin.
-            if slot.entry.is_none() {
-                self.pinned_resident += len;
-                slot.entry = Some(entry);
-            }
-            return;
-        }
-        if let Some(old) = self.pop_unpinned(&key) {
-            self.unpinned_bytes -= old.data.len() as u64;
-        }
-        if len > budget.saturating_sub(self.pinned_reserved) {
-            bump(&counters.not_retained);
-            return;
-        }
-        self.make_room(budget, len, counters);
-        self.push_unpinned(key, entry);
-        self.unpinned_bytes += len;
-    }
-
-    /// Remove an unpinned resident chunk from whichever LRU holds it.
-    fn pop_unpinned(&mut self, key: &ChunkKey) -> Option<Entry> {
-        self.lru.pop(key).or_else(|| self.hinted.pop(key))
-    }
-
-    /// Put an unpinned chunk in the LRU its hint says, as most recent.
-    fn push_unpinned(&mut self, key: ChunkKey, entry: Entry) {
-        if self.hints.contains(&key) {
-            self.hinted.push(key, entry);
-        } else {
-            self.lru.push(key, entry);
-        }
-    }
 }
 
 #[derive(Default)]
@@ -342,20 +181,7 @@ struct FileState {
     loader: Mutex<Option<ChunkLoader>>,
 }
 
-struct Job {
-    key: ChunkKey,
-    len: u64,
-    loader: ChunkLoader,
-}
-
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    queued: HashSet<ChunkKey>,
-    active: usize,
-    workers: usize,
-}
-
+/// Everything the cache shares with its prefetch workers (they hold an `Arc` of it).
 struct Shared {
     cfg: CacheConfig,
     trace: Trace,
@@ -382,81 +208,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// `ReadError` is not `Clone` (it holds an `io::Error`); waiters of a failed flight get
-/// an equivalent copy.
-fn clone_read_error(e: &ReadError) -> ReadError {
-    match e {
-        ReadError::Checksum {
-            tensor,
-            block,
-            stored,
-            computed,
-        } => ReadError::Checksum {
-            tensor: tensor.clone(),
-            block: *block,
-            stored: *stored,
-            computed: *computed,
-        },
-        ReadError::Corrupt {
-            tensor,
-            block,
-            reason,
-        } => ReadError::Corrupt {
-            tensor: tensor.clone(),
-            block: *block,
-            reason: reason.clone(),
-        },
-        ReadError::OutOfRange { tensor, r0, r1 } => ReadError::OutOfRange {
-            tensor: tensor.clone(),
-            r0: *r0,
-            r1: *r1,
-        },
-        ReadError::Io(io) => ReadError::Io(std::io::Error::new(io.kind(), io.to_string())),
-    }
-}
-
 fn io_err(kind: std::io::ErrorKind, msg: String) -> ReadError {
     ReadError::Io(std::io::Error::new(kind, msg))
-}
-
-/// Counts a demand load (or a demand wait on one) for the prefetchers' back-off.
-struct DemandGuard<'a>(&'a AtomicU64);
-
-impl<'a> DemandGuard<'a> {
-    fn new(c: &'a AtomicU64) -> Self {
-        c.fetch_add(1, Relaxed);
-        DemandGuard(c)
-    }
-}
-
-impl Drop for DemandGuard<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
-}
-
-/// Completes a flight with an error if the loader unwinds, so waiters never hang.
-struct FlightGuard<'a> {
-    shared: &'a Shared,
-    key: ChunkKey,
-    flight: Arc<Flight>,
-    armed: bool,
-}
-
-impl Drop for FlightGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            lock(&self.shared.state).inflight.remove(&self.key);
-            bump(&self.shared.counters.load_errors);
-            self.flight.publish(Err(io_err(
-                std::io::ErrorKind::Other,
-                format!(
-                    "loader for chunk {} of file {} panicked",
-                    self.key.index, self.key.file
-                ),
-            )));
-        }
-    }
 }
 
 impl Shared {
@@ -494,183 +247,6 @@ impl Shared {
             })
             .clone()
     }
-
-    /// Produce chunk `key` (`len` bytes) into a fresh allocation.
-    fn run_loader(&self, key: ChunkKey, len: u64, load: &LoadFn<'_>) -> FlightResult {
-        let len_usize = usize::try_from(len).map_err(|_| {
-            io_err(
-                std::io::ErrorKind::InvalidInput,
-                format!("chunk {} of file {}: {len} bytes", key.index, key.file),
-            )
-        })?;
-        // `repeat_n` is TrustedLen, so this allocates the Arc once, without a copy.
-        let mut data: Arc<[u8]> = std::iter::repeat_n(0u8, len_usize).collect();
-        let buf = Arc::get_mut(&mut data).expect("fresh Arc is unique");
-        // A loader bug (a panic) fails this read with EIO instead of taking down the
-        // mount's thread.
-        let n = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(key.index, buf)))
-            .map_err(|_| {
-            io_err(
-                std::io::ErrorKind::Other,
-                format!(
-                    "loader for chunk {} of file {} panicked",
-                    key.index, key.file
-                ),
-            )
-        })??;
-        if n != len_usize {
-            return Err(io_err(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "chunk {} of file {}: loader produced {n} of {len} bytes",
-                    key.index, key.file
-                ),
-            ));
-        }
-        Ok(data)
-    }
-
-    /// Resident chunk, or join the in-flight load, or load it (single-flight).
-    fn fetch(
-        &self,
-        key: ChunkKey,
-        len: u64,
-        load: &LoadFn<'_>,
-        demand: bool,
-    ) -> Result<(Arc<[u8]>, Outcome), ReadError> {
-        let flight = {
-            let mut st = lock(&self.state);
-            if let Some(found) = st.lookup(&key, demand) {
-                return Ok(found);
-            }
-            if let Some(f) = st.inflight.get(&key) {
-                if demand {
-                    f.demand_joined.store(true, Relaxed);
-                }
-                let f = f.clone();
-                drop(st);
-                let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
-                return f.wait().map(|d| (d, Outcome::Coalesced));
-            }
-            let f = Arc::new(Flight {
-                slot: Mutex::new(None),
-                cv: Condvar::new(),
-                prefetch: !demand,
-                demand_joined: AtomicBool::new(false),
-            });
-            st.inflight.insert(key, f.clone());
-            f
-        };
-        let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
-        let mut guard = FlightGuard {
-            shared: self,
-            key,
-            flight: flight.clone(),
-            armed: true,
-        };
-        bump(&self.counters.loads);
-        let result = self.run_loader(key, len, load);
-        guard.armed = false;
-        {
-            let mut st = lock(&self.state);
-            st.inflight.remove(&key);
-            match &result {
-                Ok(data) => {
-                    add(&self.counters.bytes_loaded, data.len() as u64);
-                    let prefetched = flight.prefetch && !flight.demand_joined.load(Relaxed);
-                    let entry = Entry {
-                        data: data.clone(),
-                        prefetched,
-                    };
-                    st.insert(key, entry, self.cfg.budget_bytes, &self.counters);
-                }
-                Err(_) => bump(&self.counters.load_errors),
-            }
-        }
-        let shared_result = match &result {
-            Ok(d) => Ok(d.clone()),
-            Err(e) => Err(clone_read_error(e)),
-        };
-        flight.publish(shared_result);
-        result.map(|d| (d, Outcome::Loaded))
-    }
-
-    fn enqueue(&self, file: u32, size: u64, chunks: Range<u64>, loader: &ChunkLoader) -> usize {
-        let end = chunks.end.min(self.chunk_count(size));
-        let mut q = lock(&self.queue);
-        let mut queued = 0;
-        for index in chunks.start..end {
-            let key = ChunkKey { file, index };
-            if q.queued.contains(&key) {
-                continue;
-            }
-            if q.jobs.len() >= self.cfg.prefetch_queue_cap {
-                bump(&self.counters.prefetch_dropped);
-                continue;
-            }
-            let Some(len) = self.chunk_len(size, index) else {
-                break;
-            };
-            q.queued.insert(key);
-            q.jobs.push_back(Job {
-                key,
-                len,
-                loader: loader.clone(),
-            });
-            queued += 1;
-        }
-        drop(q);
-        if queued > 0 {
-            add(&self.counters.prefetch_queued, queued as u64);
-            self.queue_cv.notify_all();
-        }
-        queued
-    }
-
-    fn worker(self: Arc<Self>) {
-        loop {
-            let job = {
-                let mut q = lock(&self.queue);
-                loop {
-                    if self.shutdown.load(Relaxed) {
-                        return;
-                    }
-                    if let Some(job) = q.jobs.pop_front() {
-                        q.queued.remove(&job.key);
-                        q.active += 1;
-                        break job;
-                    }
-                    q = self
-                        .queue_cv
-                        .wait(q)
-                        .unwrap_or_else(PoisonError::into_inner);
-                }
-            };
-            // Demand first: don't start a prefetch load while a reader waits on one.
-            while self.demand_waiting.load(Relaxed) > 0 && !self.shutdown.load(Relaxed) {
-                std::thread::sleep(PREFETCH_BACKOFF);
-            }
-            let present = lock(&self.state).is_present(&job.key);
-            if present {
-                bump(&self.counters.prefetch_skipped);
-            } else {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.fetch(job.key, job.len, &*job.loader, false)
-                }));
-                match r {
-                    Ok(Ok((_, Outcome::Loaded))) => bump(&self.counters.prefetch_loads),
-                    Ok(Ok(_)) => bump(&self.counters.prefetch_skipped),
-                    Ok(Err(_)) | Err(_) => bump(&self.counters.prefetch_errors),
-                }
-            }
-            drop(job);
-            let mut q = lock(&self.queue);
-            q.active -= 1;
-            if q.jobs.is_empty() && q.active == 0 {
-                self.idle_cv.notify_all();
-            }
-        }
-    }
 }
 
 impl ChunkCache {
@@ -688,16 +264,7 @@ impl ChunkCache {
             shared: Arc::new(Shared {
                 cfg,
                 trace: Trace::default(),
-                state: Mutex::new(State {
-                    lru: LruCache::unbounded(),
-                    hinted: LruCache::unbounded(),
-                    hints: HashSet::new(),
-                    unpinned_bytes: 0,
-                    pinned: HashMap::new(),
-                    pinned_reserved: 0,
-                    pinned_resident: 0,
-                    inflight: HashMap::new(),
-                }),
+                state: Mutex::new(State::new()),
                 files: RwLock::new(HashMap::new()),
                 counters: Counters::default(),
                 latency: Histogram::default(),
@@ -895,279 +462,6 @@ impl ChunkCache {
         }
     }
 
-    fn readahead(&self, file: u32, size: u64, last_chunk: u64, f: &FileState) {
-        let sh = &*self.shared;
-        let k = sh.cfg.readahead_chunks;
-        if k == 0 || lock(&sh.queue).workers == 0 {
-            return;
-        }
-        let Some(loader) = lock(&f.loader).clone() else {
-            return;
-        };
-        let from = (last_chunk + 1).max(f.readahead_next.load(Relaxed));
-        let to = last_chunk
-            .saturating_add(1)
-            .saturating_add(k)
-            .min(sh.chunk_count(size));
-        if from >= to {
-            return;
-        }
-        f.readahead_next.fetch_max(to, Relaxed);
-        bump(&sh.counters.readahead_triggers);
-        sh.enqueue(file, size, from..to, &loader);
-    }
-
-    /// Start `threads` background prefetch workers (adds to any already running).
-    pub fn start_prefetcher(&self, threads: usize) {
-        let mut handles = lock(&self.workers);
-        for i in 0..threads {
-            let sh = self.shared.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("cawsfs-prefetch-{i}"))
-                .spawn(move || sh.worker())
-                .expect("spawn prefetch worker");
-            handles.push(h);
-        }
-        lock(&self.shared.queue).workers += threads;
-    }
-
-    /// Queue chunks `chunks` of file `file` (`size` bytes) for background loading
-    /// through `loader`. Chunks past EOF are ignored; already queued ones are not
-    /// queued twice; resident ones are skipped when their turn comes. Returns how
-    /// many were queued. Jobs run once [`start_prefetcher`](Self::start_prefetcher) has.
-    pub fn prefetch(&self, file: u32, size: u64, chunks: Range<u64>, loader: ChunkLoader) -> usize {
-        self.shared.enqueue(file, size, chunks, &loader)
-    }
-
-    /// Like [`prefetch`](Self::prefetch) with the loader given to
-    /// [`register_file`](Self::register_file); 0 when `file` has none.
-    pub fn prefetch_registered(&self, file: u32, size: u64, chunks: Range<u64>) -> usize {
-        let loader = lock(&self.shared.file_state(file).loader).clone();
-        match loader {
-            Some(l) => self.shared.enqueue(file, size, chunks, &l),
-            None => 0,
-        }
-    }
-
-    /// Wait until the prefetch queue is empty and no prefetch load runs, up to
-    /// `timeout`. True when idle.
-    pub fn wait_prefetch_idle(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut q = lock(&self.shared.queue);
-        while !(q.jobs.is_empty() && q.active == 0) {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            q = self
-                .shared
-                .idle_cv
-                .wait_timeout(q, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-        true
-    }
-
-    /// Pin chunk `key` of a file of `file_size` bytes: it is never evicted, and its
-    /// bytes count against the budget from now on, resident or not (a later read or
-    /// prefetch makes it resident). Pins nest. Fails if pinned bytes would exceed the
-    /// budget; unpinned chunks are evicted to make room.
-    pub fn pin(&self, key: ChunkKey, file_size: u64) -> Result<(), CacheError> {
-        let sh = &*self.shared;
-        let len = sh
-            .chunk_len(file_size, key.index)
-            .ok_or(CacheError::OutOfRange {
-                file: key.file,
-                index: key.index,
-                size: file_size,
-            })?;
-        let mut st = lock(&sh.state);
-        if let Some(slot) = st.pinned.get_mut(&key) {
-            slot.count += 1;
-            return Ok(());
-        }
-        let budget = sh.cfg.budget_bytes;
-        if st.pinned_reserved.saturating_add(len) > budget {
-            return Err(CacheError::PinOverBudget {
-                file: key.file,
-                index: key.index,
-                needed: len,
-                pinned: st.pinned_reserved,
-                budget,
-            });
-        }
-        let entry = st.pop_unpinned(&key);
-        if let Some(e) = &entry {
-            st.unpinned_bytes -= e.data.len() as u64;
-        }
-        if entry.is_some() {
-            st.pinned_resident += len;
-        }
-        st.pinned_reserved += len;
-        st.pinned.insert(
-            key,
-            PinSlot {
-                count: 1,
-                len,
-                entry,
-            },
-        );
-        st.make_room(budget, 0, &sh.counters);
-        Ok(())
-    }
-
-    /// Drop one pin of `key`; the last one returns a resident chunk to the LRU as most
-    /// recently used.
-    pub fn unpin(&self, key: ChunkKey) -> Result<(), CacheError> {
-        let sh = &*self.shared;
-        let mut st = lock(&sh.state);
-        let Some(slot) = st.pinned.get_mut(&key) else {
-            return Err(CacheError::NotPinned {
-                file: key.file,
-                index: key.index,
-            });
-        };
-        slot.count -= 1;
-        if slot.count > 0 {
-            return Ok(());
-        }
-        let slot = st.pinned.remove(&key).expect("present");
-        st.pinned_reserved -= slot.len;
-        if let Some(e) = slot.entry {
-            st.pinned_resident -= slot.len;
-            st.unpinned_bytes += e.data.len() as u64;
-            st.push_unpinned(key, e);
-        }
-        Ok(())
-    }
-
-    /// Whether `key` is pinned.
-    pub fn is_pinned(&self, key: ChunkKey) -> bool {
-        lock(&self.shared.state).pinned.contains_key(&key)
-    }
-
-    /// Drop every unpinned chunk; returns the bytes freed.
-    pub fn evict_all_unpinned(&self) -> u64 {
-        let mut st = lock(&self.shared.state);
-        let freed = st.unpinned_bytes;
-        add(
-            &self.shared.counters.evictions,
-            (st.lru.len() + st.hinted.len()) as u64,
-        );
-        st.lru.clear();
-        st.hinted.clear();
-        st.unpinned_bytes = 0;
-        freed
-    }
-
-    /// Drop these chunks if they are resident and unpinned; returns the bytes freed.
-    pub fn evict(&self, keys: impl IntoIterator<Item = ChunkKey>) -> u64 {
-        let mut st = lock(&self.shared.state);
-        let mut freed = 0;
-        for k in keys {
-            if let Some(e) = st.pop_unpinned(&k) {
-                let len = e.data.len() as u64;
-                st.unpinned_bytes -= len;
-                freed += len;
-                bump(&self.shared.counters.evictions);
-            }
-        }
-        freed
-    }
-
-    /// Replace the route hints: `keys` are the chunks a pending route will need, to be
-    /// evicted after every other unpinned chunk. Ignored (returns 0) when the cache was
-    /// configured for plain LRU. Returns the number of hints set.
-    pub fn set_hints(&self, keys: impl IntoIterator<Item = ChunkKey>) -> usize {
-        if !self.shared.cfg.router_eviction {
-            return 0;
-        }
-        let mut st = lock(&self.shared.state);
-        let new: HashSet<ChunkKey> = keys.into_iter().collect();
-        // Chunks that lose their hint go back to the ordinary LRU, ...
-        let old: Vec<ChunkKey> = st
-            .hints
-            .iter()
-            .filter(|k| !new.contains(k))
-            .copied()
-            .collect();
-        st.hints = new;
-        for k in old {
-            if let Some(e) = st.hinted.pop(&k) {
-                st.lru.push(k, e);
-            }
-        }
-        // ... and resident chunks that gain one move to the hinted LRU.
-        let gained: Vec<ChunkKey> = st
-            .hints
-            .iter()
-            .filter(|k| st.lru.contains(k))
-            .copied()
-            .collect();
-        for k in gained {
-            if let Some(e) = st.lru.pop(&k) {
-                st.hinted.push(k, e);
-            }
-        }
-        st.hints.len()
-    }
-
-    /// Number of chunks hinted now (resident or not).
-    pub fn hint_count(&self) -> usize {
-        lock(&self.shared.state).hints.len()
-    }
-
-    /// Start (or restart, clearing) the read trace.
-    pub fn trace_start(&self) {
-        let t = &self.shared.trace;
-        let mut b = lock(&t.inner);
-        *b = TraceBuf {
-            start: Some(Instant::now()),
-            ..TraceBuf::default()
-        };
-        t.on.store(true, Relaxed);
-    }
-
-    /// Stop the trace; returns its events in order and how many did not fit.
-    pub fn trace_stop(&self) -> (Vec<TraceEvent>, u64) {
-        let t = &self.shared.trace;
-        let mut b = lock(&t.inner);
-        t.on.store(false, Relaxed);
-        let b = std::mem::take(&mut *b);
-        (b.events, b.dropped)
-    }
-
-    /// Whether a trace is running.
-    pub fn tracing(&self) -> bool {
-        self.shared.trace.on.load(Relaxed)
-    }
-
-    fn trace(&self, file: u32, index: u64, outcome: Outcome) {
-        let t = &self.shared.trace;
-        if !t.on.load(Relaxed) {
-            return;
-        }
-        let mut b = lock(&t.inner);
-        let Some(start) = b.start else { return };
-        if b.events.len() >= TRACE_CAP {
-            b.dropped += 1;
-            return;
-        }
-        let outcome = match outcome {
-            Outcome::Hit => TraceOutcome::Hit,
-            Outcome::PrefetchHit => TraceOutcome::PrefetchHit,
-            Outcome::Loaded | Outcome::Coalesced => TraceOutcome::Miss,
-        };
-        let t_us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
-        b.events.push(TraceEvent {
-            file,
-            index,
-            t_us,
-            outcome,
-        });
-    }
-
     /// Add archive bytes decoded to produce chunks (reported by the loader's owner).
     pub fn record_decoded(&self, bytes: u64) {
         add(&self.shared.counters.archive_bytes_decoded, bytes);
@@ -1251,21 +545,6 @@ impl ChunkCache {
             prefetch_errors: c.prefetch_errors.load(Relaxed),
             latency_us: sh.latency.snapshot(),
             files,
-        }
-    }
-}
-
-impl Drop for ChunkCache {
-    fn drop(&mut self) {
-        self.shared.shutdown.store(true, Relaxed);
-        {
-            // Notify under the queue lock so no worker misses the wake-up between its
-            // shutdown check and its wait.
-            let _q = lock(&self.shared.queue);
-            self.shared.queue_cv.notify_all();
-        }
-        for h in lock(&self.workers).drain(..) {
-            let _ = h.join();
         }
     }
 }

@@ -1,0 +1,217 @@
+//! Single-flight loading: a missing chunk is loaded once, outside the state lock, and
+//! concurrent readers of the same chunk wait on its [`Flight`] instead of loading it
+//! again. Separate from the LRU because this is the only code that runs loaders, and
+//! the only place where panics and errors from them are contained.
+
+use super::lru::Entry;
+use super::stats::{add, bump};
+use super::{io_err, lock, ChunkKey, LoadFn, Outcome, Shared};
+use crate::model::ReadError;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+type FlightResult = Result<Arc<[u8]>, ReadError>;
+
+/// One in-progress load that others may wait on.
+pub(super) struct Flight {
+    slot: Mutex<Option<FlightResult>>,
+    cv: Condvar,
+    prefetch: bool,
+    /// A demand read joined this (prefetch) load; set and read under the state lock.
+    demand_joined: AtomicBool,
+}
+
+impl Flight {
+    fn wait(&self) -> FlightResult {
+        let mut slot = lock(&self.slot);
+        loop {
+            if let Some(r) = slot.as_ref() {
+                return match r {
+                    Ok(d) => Ok(d.clone()),
+                    Err(e) => Err(clone_read_error(e)),
+                };
+            }
+            slot = self.cv.wait(slot).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn publish(&self, r: FlightResult) {
+        *lock(&self.slot) = Some(r);
+        self.cv.notify_all();
+    }
+}
+
+/// `ReadError` is not `Clone` (it holds an `io::Error`); waiters of a failed flight get
+/// an equivalent copy.
+fn clone_read_error(e: &ReadError) -> ReadError {
+    match e {
+        ReadError::Checksum {
+            tensor,
+            block,
+            stored,
+            computed,
+        } => ReadError::Checksum {
+            tensor: tensor.clone(),
+            block: *block,
+            stored: *stored,
+            computed: *computed,
+        },
+        ReadError::Corrupt {
+            tensor,
+            block,
+            reason,
+        } => ReadError::Corrupt {
+            tensor: tensor.clone(),
+            block: *block,
+            reason: reason.clone(),
+        },
+        ReadError::OutOfRange { tensor, r0, r1 } => ReadError::OutOfRange {
+            tensor: tensor.clone(),
+            r0: *r0,
+            r1: *r1,
+        },
+        ReadError::Io(io) => ReadError::Io(std::io::Error::new(io.kind(), io.to_string())),
+    }
+}
+
+/// Counts a demand load (or a demand wait on one) for the prefetchers' back-off.
+struct DemandGuard<'a>(&'a AtomicU64);
+
+impl<'a> DemandGuard<'a> {
+    fn new(c: &'a AtomicU64) -> Self {
+        c.fetch_add(1, Relaxed);
+        DemandGuard(c)
+    }
+}
+
+impl Drop for DemandGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Completes a flight with an error if the loader unwinds, so waiters never hang.
+struct FlightGuard<'a> {
+    shared: &'a Shared,
+    key: ChunkKey,
+    flight: Arc<Flight>,
+    armed: bool,
+}
+
+impl Drop for FlightGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.shared.state).inflight.remove(&self.key);
+            bump(&self.shared.counters.load_errors);
+            self.flight.publish(Err(io_err(
+                std::io::ErrorKind::Other,
+                format!(
+                    "loader for chunk {} of file {} panicked",
+                    self.key.index, self.key.file
+                ),
+            )));
+        }
+    }
+}
+
+impl Shared {
+    /// Produce chunk `key` (`len` bytes) into a fresh allocation.
+    fn run_loader(&self, key: ChunkKey, len: u64, load: &LoadFn<'_>) -> FlightResult {
+        let len_usize = usize::try_from(len).map_err(|_| {
+            io_err(
+                std::io::ErrorKind::InvalidInput,
+                format!("chunk {} of file {}: {len} bytes", key.index, key.file),
+            )
+        })?;
+        // `repeat_n` is TrustedLen, so this allocates the Arc once, without a copy.
+        let mut data: Arc<[u8]> = std::iter::repeat_n(0u8, len_usize).collect();
+        let buf = Arc::get_mut(&mut data).expect("fresh Arc is unique");
+        // A loader bug (a panic) fails this read with EIO instead of taking down the
+        // mount's thread.
+        let n = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(key.index, buf)))
+            .map_err(|_| {
+            io_err(
+                std::io::ErrorKind::Other,
+                format!(
+                    "loader for chunk {} of file {} panicked",
+                    key.index, key.file
+                ),
+            )
+        })??;
+        if n != len_usize {
+            return Err(io_err(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "chunk {} of file {}: loader produced {n} of {len} bytes",
+                    key.index, key.file
+                ),
+            ));
+        }
+        Ok(data)
+    }
+
+    /// Resident chunk, or join the in-flight load, or load it (single-flight).
+    pub(super) fn fetch(
+        &self,
+        key: ChunkKey,
+        len: u64,
+        load: &LoadFn<'_>,
+        demand: bool,
+    ) -> Result<(Arc<[u8]>, Outcome), ReadError> {
+        let flight = {
+            let mut st = lock(&self.state);
+            if let Some(found) = st.lookup(&key, demand) {
+                return Ok(found);
+            }
+            if let Some(f) = st.inflight.get(&key) {
+                if demand {
+                    f.demand_joined.store(true, Relaxed);
+                }
+                let f = f.clone();
+                drop(st);
+                let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
+                return f.wait().map(|d| (d, Outcome::Coalesced));
+            }
+            let f = Arc::new(Flight {
+                slot: Mutex::new(None),
+                cv: Condvar::new(),
+                prefetch: !demand,
+                demand_joined: AtomicBool::new(false),
+            });
+            st.inflight.insert(key, f.clone());
+            f
+        };
+        let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
+        let mut guard = FlightGuard {
+            shared: self,
+            key,
+            flight: flight.clone(),
+            armed: true,
+        };
+        bump(&self.counters.loads);
+        let result = self.run_loader(key, len, load);
+        guard.armed = false;
+        {
+            let mut st = lock(&self.state);
+            st.inflight.remove(&key);
+            match &result {
+                Ok(data) => {
+                    add(&self.counters.bytes_loaded, data.len() as u64);
+                    let prefetched = flight.prefetch && !flight.demand_joined.load(Relaxed);
+                    let entry = Entry {
+                        data: data.clone(),
+                        prefetched,
+                    };
+                    st.insert(key, entry, self.cfg.budget_bytes, &self.counters);
+                }
+                Err(_) => bump(&self.counters.load_errors),
+            }
+        }
+        let shared_result = match &result {
+            Ok(d) => Ok(d.clone()),
+            Err(e) => Err(clone_read_error(e)),
+        };
+        flight.publish(shared_result);
+        result.map(|d| (d, Outcome::Loaded))
+    }
+}
