@@ -1,20 +1,16 @@
 //! cawsfs: mount compressed LLM weight archives as plain model files.
 //!
-//! The data path runs one way:
+//! The data path runs one way, and every import points down it (docs/ARCHITECTURE.md;
+//! `tests/layering.rs` checks it):
 //! ```text
-//! archive bytes (mmap) ─► archive reader ─► codec: reconstruct rows r0..r1 of tensor T
-//!   .cawsf (archive) | delta | npy-dir (npydir), behind one trait (store)
-//!                                  │
-//! model description (model): tensors, architecture config, tokenizer
-//!                                  │
-//! virtual layouts (layout): safetensors / GGUF / config.json / tokenizer.json
-//!                                  │
-//! export · chunk cache (cache) ─► filesystem (fs) ─► FUSE adapter (fuse)
-//! control socket (control) · router (router: ROUTING keys, prompt keys, ranking)
-//! daemon (mount) · CLI (main.rs)
+//! gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
+//!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► import (HF dir, GGUF)
+//!   ─► archive: error ◄ store (the Store trait) ◄ container ◄ cawsf | delta | npydir ◄ open
+//!   ─► layout (virtual safetensors / GGUF / HF metadata) ─► router ─► export
+//!   ─► cache (chunk cache) ─► fs (filesystem ops) ─► fuse (thin adapter, errno table)
+//! control (socket protocol) ─► convert (source → archive pipelines) ─► mount (daemon)
 //! ```
-//! Importers (`import`) feed `convert`, which encodes tensors with a codec and writes an
-//! archive. Each module knows only the ones below it.
+//! The CLI lives in the binary (`src/main.rs`, `src/cli/`).
 
 pub mod archive;
 pub mod cache;
