@@ -383,3 +383,84 @@ pub fn gguf_type_of(d: Dtype) -> GgufOutType {
         Dtype::Bf16 => GgufOutType::BF16,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_range;
+    use cawsfs::mount::parse_size;
+
+    /// Every spelling `parse_size` accepts, with the value it has always had: K/M/G/T with
+    /// or without B are binary, like KiB/MiB/GiB/TiB (bytesize alone would read them as
+    /// powers of 1000).
+    #[test]
+    fn size_spellings_are_binary() {
+        let cases: &[(&[&str], u64)] = &[
+            (&["1", "1b", "1B", "1.5", "1.9"], 1),
+            (&["4096", "4096b", "4096B", " 4096 "], 4096),
+            (
+                &["2k", "2K", "2kb", "2KB", "2kib", "2KiB", "2 KiB"],
+                2 << 10,
+            ),
+            (
+                &["512m", "512M", "512mb", "512MB", "512mib", "512MiB"],
+                512 << 20,
+            ),
+            (
+                &["2g", "2G", "2gb", "2GB", "2gib", "2GiB", "2GIB", " 2 GiB "],
+                2 << 30,
+            ),
+            (&["1t", "1T", "1tb", "1TB", "1tib", "1TiB"], 1 << 40),
+            (&["1.5G", "1.5GB", "1.5GiB"], 3 << 29),
+            (&[".5G", "0.5GiB", "512.MiB"], 1 << 29),
+            (&["0.5K"], 512),
+            (&[" 64 KiB ", "64\tKiB"], 64 << 10),
+            (&["4194304T", "4611686018427387904"], 1 << 62),
+        ];
+        for (spellings, want) in cases {
+            for s in *spellings {
+                assert_eq!(parse_size(s), Ok(*want), "{s:?}");
+            }
+        }
+        // Fractions of a byte are dropped, as before: 1.1 · 2^30 = 1181116006.4.
+        assert_eq!(parse_size("1.1G"), Ok(1_181_116_006));
+        // Above 2^53, plain byte counts are now exact; the old f64 product rounded them
+        // (and so let 2^62 + 1 through as 2^62; it is now out of range).
+        assert_eq!(parse_size("9007199254740993"), Ok(9_007_199_254_740_993));
+    }
+
+    #[test]
+    fn size_errors() {
+        assert_eq!(
+            parse_size("lots"),
+            Err(r#""lots" is not a size (try 2GiB or 512MiB)"#.into())
+        );
+        assert_eq!(
+            parse_size("2XB"),
+            Err(r#""2XB": unknown unit "xb" (use KiB, MiB, GiB or TiB)"#.into())
+        );
+        assert_eq!(parse_size("0"), Err(r#""0" is out of range"#.into()));
+        for s in [
+            "", "-1", "+1", "G", "1.2.3", "1e3", "2P", "2PiB", "2Ki", "2 Mi",
+        ] {
+            assert!(parse_size(s).is_err(), "{s:?}");
+        }
+        for s in [
+            "0",
+            "0.5",
+            "0.0001K",
+            "4194305T",
+            "99999999T",
+            "4611686018427387905",
+        ] {
+            assert_eq!(parse_size(s), Err(format!("{s:?} is out of range")));
+        }
+    }
+
+    #[test]
+    fn ranges() {
+        assert_eq!(parse_range("0..4096"), Ok((0, 4096)));
+        assert_eq!(parse_range("1MiB..2M"), Ok((1 << 20, 2 << 20)));
+        assert_eq!(parse_range("5..5"), Err(r#""5..5": empty range"#.into()));
+        assert_eq!(parse_range("4096"), Err(r#""4096": expected A..B"#.into()));
+    }
+}
