@@ -27,8 +27,10 @@ fn uint(v: &Value, path: &[&str]) -> Option<u64> {
     })
 }
 
-/// `1536` → `1.5 KiB`; bytes below 1 KiB are exact.
+/// `1536` → `1.50 KiB`; bytes below 1 KiB are exact.
 pub fn human_bytes(n: u64) -> String {
+    // Not bytesize's IEC display: it prints one decimal everywhere ("1.5 KiB", "1.1 GiB"),
+    // where this prints two below 10 ("1.50 KiB", "1.12 GiB").
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if n < 1024 {
         return format!("{n} B");

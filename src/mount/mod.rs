@@ -584,31 +584,38 @@ impl Handler for ControlHandler {
 /// Parse a human size: `2GiB`, `512MiB`, `1.5G`, `100M`, `4096`, `64KiB`, `1T`.
 /// Decimal suffixes (`G`, `GB`) are read as binary too, as `free -h` users expect.
 pub fn parse_size(s: &str) -> Result<u64, String> {
+    let not_a_size = || format!("{s:?} is not a size (try 2GiB or 512MiB)");
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (try 2GiB or 512MiB)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
+    num.parse::<f64>().map_err(|_| not_a_size())?;
+    // bytesize reads K/M/G/T and KB/MB/GB/TB as powers of 1000, so every spelling is
+    // named by its IEC unit first; the unit check here also keeps the accepted set (and
+    // its error text) as it was: no P/E or bare Ki/Mi.
+    let iec = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => "B",
+        "k" | "kb" | "kib" => "KiB",
+        "m" | "mb" | "mib" => "MiB",
+        "g" | "gb" | "gib" => "GiB",
+        "t" | "tb" | "tib" => "TiB",
         other => {
             return Err(format!(
                 "{s:?}: unknown unit {other:?} (use KiB, MiB, GiB or TiB)"
             ))
         }
     };
-    let v = n * mult as f64;
-    if !v.is_finite() || v < 1.0 || v > (1u64 << 62) as f64 {
+    // bytesize saturates at u64::MAX and truncates fractions, so too big and below one
+    // byte both land outside this range.
+    let v = format!("{num} {iec}")
+        .parse::<bytesize::ByteSize>()
+        .map_err(|_| not_a_size())?
+        .as_u64();
+    if !(1..=1 << 62).contains(&v) {
         return Err(format!("{s:?} is out of range"));
     }
-    Ok(v as u64)
+    Ok(v)
 }
 
 #[cfg(test)]

@@ -1,0 +1,225 @@
+//! Commands that work on an archive file without mounting it: inspect, verify,
+//! export and apply.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use cawsfs::archive::cawsf::CawsfArchive;
+use cawsfs::layout;
+use cawsfs::model::RowSource;
+
+use super::args::{float_of, gguf_type_of, ExportArgs, Format};
+use super::{bar, init_threads};
+
+pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
+    let ar = cawsfs::archive::open(path)?;
+    let m = ar.model();
+    if json {
+        let tensors: Vec<_> = m
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let info = ar.tensor_summary(i);
+                let locations = blocks.then(|| ar.block_locations(i));
+                serde_json::json!({
+                    "block_locations": locations,
+                    "name": t.name, "shape": t.shape, "source": t.source,
+                    "codec": info.codec, "rows_per_block": info.rows_per_block,
+                    "blocks": info.n_blocks, "bytes": info.stored_bytes,
+                    "rel_err": info.rel_err,
+                })
+            })
+            .collect();
+        let sections: Vec<_> = ar
+            .parts()
+            .iter()
+            .map(|s| serde_json::json!({"kind": s.kind, "offset": s.offset, "size": s.size, "flags": s.flags}))
+            .collect();
+        let v = serde_json::json!({
+            "kind": ar.kind().name(), "sections": sections, "arch": m.arch,
+            "tensors": tensors, "extra": ar.extra(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("archive: {} ({})", path.display(), ar.kind().name());
+    println!("parts:");
+    for s in ar.parts() {
+        println!(
+            "  {:<11} offset {:>12} size {:>12} flags {:#x}",
+            s.kind, s.offset, s.size, s.flags
+        );
+    }
+    let a = &m.arch;
+    println!(
+        "model: {} ({}) layers {} hidden {} ffn {} heads {}/{} vocab {} ctx {} tied {}",
+        a.model_type,
+        a.gguf_arch,
+        a.n_layers,
+        a.hidden_size,
+        a.intermediate_size,
+        a.n_heads,
+        a.n_kv_heads,
+        a.vocab_size,
+        a.context_length,
+        a.tie_word_embeddings
+    );
+    println!(
+        "files kept: hf {:?}, gguf metadata keys {}",
+        m.hf_files.keys().collect::<Vec<_>>(),
+        m.gguf_meta.len()
+    );
+    println!("tensors: {}", m.tensors.len());
+    println!(
+        "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9}",
+        "name", "shape", "source", "codec", "blocks", "bytes", "bpw", "rel_err"
+    );
+    let mut total = 0;
+    for (i, t) in m.tensors.iter().enumerate() {
+        let info = ar.tensor_summary(i);
+        total += info.stored_bytes;
+        println!(
+            "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5}",
+            t.name,
+            format!("{:?}", t.shape),
+            format!("{:?}", t.source).to_lowercase(),
+            info.codec,
+            info.n_blocks,
+            info.stored_bytes,
+            info.stored_bytes as f64 * 8.0 / t.numel().max(1) as f64,
+            info.rel_err.unwrap_or(0.0)
+        );
+    }
+    println!("total tensor bytes: {total}");
+    Ok(())
+}
+
+pub fn cmd_verify(path: &Path) -> Result<()> {
+    let ar = cawsfs::archive::open(path)?;
+    let fails = ar.verify_all();
+    if let Some(first) = fails.first() {
+        // One line: the first failure names the block; the count says how much more.
+        match fails.len() - 1 {
+            0 => bail!("{}: {first}", path.display()),
+            n => bail!("{}: {first} (and {n} more failures)", path.display()),
+        }
+    }
+    let blocks: usize = (0..ar.model().tensors.len())
+        .map(|i| ar.tensor_summary(i).n_blocks)
+        .sum();
+    println!(
+        "{}: ok ({}, {} parts, {} tensors, {} blocks verified)",
+        path.display(),
+        ar.kind().name(),
+        ar.parts().len(),
+        ar.model().tensors.len(),
+        blocks
+    );
+    if let Some(note) = ar.extra().get("note").and_then(|v| v.as_str()) {
+        println!("{}: note: {note}", path.display());
+    }
+    Ok(())
+}
+
+pub fn cmd_export(a: ExportArgs) -> Result<()> {
+    init_threads(a.threads)?;
+    let ar = cawsfs::archive::open(&a.archive)?;
+    let model = ar.model();
+    let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {
+        let pb = bar(
+            vf.size,
+            "{elapsed_precise} [{bar:40}] {bytes}/{total_bytes} {msg}",
+        );
+        pb.set_message(vf.name.clone());
+        cawsfs::export::export_file(vf, &*ar as &dyn RowSource, path, &|done| {
+            pb.set_position(done)
+        })?;
+        pb.finish_and_clear();
+        println!("wrote {} ({} bytes)", path.display(), vf.size);
+        Ok(())
+    };
+    match a.format {
+        Format::Gguf => export(
+            &layout::gguf_file(model, gguf_type_of(a.gguf_type))?,
+            &a.output,
+        ),
+        Format::Safetensors => export(
+            &layout::safetensors_file(model, a.dtype.map(float_of))?,
+            &a.output,
+        ),
+        Format::HfDir => {
+            std::fs::create_dir_all(&a.output)
+                .with_context(|| format!("{}", a.output.display()))?;
+            for (name, bytes) in layout::hf_metadata_files(model)? {
+                let p = a.output.join(&name);
+                std::fs::write(&p, bytes).with_context(|| format!("{}", p.display()))?;
+                println!("wrote {}", p.display());
+            }
+            export(
+                &layout::safetensors_file(model, a.dtype.map(float_of))?,
+                &a.output.join("model.safetensors"),
+            )
+        }
+    }
+}
+
+fn read_vector(path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "txt") {
+        let text =
+            String::from_utf8(bytes).map_err(|_| anyhow!("{}: not UTF-8 text", path.display()))?;
+        return text
+            .split_whitespace()
+            .map(|w| {
+                w.parse::<f32>()
+                    .map_err(|_| anyhow!("{}: {w:?} is not a number", path.display()))
+            })
+            .collect();
+    }
+    if bytes.len() % 4 != 0 {
+        bail!(
+            "{}: {} bytes is not a whole number of f32 values",
+            path.display(),
+            bytes.len()
+        );
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+pub fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> Result<()> {
+    let ar = CawsfArchive::open(path)?;
+    let i = ar
+        .model()
+        .tensor_index(tensor)
+        .ok_or_else(|| anyhow!("{}: no tensor named {tensor}", path.display()))?;
+    let cols = ar.model().tensors[i].cols();
+    let xv = read_vector(x)?;
+    if xv.len() as u64 != cols {
+        bail!(
+            "{}: x has {} values but tensor {tensor} has {cols} columns",
+            x.display(),
+            xv.len()
+        );
+    }
+    let y = ar
+        .apply(i, &xv)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    match output {
+        Some(o) => {
+            let bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+            std::fs::write(o, bytes).with_context(|| format!("{}", o.display()))?;
+            println!("wrote {} values to {}", y.len(), o.display());
+        }
+        None => {
+            for v in &y {
+                println!("{v}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,466 @@
+//! The command line's shape: every subcommand and flag, with the help texts users see.
+//! Parsing only; what each command does lives in the sibling modules.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use cawsfs::convert::ConvertOptions;
+use cawsfs::layout::GgufOutType;
+use cawsfs::model::FloatType;
+
+#[derive(Parser)]
+#[command(
+    name = "cawsfs",
+    version,
+    about = "Mount compressed LLM weight archives as plain model files"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Convert a Hugging Face directory or a GGUF file into an archive (.cawsf, delta or npy-dir).
+    Convert(ConvertArgs),
+    /// Show an archive's sections, model and tensors.
+    Inspect {
+        archive: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// With --json: list each block's file offset and stored length.
+        #[arg(long)]
+        blocks: bool,
+    },
+    /// Check every checksum in an archive; exits non-zero naming the first bad one.
+    Verify { archive: PathBuf },
+    /// Write a virtual file (or a Hugging Face directory) out of an archive.
+    Export(ExportArgs),
+    /// Mount an archive: a read-only directory of model files reconstructed on read.
+    Mount(MountArgs),
+    /// Unmount a cawsfs mount and wait for its daemon to exit.
+    Umount { mountpoint: PathBuf },
+    /// Show a mount's cache and read statistics.
+    Stat {
+        mountpoint: PathBuf,
+        /// Control socket (default: the one the mount registered).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Print the daemon's reply as JSON.
+        #[arg(long, conflicts_with_all = ["prometheus", "watch"])]
+        json: bool,
+        /// Prometheus text exposition format.
+        #[arg(long, conflicts_with = "watch")]
+        prometheus: bool,
+        /// Refresh in place like top.
+        #[arg(long)]
+        watch: bool,
+        /// Seconds between refreshes with --watch.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
+    /// Ask a mount to reconstruct a tensor, a layer or a byte range in the background.
+    Prefetch(SelectArgs),
+    /// Keep a tensor, layer or byte range resident (counts against the cache budget).
+    Pin(SelectArgs),
+    /// Let pinned chunks be evicted again.
+    Unpin(SelectArgs),
+    /// Drop unpinned chunks from a mount's cache: all of them, or those of a tensor,
+    /// layer or byte range.
+    Evict(EvictArgs),
+    /// Rank the shards a prompt will need (the archive's router); optionally prefetch them.
+    Route(RouteArgs),
+    /// Record which chunks are read, in order (`on`), and print the record (`off`, JSON).
+    Trace {
+        mountpoint: PathBuf,
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
+    /// Compute y = Ŵx for one tensor straight from its compressed components.
+    Apply {
+        archive: PathBuf,
+        /// Tensor name (Hugging Face convention).
+        #[arg(long)]
+        tensor: String,
+        /// x: little-endian f32 values, or whitespace-separated numbers if the name ends in .txt.
+        #[arg(long)]
+        x: PathBuf,
+        /// Write y as little-endian f32 here instead of printing it.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+/// What a cache verb acts on: a tensor, a layer, or a virtual file's byte range.
+#[derive(clap::Args)]
+pub struct Selector {
+    /// A tensor (Hugging Face name), in every file that holds it.
+    #[arg(long)]
+    pub tensor: Option<String>,
+    /// Every tensor of one transformer block.
+    #[arg(long)]
+    pub layer: Option<u32>,
+    /// A virtual file (e.g. model.gguf), whole or with --range.
+    #[arg(long)]
+    pub file: Option<String>,
+    /// Byte range A..B of --file.
+    #[arg(long, requires = "file", value_parser = parse_range)]
+    pub range: Option<(u64, u64)>,
+}
+
+impl Selector {
+    /// None when no selector was given (clap allows at most one).
+    pub fn target(&self) -> Option<cawsfs::control::Target> {
+        use cawsfs::control::Target;
+        match (&self.tensor, self.layer, &self.file) {
+            (Some(t), _, _) => Some(Target::Tensor(t.clone())),
+            (_, Some(l), _) => Some(Target::Layer(l)),
+            (_, _, Some(f)) => Some(Target::File {
+                file: f.clone(),
+                range: self.range,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// prefetch / pin / unpin: exactly one selector.
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["tensor", "layer", "file"])))]
+pub struct SelectArgs {
+    pub mountpoint: PathBuf,
+    #[command(flatten)]
+    pub what: Selector,
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+}
+
+impl SelectArgs {
+    pub fn target(&self) -> cawsfs::control::Target {
+        self.what.target().expect("clap requires one selector")
+    }
+}
+
+/// evict: at most one selector (none = everything unpinned).
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("what").args(["tensor", "layer", "file"])))]
+pub struct EvictArgs {
+    pub mountpoint: PathBuf,
+    #[command(flatten)]
+    pub what: Selector,
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+}
+
+fn parse_range(s: &str) -> std::result::Result<(u64, u64), String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("{s:?}: expected A..B"))?;
+    let a = cawsfs::mount::parse_size(a).or_else(|e| if a == "0" { Ok(0) } else { Err(e) })?;
+    let b = cawsfs::mount::parse_size(b)?;
+    if a >= b {
+        return Err(format!("{s:?}: empty range"));
+    }
+    Ok((a, b))
+}
+
+#[derive(clap::Args)]
+pub struct RouteArgs {
+    pub mountpoint: PathBuf,
+    /// The prompt.
+    #[arg(short, long)]
+    pub prompt: String,
+    /// Keyed shards (embedding blocks, experts) to return.
+    #[arg(long)]
+    pub top_k: Option<u32>,
+    /// Cache bytes the route may name, e.g. 64MiB; the rest of the budget goes to the
+    /// other shards in forward-pass order.
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    pub budget: Option<u64>,
+    /// Reconstruct the routed shards in the background now.
+    #[arg(long)]
+    pub prefetch: bool,
+    /// Virtual file whose chunks to name (default model.gguf).
+    #[arg(long)]
+    pub file: Option<String>,
+    /// Print the daemon's reply as JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+pub enum Eviction {
+    /// Chunks a pending route names are evicted after all others.
+    Router,
+    /// Plain least-recently-used.
+    Lru,
+}
+
+#[derive(clap::Args)]
+pub struct MountArgs {
+    pub archive: PathBuf,
+    pub mountpoint: PathBuf,
+    /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM).
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    pub cache_size: Option<u64>,
+    /// FUSE request threads.
+    #[arg(long, default_value_t = 4)]
+    pub threads: usize,
+    /// Background prefetch / read-ahead threads.
+    #[arg(long, default_value_t = 2)]
+    pub prefetch_threads: usize,
+    /// Tensor type of 2-D weights in model.gguf.
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
+    pub gguf_type: Dtype,
+    /// Tensor dtype of model.safetensors (default: the source's float type).
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// Let other users read the mount (needs user_allow_other in /etc/fuse.conf for non-root).
+    #[arg(long)]
+    pub allow_other: bool,
+    /// Control socket path (default: derived from the mount point).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Chunks queued after a sequential read (0: no read-ahead by cawsfs).
+    #[arg(long, default_value_t = cawsfs::cache::DEFAULT_READAHEAD_CHUNKS)]
+    pub readahead_chunks: u64,
+    /// Eviction policy of the chunk cache.
+    #[arg(long, value_enum, default_value_t = Eviction::Router)]
+    pub eviction: Eviction,
+    /// Pin infrastructure in model.gguf: norms and other 1-D tensors, and the first
+    /// --pin-infra-layers layers. The mount fails if they do not fit the cache budget.
+    #[arg(long)]
+    pub pin_infra: bool,
+    #[arg(long, default_value_t = 2, requires = "pin_infra")]
+    pub pin_infra_layers: u32,
+    /// With --pin-infra: also pin the token-embedding blocks of this text's tokens.
+    #[arg(long, requires = "pin_infra")]
+    pub pin_prompt: Option<String>,
+    /// Stay attached and log to stderr instead of running in the background.
+    #[arg(long)]
+    pub foreground: bool,
+}
+
+#[derive(clap::Args)]
+pub struct ConvertArgs {
+    /// Hugging Face model directory or .gguf file.
+    pub src: PathBuf,
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Archive kind to write.
+    #[arg(long, value_enum, default_value_t = To::Cawsf)]
+    pub to: To,
+    /// Rank of the low-rank component: L for cawsf (default 4), each layer's delta for
+    /// delta (default 64).
+    #[arg(long, conflicts_with = "max_rel_err")]
+    pub rank: Option<u32>,
+    /// delta: per matrix, the smallest rank whose stored ‖W−Ŵ‖/‖W‖ is at most this.
+    #[arg(long)]
+    pub max_rel_err: Option<f64>,
+    /// delta: bases per weight type (k-means clusters of layers; 1 = mean of all layers).
+    #[arg(long, default_value_t = 1)]
+    pub bases: usize,
+    /// delta: how bases are stored.
+    #[arg(long, value_enum, default_value_t = BaseDtypeArg::F16)]
+    pub base_dtype: BaseDtypeArg,
+    /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.outlier_q)]
+    pub outlier_q: f32,
+    /// PQ sub-vectors per row (must divide every coded tensor's width); overrides --pq-dim.
+    #[arg(long)]
+    pub pq_m: Option<u32>,
+    /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256).
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_dim)]
+    pub pq_dim: u32,
+    /// PQ centroids per codebook (at most 256).
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_k)]
+    pub pq_k: u32,
+    #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
+    pub kmeans_iters: u32,
+    /// Store tensors matching this `*` pattern as bit-exact passthrough (repeatable).
+    /// 1-D tensors, the token embedding and the output head always are unless
+    /// --no-default-passthrough is given.
+    #[arg(long = "passthrough", value_name = "PATTERN")]
+    pub passthrough: Vec<String>,
+    #[arg(long)]
+    pub no_default_passthrough: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Compression of row blocks.
+    #[arg(long, value_enum, default_value_t = Comp::Zstd)]
+    pub compression: Comp,
+    /// Also write the per-tensor report as JSON here.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// npy-dir: bits per quantized weight, 8 (int8 per row) or 4 (int4 per group).
+    #[arg(long, default_value_t = 8)]
+    pub bits: u8,
+    /// npy-dir: columns per int4 scale.
+    #[arg(long, default_value_t = 64)]
+    pub group: usize,
+    /// npy-dir: write data files as .npy.zst (one zstd frame per row block).
+    #[arg(long)]
+    pub zstd: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+pub enum To {
+    /// NDSQ .cawsf container (D + L + R + S).
+    Cawsf,
+    /// Shared bases + per-layer low-rank deltas (Base + U·Vᵀ).
+    Delta,
+    /// Squish npy directory (int8 / int4 / f16 passthrough).
+    NpyDir,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum BaseDtypeArg {
+    F16,
+    Int8,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Comp {
+    Zstd,
+    Lz4,
+    None,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+pub enum Format {
+    Safetensors,
+    Gguf,
+    HfDir,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    pub archive: PathBuf,
+    #[arg(long, value_enum)]
+    pub format: Format,
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Tensor dtype of model.safetensors (default: the source's float type, f16 for quantized sources).
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// Tensor type of 2-D weights in model.gguf.
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
+    pub gguf_type: Dtype,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// The library's float type for a `--dtype` value.
+pub fn float_of(d: Dtype) -> FloatType {
+    match d {
+        Dtype::F32 => FloatType::F32,
+        Dtype::F16 => FloatType::F16,
+        Dtype::Bf16 => FloatType::BF16,
+    }
+}
+
+/// The library's GGUF tensor type for a `--gguf-type` value.
+pub fn gguf_type_of(d: Dtype) -> GgufOutType {
+    match d {
+        Dtype::F32 => GgufOutType::F32,
+        Dtype::F16 => GgufOutType::F16,
+        Dtype::Bf16 => GgufOutType::BF16,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_range;
+    use cawsfs::mount::parse_size;
+
+    /// Every spelling `parse_size` accepts, with the value it has always had: K/M/G/T with
+    /// or without B are binary, like KiB/MiB/GiB/TiB (bytesize alone would read them as
+    /// powers of 1000).
+    #[test]
+    fn size_spellings_are_binary() {
+        let cases: &[(&[&str], u64)] = &[
+            (&["1", "1b", "1B", "1.5", "1.9"], 1),
+            (&["4096", "4096b", "4096B", " 4096 "], 4096),
+            (
+                &["2k", "2K", "2kb", "2KB", "2kib", "2KiB", "2 KiB"],
+                2 << 10,
+            ),
+            (
+                &["512m", "512M", "512mb", "512MB", "512mib", "512MiB"],
+                512 << 20,
+            ),
+            (
+                &["2g", "2G", "2gb", "2GB", "2gib", "2GiB", "2GIB", " 2 GiB "],
+                2 << 30,
+            ),
+            (&["1t", "1T", "1tb", "1TB", "1tib", "1TiB"], 1 << 40),
+            (&["1.5G", "1.5GB", "1.5GiB"], 3 << 29),
+            (&[".5G", "0.5GiB", "512.MiB"], 1 << 29),
+            (&["0.5K"], 512),
+            (&[" 64 KiB ", "64\tKiB"], 64 << 10),
+            (&["4194304T", "4611686018427387904"], 1 << 62),
+        ];
+        for (spellings, want) in cases {
+            for s in *spellings {
+                assert_eq!(parse_size(s), Ok(*want), "{s:?}");
+            }
+        }
+        // Fractions of a byte are dropped, as before: 1.1 · 2^30 = 1181116006.4.
+        assert_eq!(parse_size("1.1G"), Ok(1_181_116_006));
+        // Above 2^53, plain byte counts are now exact; the old f64 product rounded them
+        // (and so let 2^62 + 1 through as 2^62; it is now out of range).
+        assert_eq!(parse_size("9007199254740993"), Ok(9_007_199_254_740_993));
+    }
+
+    #[test]
+    fn size_errors() {
+        assert_eq!(
+            parse_size("lots"),
+            Err(r#""lots" is not a size (try 2GiB or 512MiB)"#.into())
+        );
+        assert_eq!(
+            parse_size("2XB"),
+            Err(r#""2XB": unknown unit "xb" (use KiB, MiB, GiB or TiB)"#.into())
+        );
+        assert_eq!(parse_size("0"), Err(r#""0" is out of range"#.into()));
+        for s in [
+            "", "-1", "+1", "G", "1.2.3", "1e3", "2P", "2PiB", "2Ki", "2 Mi",
+        ] {
+            assert!(parse_size(s).is_err(), "{s:?}");
+        }
+        for s in [
+            "0",
+            "0.5",
+            "0.0001K",
+            "4194305T",
+            "99999999T",
+            "4611686018427387905",
+        ] {
+            assert_eq!(parse_size(s), Err(format!("{s:?} is out of range")));
+        }
+    }
+
+    #[test]
+    fn ranges() {
+        assert_eq!(parse_range("0..4096"), Ok((0, 4096)));
+        assert_eq!(parse_range("1MiB..2M"), Ok((1 << 20, 2 << 20)));
+        assert_eq!(parse_range("5..5"), Err(r#""5..5": empty range"#.into()));
+        assert_eq!(parse_range("4096"), Err(r#""4096": expected A..B"#.into()));
+    }
+}

@@ -1,0 +1,281 @@
+//! `cawsfs convert`: the three archive kinds' converters, their progress bars and
+//! their per-tensor reports.
+
+use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+
+use cawsfs::archive::Compression;
+use cawsfs::convert::{self, ConvertOptions};
+
+use super::args::{BaseDtypeArg, Comp, ConvertArgs, To};
+use super::{bar, init_threads};
+
+pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
+    refuse_foreign_flags(&a)?;
+    init_threads(a.threads)?;
+    match a.to {
+        To::Cawsf => {}
+        To::Delta => return cmd_convert_delta(a),
+        To::NpyDir => return cmd_convert_npy(a),
+    }
+    let src = cawsfs::import::open_source(&a.src)?;
+    let mut opts = ConvertOptions::default();
+    if let Some(r) = a.rank {
+        opts.ndsq.rank = r;
+    }
+    opts.ndsq.outlier_q = a.outlier_q;
+    opts.ndsq.pq_m = a.pq_m;
+    opts.ndsq.pq_dim = a.pq_dim;
+    opts.ndsq.pq_k = a.pq_k;
+    opts.ndsq.kmeans_iters = a.kmeans_iters;
+    opts.ndsq.seed = a.seed;
+    if a.no_default_passthrough {
+        opts.passthrough.clear();
+    }
+    opts.passthrough.extend(a.passthrough.iter().cloned());
+    opts.compression = compression_of(a.compression);
+    let n = src.desc().tensors.len();
+    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report = convert::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    })
+    .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    print_report(&report, ("codec", 24), ("archive", "NDSQ"), &a)
+}
+
+/// The per-tensor table and totals of a cawsf or npy-dir conversion, and the JSON report
+/// when asked for. `col` = (label, width) of the codec column; `what` = (what was
+/// written, which error the totals summarize).
+fn print_report(
+    report: &convert::ConvertReport,
+    (col, width): (&str, usize),
+    (what, err): (&str, &str),
+    a: &ConvertArgs,
+) -> Result<()> {
+    println!(
+        "{:<52} {:>16} {:>width$} {:>12} {:>7} {:>9}",
+        "tensor", "shape", col, "bytes", "bpw", "rel_err"
+    );
+    for t in &report.tensors {
+        println!(
+            "{:<52} {:>16} {:>width$} {:>12} {:>7.3} {:>9.5}",
+            t.name,
+            format!("{:?}", t.shape),
+            t.codec,
+            t.bytes,
+            t.bits_per_weight,
+            t.rel_err
+        );
+    }
+    println!(
+        "total: {} weights, {what} {} bytes, {:.3} bits per weight, {err} rel_err mean {:.5} max {:.5} -> {}",
+        report.total_weights,
+        report.archive_bytes,
+        report.bits_per_weight,
+        report.mean_rel_err,
+        report.max_rel_err,
+        a.output.display()
+    );
+    write_report_json(report, a)
+}
+
+fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<()> {
+    if let Some(p) = &a.report_json {
+        std::fs::write(p, serde_json::to_vec_pretty(report)?)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Options given (away from their defaults) that the chosen kind would silently ignore
+/// are refused, in one line naming each with the kinds it is for.
+fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
+    use To::{Cawsf, Delta, NpyDir};
+    let nd = ConvertOptions::default().ndsq;
+    let given: [(&str, bool, &[To]); 16] = [
+        ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
+        ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
+        ("--bases", a.bases != 1, &[Delta]),
+        (
+            "--base-dtype",
+            !matches!(a.base_dtype, BaseDtypeArg::F16),
+            &[Delta],
+        ),
+        ("--outlier-q", a.outlier_q != nd.outlier_q, &[Cawsf]),
+        ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
+        ("--pq-dim", a.pq_dim != nd.pq_dim, &[Cawsf]),
+        ("--pq-k", a.pq_k != nd.pq_k, &[Cawsf]),
+        (
+            "--kmeans-iters",
+            a.kmeans_iters != nd.kmeans_iters,
+            &[Cawsf, Delta],
+        ),
+        ("--seed", a.seed != 0, &[Cawsf]),
+        ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
+        (
+            "--no-default-passthrough",
+            a.no_default_passthrough,
+            &[Cawsf, NpyDir],
+        ),
+        (
+            "--compression",
+            !matches!(a.compression, Comp::Zstd),
+            &[Cawsf, Delta],
+        ),
+        ("--bits", a.bits != 8, &[NpyDir]),
+        ("--group", a.group != 64, &[NpyDir]),
+        ("--zstd", a.zstd, &[NpyDir]),
+    ];
+    let name = |t: To| {
+        t.to_possible_value()
+            .expect("no skipped variants")
+            .get_name()
+            .to_string()
+    };
+    let foreign: Vec<String> = given
+        .iter()
+        .filter(|(_, set, kinds)| *set && !kinds.contains(&a.to))
+        .map(|(flag, _, kinds)| {
+            let kinds: Vec<String> = kinds.iter().map(|&k| name(k)).collect();
+            format!("{flag} (for {})", kinds.join(", "))
+        })
+        .collect();
+    if !foreign.is_empty() {
+        bail!("--to {} does not take {}", name(a.to), foreign.join(", "));
+    }
+    Ok(())
+}
+
+fn compression_of(c: Comp) -> Compression {
+    match c {
+        Comp::Zstd => Compression::Zstd(3),
+        Comp::Lz4 => Compression::Lz4,
+        Comp::None => Compression::None,
+    }
+}
+
+fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
+    use cawsfs::codec::delta::{BaseDtype, RankChoice};
+    use cawsfs::convert::delta::{self, DeltaOptions};
+    let mut opts = DeltaOptions::default();
+    if let Some(r) = a.rank {
+        opts.rank = RankChoice::Fixed(r as usize);
+    }
+    if let Some(e) = a.max_rel_err {
+        opts.rank = RankChoice::MaxRelErr(e);
+    }
+    opts.bases = a.bases;
+    opts.base_dtype = match a.base_dtype {
+        BaseDtypeArg::F16 => BaseDtype::F16,
+        BaseDtypeArg::Int8 => BaseDtype::Int8,
+    };
+    opts.kmeans_iters = a.kmeans_iters;
+    opts.compression = compression_of(a.compression);
+    let src = cawsfs::import::open_source(&a.src)?;
+    let pb = bar(1, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report = delta::convert(src.as_ref(), &a.output, &opts, &|done, total, name| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    })
+    .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    print_delta_report(&report);
+    println!("-> {}", a.output.display());
+    write_report_json(&report, &a)
+}
+
+fn print_delta_report(r: &cawsfs::convert::delta::DeltaReport) {
+    let opt = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
+    println!(
+        "{:<44} {:>5} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8}",
+        "matrix", "rank", "bytes", "bpw", "rel_err", "base_err", "cos_prev", "cos_base"
+    );
+    for m in &r.matrices {
+        println!(
+            "{:<44} {:>5} {:>10} {:>7.3} {:>8.4} {:>8.4} {:>8} {:>8.4}{}",
+            m.name,
+            m.rank,
+            m.bytes,
+            m.bits_per_weight,
+            m.rel_err,
+            m.base_rel_err,
+            opt(m.cos_prev),
+            m.cos_base,
+            m.note
+                .as_deref()
+                .map(|n| format!("  ({n})"))
+                .unwrap_or_default()
+        );
+    }
+    println!("bases:");
+    for b in &r.bases {
+        println!(
+            "  {:<28} #{} layers {:?} {} bytes",
+            b.ty, b.cluster, b.layers, b.bytes
+        );
+    }
+    println!("per type (mean over layers):");
+    let mut types: Vec<&str> = Vec::new();
+    for m in &r.matrices {
+        if !types.contains(&m.ty.as_str()) {
+            types.push(&m.ty);
+        }
+    }
+    for ty in types {
+        let ms: Vec<_> = r.matrices.iter().filter(|m| m.ty == ty).collect();
+        let mean = |f: &dyn Fn(&cawsfs::convert::delta::MatrixReport) -> Option<f64>| {
+            let v: Vec<f64> = ms.iter().filter_map(|m| f(m)).collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        println!(
+            "  {:<10} rank {:>7.1} rel_err {:.4} base_err {:.4} cos_prev {:.4} cos_base {:.4}",
+            ty,
+            mean(&|m| Some(m.rank as f64)),
+            mean(&|m| Some(m.rel_err)),
+            mean(&|m| Some(m.base_rel_err)),
+            mean(&|m| m.cos_prev),
+            mean(&|m| Some(m.cos_base)),
+        );
+    }
+    println!(
+        "total: {} weights, archive {} bytes, {:.3} bits per weight ({:.3} over the delta matrices incl. bases), rel_err mean {:.5} max {:.5}{}",
+        r.total_weights,
+        r.archive_bytes,
+        r.bits_per_weight,
+        r.delta_bits_per_weight,
+        r.mean_rel_err,
+        r.max_rel_err,
+        if r.unreachable > 0 {
+            format!(", {} matrices could not meet --max-rel-err at full rank", r.unreachable)
+        } else {
+            String::new()
+        }
+    );
+}
+
+fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
+    let src = cawsfs::import::open_source(&a.src)?;
+    let mut opts = cawsfs::convert::npydir::NpyOptions {
+        bits: a.bits,
+        group: a.group,
+        zstd: a.zstd,
+        ..Default::default()
+    };
+    if a.no_default_passthrough {
+        opts.passthrough.clear();
+    }
+    opts.passthrough.extend(a.passthrough.iter().cloned());
+    let n = src.desc().tensors.len();
+    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
+    let report =
+        cawsfs::convert::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
+            pb.set_position(done as u64);
+            pb.set_message(name.to_string());
+        })
+        .with_context(|| format!("converting {}", a.src.display()))?;
+    pb.finish_and_clear();
+    print_report(&report, ("kind", 22), ("directory", "quantized"), &a)
+}

@@ -1,0 +1,102 @@
+//! The `cawsfs` command line, kept out of the library: `args` holds the clap types,
+//! one module per command group turns parsed arguments into library calls and prints
+//! the results.
+
+mod archive;
+mod args;
+mod control;
+mod convert;
+mod mount;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+pub use args::{Cli, Cmd};
+
+/// Run one parsed command.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Convert(a) => convert::cmd_convert(a),
+        Cmd::Inspect {
+            archive,
+            json,
+            blocks,
+        } => archive::cmd_inspect(&archive, json, blocks),
+        Cmd::Verify { archive } => archive::cmd_verify(&archive),
+        Cmd::Export(a) => archive::cmd_export(a),
+        Cmd::Mount(a) => mount::cmd_mount(a),
+        Cmd::Umount { mountpoint } => mount::cmd_umount(&mountpoint),
+        Cmd::Stat {
+            mountpoint,
+            socket,
+            json,
+            prometheus,
+            watch,
+            interval,
+        } => control::cmd_stat(
+            &mountpoint,
+            socket.as_deref(),
+            json,
+            prometheus,
+            watch,
+            interval,
+        ),
+        Cmd::Prefetch(a) => control::control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Prefetch(a.target()),
+        ),
+        Cmd::Pin(a) => control::control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Pin(a.target()),
+        ),
+        Cmd::Unpin(a) => control::control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Unpin(a.target()),
+        ),
+        Cmd::Evict(a) => control::control_call(
+            &a.mountpoint,
+            a.socket.as_deref(),
+            cawsfs::control::Request::Evict(a.what.target()),
+        ),
+        Cmd::Route(a) => control::cmd_route(a),
+        Cmd::Trace {
+            mountpoint,
+            state,
+            socket,
+        } => control::control_call(
+            &mountpoint,
+            socket.as_deref(),
+            cawsfs::control::Request::Trace { on: state == "on" },
+        ),
+        Cmd::Apply {
+            archive,
+            tensor,
+            x,
+            output,
+        } => archive::cmd_apply(&archive, &tensor, &x, output.as_deref()),
+    }
+}
+
+fn init_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    Ok(())
+}
+
+fn bar(len: u64, template: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}

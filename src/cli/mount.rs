@@ -1,0 +1,154 @@
+//! `cawsfs mount` and `cawsfs umount`. Without `--foreground`, mount checks what it can,
+//! then re-runs itself with `--foreground` as a detached daemon and waits until the mount
+//! answers on its control socket.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use super::args::{float_of, gguf_type_of, Eviction, MountArgs};
+
+pub fn cmd_mount(a: MountArgs) -> Result<()> {
+    if a.foreground {
+        return cawsfs::mount::run(&a.archive, &a.mountpoint, &mount_options(&a))
+            .map_err(Into::into);
+    }
+    // Check what can be checked before detaching, so mistakes are reported here.
+    cawsfs::archive::open(&a.archive)?;
+    if !a.mountpoint.is_dir() {
+        bail!("{}: not a directory", a.mountpoint.display());
+    }
+    if cawsfs::mount::is_mounted(&a.mountpoint) {
+        bail!("{}: already a cawsfs mount", a.mountpoint.display());
+    }
+    spawn_daemon(&a)
+}
+
+fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
+    cawsfs::mount::MountOptions {
+        fs: cawsfs::fs::FsOptions {
+            cache_bytes: a
+                .cache_size
+                .unwrap_or_else(cawsfs::mount::default_cache_bytes),
+            gguf_type: gguf_type_of(a.gguf_type),
+            safetensors_dtype: a.dtype.map(float_of),
+            prefetch_threads: a.prefetch_threads,
+            readahead_chunks: a.readahead_chunks,
+            router_eviction: a.eviction == Eviction::Router,
+            ..Default::default()
+        },
+        threads: a.threads,
+        allow_other: a.allow_other,
+        socket: a.socket.clone(),
+        pin_infra_layers: a.pin_infra.then_some(a.pin_infra_layers),
+        pin_prompt: a.pin_prompt.clone(),
+    }
+}
+
+/// Re-run this command line with `--foreground` as a session leader logging to a file
+/// next to the socket, and wait until the mount answers (or the daemon dies, whose last
+/// log line becomes the error).
+fn spawn_daemon(a: &MountArgs) -> Result<()> {
+    let dir = cawsfs::control::socket_dir();
+    cawsfs::control::ensure_private_dir(&dir)?;
+    let log = cawsfs::control::default_socket_path(&a.mountpoint).with_extension("log");
+    let log_file = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(std::env::args_os().skip(1)).arg("--foreground");
+    if std::env::var_os("CAWSFS_LOG").is_none() {
+        cmd.env("CAWSFS_LOG", "info");
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    // SAFETY: setsid is async-signal-safe; it detaches the daemon from our terminal.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("starting the mount daemon")?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let last = text
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
+            bail!(
+                "mount daemon exited ({status}): {}",
+                last.trim_start_matches("cawsfs: error: ")
+            );
+        }
+        let sock = a
+            .socket
+            .clone()
+            .unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
+        let ping = cawsfs::control::request(
+            &sock,
+            &cawsfs::control::Request::Ping,
+            std::time::Duration::from_secs(2),
+        );
+        if ping.is_ok() && cawsfs::mount::is_mounted(&a.mountpoint) {
+            println!(
+                "mounted {} at {} (pid {}, socket {}, log {})",
+                a.archive.display(),
+                a.mountpoint.display(),
+                child.id(),
+                sock.display(),
+                log.display()
+            );
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = std::process::Command::new("fusermount3")
+                .arg("-u")
+                .arg(&a.mountpoint)
+                .status();
+            bail!(
+                "{}: the mount did not come up within 60 s (log {})",
+                a.mountpoint.display(),
+                log.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+pub fn cmd_umount(mp: &Path) -> Result<()> {
+    if !cawsfs::mount::is_mounted(mp) {
+        bail!("{}: not a cawsfs mount", mp.display());
+    }
+    let sock = cawsfs::control::find_socket(mp);
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg(mp)
+        .status()
+        .or_else(|_| std::process::Command::new("umount").arg(mp).status())
+        .context("running fusermount3")?;
+    if !status.success() {
+        bail!(
+            "{}: unmount failed ({status}); is a program still using it?",
+            mp.display()
+        );
+    }
+    // The daemon notices and exits; wait for its socket to go away.
+    for _ in 0..100 {
+        let alive = cawsfs::control::request(
+            &sock,
+            &cawsfs::control::Request::Ping,
+            std::time::Duration::from_millis(200),
+        );
+        if alive.is_err() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    println!("unmounted {}", mp.display());
+    Ok(())
+}
