@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use globset::{Glob, GlobSet, GlobSetBuilder};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -24,8 +25,8 @@ pub mod npydir;
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
     pub ndsq: NdsqOptions,
-    /// Tensors whose name matches one of these `*`-wildcard patterns are stored as
-    /// compressed passthrough (bit-exact). 1-D tensors always are.
+    /// Tensors whose name matches one of these glob patterns ([`Patterns`]) are stored
+    /// as compressed passthrough (bit-exact). 1-D tensors always are.
     pub passthrough: Vec<String>,
     pub compression: Compression,
     /// Tensors encoded at once; bounds peak memory.
@@ -71,7 +72,7 @@ impl ConvertOptions {
         if o.pq_dim == 0 || o.pq_m == Some(0) {
             return bad("--pq-dim and --pq-m must be at least 1".into());
         }
-        Ok(())
+        Patterns::new(&self.passthrough).map(drop)
     }
 }
 
@@ -143,29 +144,48 @@ impl ConvertReport {
     }
 }
 
-/// `*` matches any run of characters; everything else matches itself.
-pub fn wildcard_match(pattern: &str, name: &str) -> bool {
-    match pattern.split_once('*') {
-        None => pattern == name,
-        Some((head, tail)) => {
-            let Some(rest) = name.strip_prefix(head) else {
-                return false;
-            };
-            (0..=rest.len())
-                .filter(|&i| rest.is_char_boundary(i))
-                .any(|i| wildcard_match(tail, &rest[i..]))
+/// Tensor-name patterns (`--passthrough`), compiled once. They are globs: `*` matches
+/// any run of characters, dots included (globset's default, `literal_separator` off);
+/// `?`, `[...]` and `{a,b}` are special too, which tensor names never contain.
+pub struct Patterns(GlobSet);
+
+impl Patterns {
+    /// An invalid pattern is a one-line options error naming it.
+    pub fn new(patterns: &[String]) -> Result<Patterns, ConvertError> {
+        let mut set = GlobSetBuilder::new();
+        for p in patterns {
+            let glob = Glob::new(p).map_err(|e| {
+                ConvertError::Options(format!("--passthrough pattern {p:?}: {}", e.kind()))
+            })?;
+            set.add(glob);
         }
+        let set = set
+            .build()
+            .map_err(|e| ConvertError::Options(format!("--passthrough patterns: {e}")))?;
+        Ok(Patterns(set))
+    }
+
+    pub fn is_match(&self, name: &str) -> bool {
+        self.0.is_match(name)
     }
 }
 
-fn is_passthrough(t: &TensorDesc, opts: &ConvertOptions) -> bool {
-    t.shape.len() < 2 || opts.passthrough.iter().any(|p| wildcard_match(p, &t.name))
+/// Does `name` match the glob `pattern` (as in [`Patterns`])? An invalid pattern
+/// matches nothing; pipelines that want it reported compile theirs with
+/// [`Patterns::new`].
+pub fn wildcard_match(pattern: &str, name: &str) -> bool {
+    Glob::new(pattern).is_ok_and(|g| g.compile_matcher().is_match(name))
+}
+
+fn is_passthrough(t: &TensorDesc, pass: &Patterns) -> bool {
+    t.shape.len() < 2 || pass.is_match(&t.name)
 }
 
 fn encode_one(
     src: &dyn SourceModel,
     i: usize,
     opts: &ConvertOptions,
+    pass: &Patterns,
 ) -> Result<EncodedTensor, ConvertError> {
     let t = &src.desc().tensors[i];
     let rpb = rows_per_block(t);
@@ -173,7 +193,7 @@ fn encode_one(
         tensor: t.name.clone(),
         source,
     };
-    if is_passthrough(t, opts) {
+    if is_passthrough(t, pass) {
         let raw = src.raw(i)?;
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else {
@@ -224,6 +244,7 @@ pub fn convert(
     progress: &(dyn Fn(usize, usize, &str) + Sync),
 ) -> Result<ConvertReport, ConvertError> {
     opts.validate()?;
+    let pass = Patterns::new(&opts.passthrough)?;
     let desc = src.desc();
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
@@ -231,7 +252,7 @@ pub fn convert(
     in_windows(
         n,
         opts.window,
-        |i| encode_one(src, i, opts),
+        |i| encode_one(src, i, opts, &pass),
         |i, enc: EncodedTensor| {
             let t = &desc.tensors[i];
             let rpb = rows_per_block(t);
@@ -283,7 +304,7 @@ pub fn routing_bytes(src: &dyn SourceModel) -> Result<Vec<u8>, ConvertError> {
 
 #[cfg(test)]
 mod tests {
-    use super::wildcard_match;
+    use super::{wildcard_match, ConvertOptions, Patterns};
 
     #[test]
     fn wildcards() {
@@ -305,5 +326,24 @@ mod tests {
             "model.layers.12.mlp.up_proj.weight"
         ));
         assert!(!wildcard_match("model.layers.1*", "model.layers.2.x"));
+        // `*` crosses `/` (globset's default), as the hand-written matcher did.
+        assert!(wildcard_match("a*b", "a/x/b"));
+        let p = Patterns::new(&["*.mlp.*".into(), "lm_head.weight".into()]).unwrap();
+        assert!(p.is_match("lm_head.weight") && p.is_match("model.layers.0.mlp.x"));
+        assert!(!p.is_match("model.norm.weight"));
+    }
+
+    #[test]
+    fn invalid_pattern_is_one_line_naming_it() {
+        let opts = ConvertOptions {
+            passthrough: vec!["model.layers.[0".into()],
+            ..ConvertOptions::default()
+        };
+        let e = opts.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("\"model.layers.[0\"") && !e.contains('\n'),
+            "{e}"
+        );
+        assert!(!wildcard_match("model.layers.[0", "model.layers.[0"));
     }
 }

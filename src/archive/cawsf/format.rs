@@ -3,16 +3,14 @@
 //! shape. The container pieces it shares with the delta kind live in
 //! [`crate::archive::container`].
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 
-use crate::archive::container::{le_u32, le_u64};
+pub use crate::archive::container::SEC_META;
+use crate::archive::container::{u32_at, u64_at, ContainerKind, Names};
 use crate::codec::TensorCodec;
 
 pub const MAGIC: [u8; 8] = *b"CAWSF\0\0\0";
 pub const HEADER_FIXED: usize = 16;
-pub const SEC_META: u32 = 1;
 pub const SEC_CODEBOOKS: u32 = 2;
 pub const SEC_SHARD_BANK: u32 = 3;
 pub const SEC_ROUTING: u32 = 4;
@@ -55,19 +53,17 @@ impl IndexEntry {
         out.extend_from_slice(&[0u8; 3]);
         out.extend_from_slice(&self.tensor.to_le_bytes());
     }
-    /// `b` must be exactly 32 bytes.
-    pub fn parse(b: &[u8]) -> (IndexEntry, [u8; 3]) {
-        (
-            IndexEntry {
-                offset: le_u64(&b[0..8]),
-                csize: le_u32(&b[8..12]),
-                usize: le_u32(&b[12..16]),
-                xxh3: le_u64(&b[16..24]),
-                comp: b[24],
-                tensor: le_u32(&b[28..32]),
-            },
-            [b[25], b[26], b[27]],
-        )
+    /// The entry in the first 32 bytes of `b`, if it has them, and its reserved bytes.
+    pub fn parse(b: &[u8]) -> Option<(IndexEntry, [u8; 3])> {
+        let entry = IndexEntry {
+            offset: u64_at(b, 0)?,
+            csize: u32_at(b, 8)?,
+            usize: u32_at(b, 12)?,
+            xxh3: u64_at(b, 16)?,
+            comp: *b.get(24)?,
+            tensor: u32_at(b, 28)?,
+        };
+        Some((entry, b.get(25..28)?.try_into().ok()?))
     }
 }
 
@@ -95,17 +91,20 @@ impl RecordHeader {
         b[16..20].copy_from_slice(&self.csize.to_le_bytes());
         b
     }
-    /// `b` must be exactly 20 bytes.
-    pub fn parse(b: &[u8]) -> RecordHeader {
-        RecordHeader {
-            ty: b[0],
-            comp: b[1],
-            reserved: u16::from_le_bytes([b[2], b[3]]),
-            tensor: le_u32(&b[4..8]),
-            block: le_u32(&b[8..12]),
-            usize: le_u32(&b[12..16]),
-            csize: le_u32(&b[16..20]),
-        }
+    /// The header in the first 20 bytes of `b`, if it has them.
+    pub fn parse(b: &[u8]) -> Option<RecordHeader> {
+        let &[ty, comp, r0, r1, ..] = b else {
+            return None;
+        };
+        Some(RecordHeader {
+            ty,
+            comp,
+            reserved: u16::from_le_bytes([r0, r1]),
+            tensor: u32_at(b, 4)?,
+            block: u32_at(b, 8)?,
+            usize: u32_at(b, 12)?,
+            csize: u32_at(b, 16)?,
+        })
     }
 }
 
@@ -131,29 +130,42 @@ pub struct MetaTensor {
     pub global: GlobalRef,
 }
 
-/// META as written. Field order here is the JSON key order.
+/// The `.cawsf` kind's META keys as written (between `hf_files` and `checksum_index`).
 #[derive(Serialize)]
-pub struct MetaOut<'a> {
-    pub format: &'a str,
-    pub version: u32,
-    /// `ModelDesc` with `hf_files` emptied (they go to the `hf_files` key below).
-    pub model: serde_json::Value,
-    pub hf_files: BTreeMap<String, serde_json::Value>,
+pub struct MetaKindOut<'a> {
     pub tensors: &'a [MetaTensor],
-    pub checksum_index: BTreeMap<String, String>,
-    pub extra: &'a serde_json::Value,
 }
 
-/// META as read (unknown keys ignored).
+/// The `.cawsf` kind's META keys as read.
 #[derive(Deserialize)]
-pub struct MetaIn {
-    pub format: String,
-    pub version: u32,
-    pub model: serde_json::Value,
-    #[serde(default)]
-    pub hf_files: BTreeMap<String, serde_json::Value>,
+pub struct MetaKindIn {
     pub tensors: Vec<MetaTensor>,
-    pub checksum_index: BTreeMap<String, String>,
-    #[serde(default)]
-    pub extra: serde_json::Value,
+}
+
+/// META's `format`.
+pub const FORMAT: &str = "cawsf";
+
+/// The `.cawsf` kind's container: no header fields of its own beyond the section count.
+pub struct CawsfContainer;
+
+impl ContainerKind for CawsfContainer {
+    const MAGIC: [u8; 8] = MAGIC;
+    const HEADER_FIXED: usize = HEADER_FIXED;
+    const NAMES: Names = Names {
+        header: "cawsf",
+        file: "cawsf archive",
+        version: "cawsf",
+    };
+    const FORMAT: &'static str = FORMAT;
+    const RAW_ONLY: &'static [u32] = &[SEC_CODEBOOKS, SEC_SHARD_BANK];
+    const REQUIRED: &'static [u32] = &[SEC_META, SEC_CODEBOOKS, SEC_SHARD_BANK, SEC_BLOCK_INDEX];
+    type Header = ();
+    type Meta = MetaKindIn;
+
+    fn section_name(ty: u32) -> String {
+        section_name(ty)
+    }
+    fn header(_fields: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }

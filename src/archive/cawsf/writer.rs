@@ -1,13 +1,12 @@
 //! Streaming `.cawsf` writer. Blocks go to SHARD_BANK as tensors arrive (right after the
 //! reserved header page); global blobs are spooled to a side file so they never pile up
 //! in memory; `finish` appends CODEBOOKS, BLOCK_INDEX, ROUTING and META, then writes the
-//! header/TOC and renames `<path>.tmp` to `<path>`.
+//! header/TOC and renames the temporary file to the output ([`ContainerWriter`]).
 
-use std::fs::{self, File};
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::Path;
 
-use rayon::prelude::*;
+use tempfile::NamedTempFile;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 use crate::codec::{EncodedTensor, TensorCodec};
@@ -26,68 +25,37 @@ struct PendingTensor {
 }
 
 /// Streaming writer: tensors are added in model order as they are encoded, then
-/// `finish` writes META, CODEBOOKS and ROUTING and the header/TOC.
+/// `finish` writes META, CODEBOOKS and ROUTING and the header/TOC. Dropped unfinished
+/// (a failed or abandoned conversion), it leaves no files behind: both temporary files
+/// delete themselves.
 pub struct CawsfWriter {
-    path: PathBuf,
-    tmp: PathBuf,
-    cb_tmp: PathBuf,
-    compression: Compression,
-    out: Option<BufWriter<File>>,
-    cb: Option<BufWriter<File>>,
-    /// Bytes written to SHARD_BANK so far.
-    bank_len: u64,
-    bank_hash: Xxh3Default,
+    w: ContainerWriter,
+    /// The CODEBOOKS spool, beside the output like the archive's temporary file.
+    cb: BufWriter<NamedTempFile>,
     cb_len: u64,
     cb_hash: Xxh3Default,
     index: Vec<u8>,
     n_entries: u64,
     tensors: Vec<PendingTensor>,
-    done: bool,
 }
 
 impl CawsfWriter {
-    fn io(&self, e: std::io::Error) -> ArchiveError {
-        io_error(&self.path, e)
-    }
     fn invalid(&self, reason: String) -> ArchiveError {
-        invalid(&self.path, reason)
+        self.w.invalid(reason)
     }
 
     pub fn create(path: &Path, compression: Compression) -> Result<CawsfWriter, ArchiveError> {
-        let tmp = with_suffix(path, ".tmp");
-        let cb_tmp = with_suffix(path, ".cbtmp");
-        let f = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-        let cb = match File::create(&cb_tmp) {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                return Err(io_error(&cb_tmp, e));
-            }
-        };
-        let mut w = CawsfWriter {
-            path: path.to_path_buf(),
-            tmp,
-            cb_tmp,
-            compression,
-            out: Some(BufWriter::with_capacity(1 << 20, f)),
-            cb: Some(BufWriter::with_capacity(1 << 20, cb)),
-            bank_len: 0,
-            bank_hash: Xxh3Default::new(),
+        let w = ContainerWriter::create(path, compression)?;
+        let cb = temp_beside(path).map_err(|e| w.io(e))?;
+        Ok(CawsfWriter {
+            w,
+            cb: BufWriter::with_capacity(1 << 20, cb),
             cb_len: 0,
             cb_hash: Xxh3Default::new(),
             index: Vec::new(),
             n_entries: 0,
             tensors: Vec::new(),
-            done: false,
-        };
-        // Reserve the header page; SHARD_BANK starts at 4096.
-        let zeros = [0u8; ALIGN as usize];
-        w.out
-            .as_mut()
-            .expect("open")
-            .write_all(&zeros)
-            .map_err(|e| w.io(e))?;
-        Ok(w)
+        })
     }
 
     /// Add tensor `index` (its position in `ModelDesc::tensors`); tensors must come in order.
@@ -97,17 +65,10 @@ impl CawsfWriter {
         rows_per_block: u64,
         encoded: &EncodedTensor,
     ) -> Result<(), ArchiveError> {
-        if index != self.tensors.len() {
-            return Err(self.invalid(format!(
-                "tensor {index} added out of order (expected tensor {})",
-                self.tensors.len()
-            )));
-        }
+        let tensor_u32 = self.w.tensor_index(index, self.tensors.len())?;
         if rows_per_block == 0 {
             return Err(self.invalid(format!("tensor {index}: rows_per_block is 0")));
         }
-        let tensor_u32 = u32::try_from(index)
-            .map_err(|_| self.invalid(format!("tensor index {index} exceeds u32")))?;
         if encoded.blocks.len() > u32::MAX as usize {
             return Err(self.invalid(format!("tensor {index}: too many blocks")));
         }
@@ -121,7 +82,7 @@ impl CawsfWriter {
         }
 
         // Global blob → CODEBOOKS spool.
-        let (gcomp, gstored) = compress(&encoded.global, self.compression);
+        let (gcomp, gstored) = compress(&encoded.global, self.w.compression());
         let global = GlobalRef {
             offset: self.cb_len,
             csize: gstored.len() as u64,
@@ -131,15 +92,12 @@ impl CawsfWriter {
         };
         self.cb_hash.update(&gstored);
         self.cb_len += gstored.len() as u64;
-        let cb = self.cb.as_mut().expect("open");
-        if let Err(e) = cb.write_all(&gstored) {
-            return Err(self.io(e));
+        if let Err(e) = self.cb.write_all(&gstored) {
+            return Err(self.w.io(e));
         }
 
         // Blocks: compress in parallel, write in order.
-        let c = self.compression;
-        let packed: Vec<(u8, std::borrow::Cow<'_, [u8]>)> =
-            encoded.blocks.par_iter().map(|b| compress(b, c)).collect();
+        let packed = self.w.compress_all(&encoded.blocks);
         let first_block = self.n_entries;
         for (b, ((comp, stored), raw)) in packed.iter().zip(&encoded.blocks).enumerate() {
             let hdr = RecordHeader {
@@ -151,32 +109,16 @@ impl CawsfWriter {
                 usize: raw.len() as u32,
                 csize: stored.len() as u32,
             };
-            let out = self.out.as_mut().expect("open");
-            let r = pad16(
-                out,
-                &mut self.bank_hash,
-                &mut self.bank_len,
-                REC_HEADER as u64,
-            );
-            r.map_err(|e| self.io(e))?;
-            let entry = IndexEntry {
-                offset: self.bank_len,
+            let offset = self.w.append(&hdr.to_bytes(), stored)?;
+            IndexEntry {
+                offset,
                 csize: stored.len() as u32,
                 usize: raw.len() as u32,
                 xxh3: xxh3_64(stored),
                 comp: *comp,
                 tensor: tensor_u32,
-            };
-            let hb = hdr.to_bytes();
-            let out = self.out.as_mut().expect("open");
-            let res = out.write_all(&hb).and_then(|_| out.write_all(stored));
-            if let Err(e) = res {
-                return Err(self.io(e));
             }
-            self.bank_hash.update(&hb);
-            self.bank_hash.update(stored);
-            self.bank_len += (REC_HEADER + stored.len()) as u64;
-            entry.write(&mut self.index);
+            .write(&mut self.index);
             self.n_entries += 1;
         }
         self.tensors.push(PendingTensor {
@@ -192,19 +134,13 @@ impl CawsfWriter {
     /// `extra` is free-form JSON stored in META (conversion options, report).
     /// Returns the archive's size in bytes.
     pub fn finish(
-        mut self,
+        self,
         model: &ModelDesc,
         extra: serde_json::Value,
         routing: &[u8],
     ) -> Result<u64, ArchiveError> {
         // Every tensor present, block counts consistent with the shapes.
-        if self.tensors.len() != model.tensors.len() {
-            return Err(self.invalid(format!(
-                "{} tensors added but the model has {}",
-                self.tensors.len(),
-                model.tensors.len()
-            )));
-        }
+        self.w.check_count(self.tensors.len(), model)?;
         let mut meta_tensors = Vec::with_capacity(self.tensors.len());
         for (t, d) in self.tensors.iter().zip(&model.tensors) {
             let rows = d.rows();
@@ -227,85 +163,39 @@ impl CawsfWriter {
             });
         }
 
-        let bank = TocRecord {
-            ty: SEC_SHARD_BANK,
-            flags: 0,
-            offset: ALIGN,
-            size: self.bank_len,
-            usize: self.bank_len,
-            xxh3: self.bank_hash.digest(),
+        let (cb_len, cb_hash) = (self.cb_len, self.cb_hash.digest());
+        let mut spool = self
+            .cb
+            .into_inner()
+            .map_err(|e| self.w.io(e.into_error()))?;
+        let layout = Layout {
+            magic: &MAGIC,
+            fields: &[],
+            data_ty: SEC_SHARD_BANK,
+            index_ty: SEC_BLOCK_INDEX,
+            routing_ty: SEC_ROUTING,
+            name_of: section_name,
         };
-        let mut out = self.out.take().expect("open");
-        let mut pos = ALIGN + self.bank_len;
-
-        let r = (|| -> std::io::Result<u64> {
+        let sections = |s: &mut Sections<'_>| {
             // CODEBOOKS: copy the spool.
-            pad_to_align(&mut out, &mut pos)?;
-            let mut cbw = self.cb.take().expect("open");
-            cbw.flush()?;
-            drop(cbw);
-            let mut cbf = File::open(&self.cb_tmp)?;
-            let copied = std::io::copy(&mut cbf, &mut out)?;
-            if copied != self.cb_len {
+            spool.seek(SeekFrom::Start(0))?;
+            let copied = s.copy(SEC_CODEBOOKS, &mut spool, cb_len, cb_hash)?;
+            if copied != cb_len {
                 return Err(std::io::Error::other(format!(
-                    "codebook spool has {copied} bytes, expected {}",
-                    self.cb_len
+                    "codebook spool has {copied} bytes, expected {cb_len}"
                 )));
             }
-            let codebooks = TocRecord {
-                ty: SEC_CODEBOOKS,
-                flags: 0,
-                offset: pos,
-                size: self.cb_len,
-                usize: self.cb_len,
-                xxh3: self.cb_hash.digest(),
-            };
-            pos += self.cb_len;
-
-            let meta_c = Compression::Zstd(META_ZSTD_LEVEL);
-            let index = write_section(&mut out, &mut pos, SEC_BLOCK_INDEX, &self.index, meta_c)?;
-            let routing =
-                write_section(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
-            let checksum_index =
-                checksum_index(&[&codebooks, &bank, &index, &routing], section_name);
-            let (model_v, hf_files) = model_to_meta(model).map_err(std::io::Error::other)?;
-            let meta = MetaOut {
-                format: "cawsf",
-                version: VERSION,
-                model: model_v,
-                hf_files,
+            Ok(())
+        };
+        let meta = MetaSpec {
+            format: FORMAT,
+            model,
+            kind: MetaKindOut {
                 tensors: &meta_tensors,
-                checksum_index,
-                extra: &extra,
-            };
-            let json = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
-            let meta = write_section(&mut out, &mut pos, SEC_META, &json, meta_c)?;
-            pad_to_align(&mut out, &mut pos)?;
-
-            let toc = [meta, codebooks, bank, routing, index];
-            let mut header = Vec::with_capacity(HEADER_FIXED + TOC_RECORD * toc.len() + 8);
-            header.extend_from_slice(&MAGIC);
-            header.extend_from_slice(&VERSION.to_le_bytes());
-            header.extend_from_slice(&(toc.len() as u32).to_le_bytes());
-            write_header(out, header, &toc)?;
-            Ok(pos)
-        })();
-        let total = r.map_err(|e| self.io(e))?;
-        fs::rename(&self.tmp, &self.path).map_err(|e| self.io(e))?;
-        let _ = fs::remove_file(&self.cb_tmp);
-        self.done = true;
-        Ok(total)
-    }
-}
-
-impl Drop for CawsfWriter {
-    /// An unfinished (failed or abandoned) conversion leaves no files behind.
-    fn drop(&mut self) {
-        if !self.done {
-            self.out = None;
-            self.cb = None;
-            let _ = fs::remove_file(&self.tmp);
-            let _ = fs::remove_file(&self.cb_tmp);
-        }
+            },
+            extra: &extra,
+        };
+        self.w
+            .finish(layout, sections, (&self.index, routing), meta)
     }
 }

@@ -1,20 +1,26 @@
 //! What the `.cawsf` and delta kinds share of their container (docs/FORMAT.md §2): the
-//! header and TOC of 4 KiB-aligned sections, section and block compression, checksums,
-//! META's model part, mapping and validating a file, writing sections. The ROUTING
-//! section's bytes, which every kind stores, are in [`routing`].
+//! header and TOC of 4 KiB-aligned sections, section and block compression, checksums.
+//! Opening a file up to its parsed META is [`Container::open`] (in `open`), writing one
+//! [`ContainerWriter`] (in `writer`), META's shared keys `meta`. The ROUTING section's
+//! bytes, which every kind stores, are in [`routing`].
 
+mod meta;
+mod open;
 pub mod routing;
+mod writer;
+
+pub use meta::{model_from_meta, model_to_meta, MetaIn, MetaOut};
+pub use open::{u32_at, u64_at, Container, ContainerKind, Names, Opened, SEC_META};
+pub use writer::{temp_beside, ContainerWriter, Layout, MetaSpec, Sections};
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::path::Path;
 
-use memmap2::Mmap;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
-use crate::model::{ModelDesc, TensorDesc};
+use crate::model::TensorDesc;
 
 use crate::archive::{ArchiveError, SectionInfo};
 
@@ -91,70 +97,29 @@ impl TocRecord {
         out.extend_from_slice(&self.usize.to_le_bytes());
         out.extend_from_slice(&self.xxh3.to_le_bytes());
     }
-    /// `b` must be exactly 40 bytes.
-    pub fn parse(b: &[u8]) -> TocRecord {
-        TocRecord {
-            ty: le_u32(&b[0..4]),
-            flags: le_u32(&b[4..8]),
-            offset: le_u64(&b[8..16]),
-            size: le_u64(&b[16..24]),
-            usize: le_u64(&b[24..32]),
-            xxh3: le_u64(&b[32..40]),
-        }
-    }
-}
-
-pub fn le_u32(b: &[u8]) -> u32 {
-    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-}
-
-pub fn le_u64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[..8]);
-    u64::from_le_bytes(a)
-}
-
-/// META's `model` + `hf_files` for a model: side files as JSON strings when they are
-/// UTF-8 (they are JSON/text: ~1 byte per byte instead of ~4 as a number array).
-pub fn model_to_meta(
-    model: &ModelDesc,
-) -> serde_json::Result<(serde_json::Value, BTreeMap<String, serde_json::Value>)> {
-    let mut v = serde_json::to_value(model)?;
-    if let Some(obj) = v.as_object_mut() {
-        obj.insert(
-            "hf_files".into(),
-            serde_json::Value::Object(Default::default()),
-        );
-    }
-    let files = model
-        .hf_files
-        .iter()
-        .map(|(k, bytes)| {
-            let val = match std::str::from_utf8(bytes) {
-                Ok(s) => serde_json::Value::String(s.to_owned()),
-                Err(_) => serde_json::to_value(bytes).expect("bytes serialize"),
-            };
-            (k.clone(), val)
+    /// The record in the first 40 bytes of `b`, if it has them.
+    pub fn read(b: &[u8]) -> Option<TocRecord> {
+        Some(TocRecord {
+            ty: u32_at(b, 0)?,
+            flags: u32_at(b, 4)?,
+            offset: u64_at(b, 8)?,
+            size: u64_at(b, 16)?,
+            usize: u64_at(b, 24)?,
+            xxh3: u64_at(b, 32)?,
         })
-        .collect();
-    Ok((v, files))
+    }
 }
 
-/// Inverse of [`model_to_meta`].
-pub fn model_from_meta(
-    model: serde_json::Value,
-    files: BTreeMap<String, serde_json::Value>,
-) -> Result<ModelDesc, String> {
-    let mut m: ModelDesc = serde_json::from_value(model).map_err(|e| format!("model: {e}"))?;
-    for (k, v) in files {
-        let bytes = match v {
-            serde_json::Value::String(s) => s.into_bytes(),
-            other => serde_json::from_value::<Vec<u8>>(other)
-                .map_err(|e| format!("hf_files[{k:?}]: {e}"))?,
-        };
-        m.hf_files.insert(k, bytes);
+// The tests build and edit headers by hand with these.
+#[cfg(test)]
+impl TocRecord {
+    pub fn parse(b: &[u8]) -> TocRecord {
+        TocRecord::read(b).expect("a 40-byte TOC record")
     }
-    Ok(m)
+}
+#[cfg(test)]
+pub fn le_u32(b: &[u8]) -> u32 {
+    u32_at(b, 0).expect("4 bytes")
 }
 
 /// Compress `data`; returns (comp code, stored bytes). Falls back to raw when the
@@ -340,9 +305,6 @@ pub fn check_checksum_index(
     Ok(())
 }
 
-// ---------------------------------------------------------------------------------------
-// Container plumbing shared by every kind that uses this header + TOC (`.cawsf`, delta).
-
 /// `ArchiveError::Invalid` for `path`.
 pub fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
     ArchiveError::Invalid {
@@ -357,104 +319,6 @@ pub fn io_error(path: &Path, source: std::io::Error) -> ArchiveError {
         path: path.display().to_string(),
         source,
     }
-}
-
-/// `path` with `suffix` appended to its file name (`x.cawsf` → `x.cawsf.tmp`).
-pub fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(suffix);
-    std::path::PathBuf::from(s)
-}
-
-/// Memory-map the container at `path`, refusing files shorter than `min_len` (the fixed
-/// header plus its checksum) so the caller may read the fixed header directly.
-pub fn map_container(path: &Path, min_len: usize, what: &str) -> Result<Mmap, ArchiveError> {
-    let io = |e| io_error(path, e);
-    let file = File::open(path).map_err(io)?;
-    let len = file.metadata().map_err(io)?.len();
-    if len < min_len as u64 {
-        return Err(invalid(
-            path,
-            format!("truncated: file is {len} bytes, too short for a {what} header"),
-        ));
-    }
-    // SAFETY: the archive is opened read-only and treated as immutable; every access is
-    // bounds-checked against the mapping's length. (Another process truncating the file
-    // while mapped could still fault, as with any mmap.)
-    unsafe { Mmap::map(&file) }.map_err(io)
-}
-
-/// The first 12 bytes of a container: `magic`, then a version this reader knows.
-/// `(archive, version)` name the kind in the two messages (docs/FORMAT.md §2).
-pub fn check_magic_version(
-    data: &[u8],
-    magic: &[u8; 8],
-    (archive, version_of): (&str, &str),
-) -> Result<(), String> {
-    if data[0..8] != magic[..] {
-        return Err(format!("not a {archive} (bad magic)"));
-    }
-    let version = le_u32(&data[8..12]);
-    if version != VERSION {
-        return Err(format!("unsupported {version_of} version {version}"));
-    }
-    Ok(())
-}
-
-/// The TOC of a container whose fixed header is `header_fixed` bytes and says it has
-/// `n` sections: the count bounded, the records and the header checksum inside `data`,
-/// the checksum right.
-pub fn parse_toc(data: &[u8], header_fixed: usize, n: u32) -> Result<Vec<TocRecord>, String> {
-    let n = n as usize;
-    if n == 0 || n > MAX_SECTIONS {
-        return Err(format!(
-            "bad header: section count {n} (must be 1..={MAX_SECTIONS})"
-        ));
-    }
-    let toc_end = header_fixed + TOC_RECORD * n;
-    let Some(hsum) = data.get(toc_end..toc_end + 8) else {
-        return Err(format!(
-            "truncated: TOC of {n} sections needs {} bytes but file is {} bytes",
-            toc_end + 8,
-            data.len()
-        ));
-    };
-    let (stored, computed) = (le_u64(hsum), xxh3_64(&data[..toc_end]));
-    if stored != computed {
-        return Err(format!(
-            "header failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"
-        ));
-    }
-    Ok(data[header_fixed..toc_end]
-        .chunks_exact(TOC_RECORD)
-        .map(TocRecord::parse)
-        .collect())
-}
-
-/// The record of a section the kind cannot do without.
-pub fn required(
-    by_type: &[Option<TocRecord>],
-    ty: u32,
-    name_of: fn(u32) -> String,
-) -> Result<TocRecord, String> {
-    by_type
-        .get(ty as usize)
-        .copied()
-        .flatten()
-        .ok_or_else(|| format!("bad TOC: section {} is missing", name_of(ty)))
-}
-
-/// META's `format` and `version` must be what this reader writes.
-pub fn check_meta_kind(format: &str, version: u32, want: &str) -> Result<(), String> {
-    if format != want {
-        return Err(format!("META format is {format:?}, expected {want:?}"));
-    }
-    if version != VERSION {
-        return Err(format!(
-            "META version {version} disagrees with header version {VERSION}"
-        ));
-    }
-    Ok(())
 }
 
 /// The TOC as `inspect` lists it.
@@ -569,29 +433,4 @@ pub fn write_section(
     };
     *pos += stored.len() as u64;
     Ok(rec)
-}
-
-/// Finish a container: append the TOC records and the header checksum to `header`
-/// (the kind's fixed header fields), write it over the reserved first page and sync.
-pub fn write_header(
-    mut out: BufWriter<File>,
-    mut header: Vec<u8>,
-    toc: &[TocRecord],
-) -> std::io::Result<()> {
-    for rec in toc {
-        rec.write(&mut header);
-    }
-    let h = xxh3_64(&header);
-    header.extend_from_slice(&h.to_le_bytes());
-    out.seek(SeekFrom::Start(0))?;
-    out.write_all(&header)?;
-    let f = out.into_inner().map_err(|e| e.into_error())?;
-    f.sync_all()
-}
-
-/// `checksum_index` for META: every section but META by name, with its checksum.
-pub fn checksum_index(recs: &[&TocRecord], name_of: fn(u32) -> String) -> BTreeMap<String, String> {
-    recs.iter()
-        .map(|r| (name_of(r.ty), hex64(r.xxh3)))
-        .collect()
 }

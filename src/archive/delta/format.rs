@@ -1,29 +1,20 @@
 //! On-disk constants and records of the delta archive (docs/FORMAT-DELTA.md): the
 //! fixed header, the 40-byte BLOB_INDEX entry and META's JSON shape. TOC records,
-//! compression codes and (de)compression come from the `.cawsf` container's format.
-
-use std::collections::BTreeMap;
+//! compression codes and (de)compression come from [`crate::archive::container`], which
+//! this module re-exports for the reader and writer.
 
 use serde::{Deserialize, Serialize};
 
 pub use crate::codec::delta::BaseDtype;
 use crate::model::SourceType;
 
-pub use crate::archive::container::{
-    check_checksum_index, check_magic_version, check_meta_kind, check_toc, checked_payload,
-    checksum_index, compress, invalid, io_error, le_u32, le_u64, load_section, map_container,
-    model_from_meta, model_to_meta, pad16, pad_to_align, parse_toc, required, section_failures,
-    section_infos, with_suffix, write_header, write_section, BlobFault, TocRecord, ALIGN, COMP_LZ4,
-    COMP_RAW, MAX_ELEMENTS, META_ZSTD_LEVEL, TOC_RECORD,
-};
+pub use crate::archive::container::*;
 
 pub const MAGIC: [u8; 8] = *b"CAWSDLT\0";
-pub const VERSION: u32 = 1;
 /// Bytes before the TOC records.
 pub const HEADER_FIXED: usize = 28;
 pub const INDEX_ENTRY: usize = 40;
 
-pub const SEC_META: u32 = 1;
 pub const SEC_DATA: u32 = 3;
 pub const SEC_ROUTING: u32 = 4;
 pub const SEC_BLOB_INDEX: u32 = 5;
@@ -82,22 +73,21 @@ impl BlobEntry {
         out.extend_from_slice(&self.block.to_le_bytes());
         out.extend_from_slice(&[0u8; 4]);
     }
-    /// `b` must be exactly 40 bytes; also returns whether the reserved bytes are zero.
-    pub fn parse(b: &[u8]) -> (BlobEntry, bool) {
-        let reserved_zero = b[26..28] == [0, 0] && b[36..40] == [0, 0, 0, 0];
-        (
-            BlobEntry {
-                offset: le_u64(&b[0..8]),
-                csize: le_u32(&b[8..12]),
-                usize: le_u32(&b[12..16]),
-                xxh3: le_u64(&b[16..24]),
-                comp: b[24],
-                kind: b[25],
-                owner: le_u32(&b[28..32]),
-                block: le_u32(&b[32..36]),
-            },
-            reserved_zero,
-        )
+    /// The entry in the first 40 bytes of `b`, if it has them, and whether its reserved
+    /// bytes are zero.
+    pub fn parse(b: &[u8]) -> Option<(BlobEntry, bool)> {
+        let reserved_zero = b.get(26..28)? == [0, 0] && b.get(36..40)? == [0, 0, 0, 0];
+        let entry = BlobEntry {
+            offset: u64_at(b, 0)?,
+            csize: u32_at(b, 8)?,
+            usize: u32_at(b, 12)?,
+            xxh3: u64_at(b, 16)?,
+            comp: *b.get(24)?,
+            kind: *b.get(25)?,
+            owner: u32_at(b, 28)?,
+            block: u32_at(b, 32)?,
+        };
+        Some((entry, reserved_zero))
     }
 }
 
@@ -143,38 +133,83 @@ impl MetaTensor {
     }
 }
 
-/// META as written. Field order here is the JSON key order.
+/// The delta kind's META keys as written (between `hf_files` and `checksum_index`).
 #[derive(Serialize)]
-pub struct MetaOut<'a> {
-    pub format: &'a str,
-    pub version: u32,
-    pub model: serde_json::Value,
-    pub hf_files: BTreeMap<String, serde_json::Value>,
+pub struct MetaKindOut<'a> {
     pub n_layers: u32,
     pub base_dtype: BaseDtype,
     pub delta_dtype: &'a str,
     pub bases: &'a [MetaBase],
     pub tensors: &'a [MetaTensor],
-    pub checksum_index: BTreeMap<String, String>,
-    pub extra: &'a serde_json::Value,
 }
 
-/// META as read (unknown keys ignored).
+/// The delta kind's META keys as read.
 #[derive(Deserialize)]
-pub struct MetaIn {
-    pub format: String,
-    pub version: u32,
-    pub model: serde_json::Value,
-    #[serde(default)]
-    pub hf_files: BTreeMap<String, serde_json::Value>,
+pub struct MetaKindIn {
     pub n_layers: u32,
     pub base_dtype: BaseDtype,
     pub delta_dtype: String,
     pub bases: Vec<MetaBase>,
     pub tensors: Vec<MetaTensor>,
-    pub checksum_index: BTreeMap<String, String>,
-    #[serde(default)]
-    pub extra: serde_json::Value,
+}
+
+/// META's `format`.
+pub const FORMAT: &str = "cawsf-delta";
+
+/// The header fields of the delta kind (bytes 12..24).
+pub struct DeltaHeader {
+    pub n_layers: u32,
+    pub n_bases: u32,
+    pub base_dtype: BaseDtype,
+}
+
+/// The delta kind's container.
+pub struct DeltaContainer;
+
+impl ContainerKind for DeltaContainer {
+    const MAGIC: [u8; 8] = MAGIC;
+    const HEADER_FIXED: usize = HEADER_FIXED;
+    const NAMES: Names = Names {
+        header: "delta archive",
+        file: "delta archive",
+        version: "delta archive",
+    };
+    const FORMAT: &'static str = FORMAT;
+    const RAW_ONLY: &'static [u32] = &[SEC_DATA];
+    const REQUIRED: &'static [u32] = &[SEC_META, SEC_DATA, SEC_BLOB_INDEX];
+    type Header = DeltaHeader;
+    type Meta = MetaKindIn;
+
+    fn section_name(ty: u32) -> String {
+        section_name(ty)
+    }
+
+    fn header(fields: &[u8]) -> Result<DeltaHeader, String> {
+        let &[l0, l1, l2, l3, b0, b1, b2, b3, base, delta, r0, r1] = fields else {
+            return Err(format!("bad header: {} bytes of fields", fields.len()));
+        };
+        let base_dtype = BaseDtype::from_code(base)
+            .ok_or_else(|| format!("bad header: base dtype code {base}"))?;
+        if delta != DTYPE_F16 || [r0, r1] != [0, 0] {
+            return Err(format!("bad header: delta dtype code {delta} (only 1 = f16 exists) or reserved bytes not zero"));
+        }
+        Ok(DeltaHeader {
+            n_layers: u32::from_le_bytes([l0, l1, l2, l3]),
+            n_bases: u32::from_le_bytes([b0, b1, b2, b3]),
+            base_dtype,
+        })
+    }
+
+    fn agree(h: &DeltaHeader, meta: &MetaKindIn) -> Result<(), String> {
+        if meta.n_layers != h.n_layers
+            || meta.bases.len() as u64 != h.n_bases as u64
+            || meta.base_dtype != h.base_dtype
+            || meta.delta_dtype != "f16"
+        {
+            return Err("META's layer count, bases or dtypes disagree with the header".into());
+        }
+        Ok(())
+    }
 }
 
 /// The seven per-layer projection types, in the order bases are written.

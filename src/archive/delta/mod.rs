@@ -8,6 +8,7 @@
 //! - `decompose`: bases, k-means over layers, base quantization, SVD and rank choice.
 
 pub mod format;
+mod open;
 mod reader;
 #[cfg(test)]
 mod tests;

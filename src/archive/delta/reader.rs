@@ -1,6 +1,6 @@
-//! Reader of the delta archive: memory-maps the file, validates every offset, length
-//! and cross-reference at open, and reconstructs rows r0..r1 of a delta matrix as
-//! B̂[r0..r1] + U[r0..r1]·Vᵀ with one faer GEMM per row block. Every blob's XXH3-64 is
+//! Reader of the delta archive: an archive opened and validated (in `open`) reconstructs
+//! rows r0..r1 of a delta matrix as B̂[r0..r1] + U[r0..r1]·Vᵀ with one faer GEMM per row
+//! block. Every blob's XXH3-64 is
 //! checked before it is decompressed or used. Decoded base blocks and Vᵀ blobs, shared
 //! by many reads (a base by every layer of its cluster), sit in a small LRU bounded in
 //! bytes so the daemon's memory stays near its budget.
@@ -15,10 +15,10 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 
 use super::format::*;
+use crate::archive::SectionInfo;
 use crate::archive::{
     check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
 };
-use crate::archive::{ArchiveError, SectionInfo};
 use crate::codec::delta::{decode_base_block, f16_to_f32};
 use crate::codec::{self, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
@@ -31,14 +31,14 @@ const SHARED_CACHE_BYTES: usize = 12 << 20;
 /// Larger items are decoded per use and not kept.
 const SHARED_ITEM_MAX: usize = SHARED_CACHE_BYTES / 2;
 
-struct BaseEntry {
-    ty: String,
-    cluster: u32,
-    cols: u64,
-    first_blob: usize,
+pub(super) struct BaseEntry {
+    pub(super) ty: String,
+    pub(super) cluster: u32,
+    pub(super) cols: u64,
+    pub(super) first_blob: usize,
 }
 
-enum TensorKind {
+pub(super) enum TensorKind {
     Pass {
         format: SourceType,
     },
@@ -49,42 +49,36 @@ enum TensorKind {
     },
 }
 
-struct TensorEntry {
-    name: String,
-    kind: TensorKind,
-    rows: u64,
-    cols: u64,
-    rows_per_block: u64,
-    first_blob: usize,
-    n_blocks: usize,
+pub(super) struct TensorEntry {
+    pub(super) name: String,
+    pub(super) kind: TensorKind,
+    pub(super) rows: u64,
+    pub(super) cols: u64,
+    pub(super) rows_per_block: u64,
+    pub(super) first_blob: usize,
+    pub(super) n_blocks: usize,
 }
 
-struct SharedCache {
-    lru: lru::LruCache<usize, Arc<Vec<f32>>>,
-    bytes: usize,
+pub(super) struct SharedCache {
+    pub(super) lru: lru::LruCache<usize, Arc<Vec<f32>>>,
+    pub(super) bytes: usize,
 }
 
 /// An opened delta archive.
 pub struct DeltaArchive {
-    path: PathBuf,
-    map: Mmap,
-    toc: Vec<TocRecord>,
-    model: ModelDesc,
-    extra: serde_json::Value,
-    base_dtype: BaseDtype,
-    bases: Vec<BaseEntry>,
-    tensors: Vec<TensorEntry>,
-    index: Vec<BlobEntry>,
-    routing: Vec<u8>,
-    data_offset: u64,
-    cache: Mutex<SharedCache>,
-    counters: ReadCounters,
-}
-
-/// Bound on a compressed blob's decoded size (no allocation beyond what the file
-/// justifies).
-fn blob_usize_ok(csize: u32, usize: u32) -> bool {
-    (usize as u64) <= (csize as u64) * 4096 + (1 << 20)
+    pub(super) path: PathBuf,
+    pub(super) map: Mmap,
+    pub(super) toc: Vec<TocRecord>,
+    pub(super) model: ModelDesc,
+    pub(super) extra: serde_json::Value,
+    pub(super) base_dtype: BaseDtype,
+    pub(super) bases: Vec<BaseEntry>,
+    pub(super) tensors: Vec<TensorEntry>,
+    pub(super) index: Vec<BlobEntry>,
+    pub(super) routing: Vec<u8>,
+    pub(super) data_offset: u64,
+    pub(super) cache: Mutex<SharedCache>,
+    pub(super) counters: ReadCounters,
 }
 
 /// Does the file at `path` start with the delta archive's magic?
@@ -97,365 +91,6 @@ pub fn has_magic(path: &Path) -> bool {
 }
 
 impl DeltaArchive {
-    pub fn open(path: &Path) -> Result<DeltaArchive, ArchiveError> {
-        let map = map_container(path, HEADER_FIXED + 8, "delta archive")?;
-        let data: &[u8] = &map;
-        let len = data.len() as u64;
-        check_magic_version(data, &MAGIC, ("delta archive", "delta archive"))
-            .map_err(|r| invalid(path, r))?;
-        let n_layers = le_u32(&data[12..16]);
-        let n_bases = le_u32(&data[16..20]);
-        let base_dtype = BaseDtype::from_code(data[20])
-            .ok_or_else(|| invalid(path, format!("bad header: base dtype code {}", data[20])))?;
-        if data[21] != DTYPE_F16 || data[22..24] != [0, 0] {
-            return Err(invalid(
-                path,
-                format!("bad header: delta dtype code {} (only 1 = f16 exists) or reserved bytes not zero", data[21]),
-            ));
-        }
-        let toc =
-            parse_toc(data, HEADER_FIXED, le_u32(&data[24..28])).map_err(|r| invalid(path, r))?;
-
-        // Sections: bounds, alignment, flags, no overlap (the .cawsf TOC rules).
-        let by_type =
-            check_toc(&toc, len, &[SEC_DATA], section_name).map_err(|r| invalid(path, r))?;
-        let need = |ty: u32| required(&by_type, ty, section_name).map_err(|r| invalid(path, r));
-        let meta_rec = need(SEC_META)?;
-        let data_rec = need(SEC_DATA)?;
-        let index_rec = need(SEC_BLOB_INDEX)?;
-        let routing_rec = by_type[SEC_ROUTING as usize];
-        let load = |rec: &TocRecord| {
-            load_section(data, rec, &section_name(rec.ty)).map_err(|r| invalid(path, r))
-        };
-
-        // META.
-        let meta: MetaIn = serde_json::from_slice(&load(&meta_rec)?)
-            .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
-        check_meta_kind(&meta.format, meta.version, "cawsf-delta").map_err(|r| invalid(path, r))?;
-        if meta.n_layers != n_layers
-            || meta.bases.len() as u64 != n_bases as u64
-            || meta.base_dtype != base_dtype
-            || meta.delta_dtype != "f16"
-        {
-            return Err(invalid(
-                path,
-                "META's layer count, bases or dtypes disagree with the header",
-            ));
-        }
-        check_checksum_index(&toc, SEC_META, &meta.checksum_index, section_name)
-            .map_err(|r| invalid(path, r))?;
-
-        // BLOB_INDEX: entries inside DATA, in order, not overlapping.
-        let index_bytes = load(&index_rec)?;
-        if index_bytes.len() % INDEX_ENTRY != 0 {
-            return Err(invalid(
-                path,
-                format!(
-                    "BLOB_INDEX is {} bytes, not a multiple of {INDEX_ENTRY}",
-                    index_bytes.len()
-                ),
-            ));
-        }
-        let mut index = Vec::with_capacity(index_bytes.len() / INDEX_ENTRY);
-        let mut prev_end = 0u64;
-        for (i, c) in index_bytes.chunks_exact(INDEX_ENTRY).enumerate() {
-            let (e, reserved_zero) = BlobEntry::parse(c);
-            let bad = |why: String| invalid(path, format!("BLOB_INDEX entry {i}: {why}"));
-            if !reserved_zero {
-                return Err(bad("reserved bytes are not zero".into()));
-            }
-            if e.comp > COMP_LZ4 || (e.comp == COMP_RAW && e.usize != e.csize) {
-                return Err(bad(format!(
-                    "comp {} with csize {} usize {}",
-                    e.comp, e.csize, e.usize
-                )));
-            }
-            if e.comp != COMP_RAW && !blob_usize_ok(e.csize, e.usize) {
-                return Err(bad(format!(
-                    "claims {} bytes decompressed from {}",
-                    e.usize, e.csize
-                )));
-            }
-            match e.offset.checked_add(e.csize as u64) {
-                Some(end) if end <= data_rec.size && e.offset >= prev_end => prev_end = end,
-                _ => {
-                    return Err(bad(format!(
-                        "blob at {}+{} lies outside DATA ({} bytes) or overlaps the previous one",
-                        e.offset, e.csize, data_rec.size
-                    )))
-                }
-            }
-            index.push(e);
-        }
-        drop(index_bytes);
-        let routing = match &routing_rec {
-            Some(r) => load(r)?,
-            None => Vec::new(),
-        };
-        let model = model_from_meta(meta.model, meta.hf_files)
-            .map_err(|e| invalid(path, format!("META is not valid: {e}")))?;
-
-        // Every blob is referenced exactly once, by what its entry says owns it.
-        let mut used = vec![false; index.len()];
-        let mut claim =
-            |what: &str, i: u64, kind: u8, owner: usize, block: usize, usize: Option<u64>| {
-                let e = usize::try_from(i)
-                    .ok()
-                    .and_then(|i| index.get(i).map(|e| (i, e)));
-                let Some((i, e)) = e else {
-                    return Err(invalid(
-                        path,
-                        format!(
-                            "{what}: blob {i} is past the end of BLOB_INDEX ({} entries)",
-                            index.len()
-                        ),
-                    ));
-                };
-                if used[i] {
-                    return Err(invalid(
-                        path,
-                        format!("{what}: blob {i} is referenced twice"),
-                    ));
-                }
-                used[i] = true;
-                if e.kind != kind || e.owner as usize != owner || e.block as usize != block {
-                    return Err(invalid(
-                        path,
-                        format!(
-                            "{what}: blob {i} is a {} of #{} block {} in BLOB_INDEX",
-                            kind_name(e.kind),
-                            e.owner,
-                            e.block
-                        ),
-                    ));
-                }
-                if usize.is_none_or(|u| u != e.usize as u64) {
-                    return Err(invalid(
-                        path,
-                        format!(
-                            "{what}: blob {i} holds {} bytes, its shape needs {}",
-                            e.usize,
-                            usize.map_or_else(|| "an overflowing count".into(), |u| u.to_string())
-                        ),
-                    ));
-                }
-                Ok(())
-            };
-        let check_blocks = |what: &str, rows: u64, cols: u64, rpb: u64, n_blocks: u64| {
-            let numel = rows.checked_mul(cols);
-            if numel.is_none_or(|n| n > MAX_ELEMENTS) {
-                return Err(invalid(path, format!("{what}: absurd shape {rows}x{cols}")));
-            }
-            if rpb == 0 || n_blocks != rows.div_ceil(rpb) {
-                return Err(invalid(
-                    path,
-                    format!("{what}: {n_blocks} blocks of {rpb} rows cannot cover {rows} rows"),
-                ));
-            }
-            Ok(())
-        };
-        let block_rows = |rows: u64, rpb: u64, b: u64| rpb.min(rows - b * rpb);
-
-        let mut bases = Vec::with_capacity(meta.bases.len());
-        for (j, mb) in meta.bases.iter().enumerate() {
-            let what = format!("base {}#{}", type_label(&mb.ty), mb.cluster);
-            check_blocks(&what, mb.rows, mb.cols, mb.rows_per_block, mb.n_blocks)?;
-            for b in 0..mb.n_blocks {
-                let nr = block_rows(mb.rows, mb.rows_per_block, b);
-                let want = base_dtype.block_bytes(nr, mb.cols);
-                claim(
-                    &what,
-                    mb.first_blob.saturating_add(b),
-                    KIND_BASE,
-                    j,
-                    b as usize,
-                    want,
-                )?;
-            }
-            bases.push((
-                mb,
-                BaseEntry {
-                    ty: mb.ty.clone(),
-                    cluster: mb.cluster,
-                    cols: mb.cols,
-                    first_blob: mb.first_blob as usize,
-                },
-            ));
-        }
-
-        if meta.tensors.len() != model.tensors.len() {
-            return Err(invalid(
-                path,
-                format!(
-                    "tensor table has {} entries but the model has {} tensors",
-                    meta.tensors.len(),
-                    model.tensors.len()
-                ),
-            ));
-        }
-        let mut tensors = Vec::with_capacity(meta.tensors.len());
-        for (ti, (mt, d)) in meta.tensors.iter().zip(&model.tensors).enumerate() {
-            let what = format!("tensor {}", d.name);
-            if mt.name() != d.name {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "{what}: table name {:?} disagrees with the model",
-                        mt.name()
-                    ),
-                ));
-            }
-            let numel = d.shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
-            if numel.is_none_or(|n| n > MAX_ELEMENTS) {
-                return Err(invalid(path, format!("{what}: absurd shape {:?}", d.shape)));
-            }
-            let (rows, cols) = (d.rows(), d.cols());
-            let entry = match mt {
-                MetaTensor::Passthrough {
-                    format,
-                    rows_per_block,
-                    first_blob,
-                    n_blocks,
-                    ..
-                } => {
-                    check_blocks(&what, rows, cols, *rows_per_block, *n_blocks)?;
-                    if *format != d.source {
-                        return Err(invalid(
-                            path,
-                            format!(
-                                "{what}: stored as {format:?} but the model says {:?}",
-                                d.source
-                            ),
-                        ));
-                    }
-                    let rb = codec::passthrough_row_bytes(*format, cols)
-                        .map_err(|e| invalid(path, format!("{what}: {e}")))?;
-                    for b in 0..*n_blocks {
-                        let want = rb.checked_mul(block_rows(rows, *rows_per_block, b));
-                        claim(
-                            &what,
-                            first_blob.saturating_add(b),
-                            KIND_PASS,
-                            ti,
-                            b as usize,
-                            want,
-                        )?;
-                    }
-                    TensorEntry {
-                        name: d.name.clone(),
-                        kind: TensorKind::Pass { format: *format },
-                        rows,
-                        cols,
-                        rows_per_block: *rows_per_block,
-                        first_blob: *first_blob as usize,
-                        n_blocks: *n_blocks as usize,
-                    }
-                }
-                MetaTensor::Delta {
-                    base,
-                    rank,
-                    rows_per_block,
-                    first_blob,
-                    n_blocks,
-                    vt_blob,
-                    ..
-                } => {
-                    check_blocks(&what, rows, cols, *rows_per_block, *n_blocks)?;
-                    let Some((mb, _)) = usize::try_from(*base).ok().and_then(|b| bases.get(b))
-                    else {
-                        return Err(invalid(
-                            path,
-                            format!("{what}: base {base} does not exist ({} bases)", bases.len()),
-                        ));
-                    };
-                    if mb.rows != rows || mb.cols != cols || mb.rows_per_block != *rows_per_block {
-                        return Err(invalid(
-                            path,
-                            format!("{what}: its base is {}x{} in blocks of {} rows, the tensor {rows}x{cols} in blocks of {rows_per_block}",
-                                mb.rows, mb.cols, mb.rows_per_block),
-                        ));
-                    }
-                    let layer = crate::model::names::layer_of(&d.name);
-                    if !d.name.ends_with(&mb.ty) || layer.is_none_or(|l| !mb.layers.contains(&l)) {
-                        return Err(invalid(
-                            path,
-                            format!(
-                                "{what}: base {base} is for {} layers {:?}",
-                                mb.ty, mb.layers
-                            ),
-                        ));
-                    }
-                    if *rank > rows.min(cols) {
-                        return Err(invalid(
-                            path,
-                            format!("{what}: rank {rank} exceeds min({rows}, {cols})"),
-                        ));
-                    }
-                    for b in 0..*n_blocks {
-                        let want = block_rows(rows, *rows_per_block, b)
-                            .checked_mul(*rank)
-                            .and_then(|x| x.checked_mul(2));
-                        claim(
-                            &what,
-                            first_blob.saturating_add(b),
-                            KIND_U,
-                            ti,
-                            b as usize,
-                            want,
-                        )?;
-                    }
-                    claim(
-                        &what,
-                        *vt_blob,
-                        KIND_VT,
-                        ti,
-                        0,
-                        rank.checked_mul(cols).and_then(|x| x.checked_mul(2)),
-                    )?;
-                    TensorEntry {
-                        name: d.name.clone(),
-                        kind: TensorKind::Delta {
-                            base: *base as usize,
-                            rank: *rank as usize,
-                            vt_blob: *vt_blob as usize,
-                        },
-                        rows,
-                        cols,
-                        rows_per_block: *rows_per_block,
-                        first_blob: *first_blob as usize,
-                        n_blocks: *n_blocks as usize,
-                    }
-                }
-            };
-            tensors.push(entry);
-        }
-        if let Some(i) = used.iter().position(|u| !u) {
-            return Err(invalid(
-                path,
-                format!("BLOB_INDEX entry {i} belongs to no base or tensor"),
-            ));
-        }
-        let bases = bases.into_iter().map(|(_, b)| b).collect();
-        Ok(DeltaArchive {
-            path: path.to_path_buf(),
-            toc,
-            model,
-            extra: meta.extra,
-            base_dtype,
-            bases,
-            tensors,
-            index,
-            routing,
-            data_offset: data_rec.offset,
-            cache: Mutex::new(SharedCache {
-                lru: lru::LruCache::unbounded(),
-                bytes: 0,
-            }),
-            counters: ReadCounters::default(),
-            map,
-        })
-    }
-
     fn stored(&self, blob: usize) -> &[u8] {
         let e = &self.index[blob];
         let start = (self.data_offset + e.offset) as usize;

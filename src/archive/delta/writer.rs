@@ -1,61 +1,37 @@
 //! Streaming writer of the delta archive (docs/FORMAT-DELTA.md): blobs go to DATA as
 //! they are added (bases first, then tensors in model order); `finish` appends
-//! BLOB_INDEX, ROUTING and META, writes the header/TOC and renames `<path>.tmp`.
+//! BLOB_INDEX, ROUTING and META, writes the header/TOC and renames the temporary file to
+//! the output ([`ContainerWriter`]; dropped unfinished, it leaves nothing behind).
 
-use std::fs::{self, File};
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use rayon::prelude::*;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::format::*;
 use crate::archive::{ArchiveError, Compression};
 use crate::model::{ModelDesc, SourceType};
 
 pub struct DeltaWriter {
-    path: PathBuf,
-    tmp: PathBuf,
-    compression: Compression,
-    out: Option<BufWriter<File>>,
-    data_len: u64,
-    data_hash: Xxh3Default,
+    w: ContainerWriter,
     index: Vec<u8>,
     n_entries: u64,
     bases: Vec<MetaBase>,
     tensors: Vec<MetaTensor>,
-    done: bool,
 }
 
 impl DeltaWriter {
-    fn io(&self, e: std::io::Error) -> ArchiveError {
-        io_error(&self.path, e)
-    }
     fn invalid(&self, reason: String) -> ArchiveError {
-        invalid(&self.path, reason)
+        self.w.invalid(reason)
     }
 
     pub fn create(path: &Path, compression: Compression) -> Result<DeltaWriter, ArchiveError> {
-        let tmp = with_suffix(path, ".tmp");
-        let f = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-        let mut w = DeltaWriter {
-            path: path.to_path_buf(),
-            tmp,
-            compression,
-            out: Some(BufWriter::with_capacity(1 << 20, f)),
-            data_len: 0,
-            data_hash: Xxh3Default::new(),
+        Ok(DeltaWriter {
+            w: ContainerWriter::create(path, compression)?,
             index: Vec::new(),
             n_entries: 0,
             bases: Vec::new(),
             tensors: Vec::new(),
-            done: false,
-        };
-        // The header page; DATA starts at 4096.
-        let zeros = [0u8; ALIGN as usize];
-        let r = w.out.as_mut().expect("open").write_all(&zeros);
-        r.map_err(|e| w.io(e))?;
-        Ok(w)
+        })
     }
 
     /// Compress `blobs` in parallel and append them in order; returns the index of the
@@ -76,19 +52,12 @@ impl DeltaWriter {
                 )));
             }
         }
-        let c = self.compression;
-        let packed: Vec<(u8, std::borrow::Cow<'_, [u8]>)> =
-            blobs.par_iter().map(|b| compress(b, c)).collect();
+        let packed = self.w.compress_all(blobs);
         let first = self.n_entries;
         let mut stored_total = 0;
         for (i, ((comp, stored), raw)) in packed.iter().zip(blobs).enumerate() {
-            let out = self.out.as_mut().expect("open");
-            let r = pad16(out, &mut self.data_hash, &mut self.data_len, 0)
-                .and_then(|_| out.write_all(stored));
-            r.map_err(|e| self.io(e))?;
-            self.data_hash.update(stored);
             BlobEntry {
-                offset: self.data_len,
+                offset: self.w.append(&[], stored)?,
                 csize: stored.len() as u32,
                 usize: raw.len() as u32,
                 xxh3: xxh3_64(stored),
@@ -98,7 +67,6 @@ impl DeltaWriter {
                 block: first_block + i as u32,
             }
             .write(&mut self.index);
-            self.data_len += stored.len() as u64;
             self.n_entries += 1;
             stored_total += stored.len() as u64;
         }
@@ -137,14 +105,7 @@ impl DeltaWriter {
     }
 
     fn check_order(&self, tensor: usize) -> Result<u32, ArchiveError> {
-        if tensor != self.tensors.len() {
-            return Err(self.invalid(format!(
-                "tensor {tensor} added out of order (expected tensor {})",
-                self.tensors.len()
-            )));
-        }
-        u32::try_from(tensor)
-            .map_err(|_| self.invalid(format!("tensor index {tensor} exceeds u32")))
+        self.w.tensor_index(tensor, self.tensors.len())
     }
 
     /// Add a passthrough tensor; returns its stored bytes.
@@ -199,81 +160,40 @@ impl DeltaWriter {
 
     /// Write the index, ROUTING, META and the header. Returns the archive's size.
     pub fn finish(
-        mut self,
+        self,
         model: &ModelDesc,
         base_dtype: BaseDtype,
         extra: serde_json::Value,
         routing: &[u8],
     ) -> Result<u64, ArchiveError> {
-        if self.tensors.len() != model.tensors.len() {
-            return Err(self.invalid(format!(
-                "{} tensors added but the model has {}",
-                self.tensors.len(),
-                model.tensors.len()
-            )));
-        }
+        self.w.check_count(self.tensors.len(), model)?;
         let n_layers = model.arch.n_layers;
         let n_bases = self.bases.len() as u32;
-        let data = TocRecord {
-            ty: SEC_DATA,
-            flags: 0,
-            offset: ALIGN,
-            size: self.data_len,
-            usize: self.data_len,
-            xxh3: self.data_hash.digest(),
+        let mut fields = Vec::with_capacity(12);
+        fields.extend_from_slice(&n_layers.to_le_bytes());
+        fields.extend_from_slice(&n_bases.to_le_bytes());
+        fields.extend_from_slice(&[base_dtype.code(), DTYPE_F16, 0, 0]);
+        let layout = Layout {
+            magic: &MAGIC,
+            fields: &fields,
+            data_ty: SEC_DATA,
+            index_ty: SEC_BLOB_INDEX,
+            routing_ty: SEC_ROUTING,
+            name_of: section_name,
         };
-        let mut out = self.out.take().expect("open");
-        let mut pos = ALIGN + self.data_len;
-        let r = (|| -> std::io::Result<u64> {
-            let meta_c = Compression::Zstd(META_ZSTD_LEVEL);
-            let index = write_section(&mut out, &mut pos, SEC_BLOB_INDEX, &self.index, meta_c)?;
-            let routing =
-                write_section(&mut out, &mut pos, SEC_ROUTING, routing, self.compression)?;
-            let checksum_index = checksum_index(&[&data, &index, &routing], section_name);
-            let (model_v, hf_files) = model_to_meta(model).map_err(std::io::Error::other)?;
-            let meta = MetaOut {
-                format: "cawsf-delta",
-                version: VERSION,
-                model: model_v,
-                hf_files,
+        let meta = MetaSpec {
+            format: FORMAT,
+            model,
+            kind: MetaKindOut {
                 n_layers,
                 base_dtype,
                 delta_dtype: "f16",
                 bases: &self.bases,
                 tensors: &self.tensors,
-                checksum_index,
-                extra: &extra,
-            };
-            let json = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
-            let meta = write_section(&mut out, &mut pos, SEC_META, &json, meta_c)?;
-            pad_to_align(&mut out, &mut pos)?;
-
-            let toc = [meta, data, routing, index];
-            let mut header = Vec::with_capacity(HEADER_FIXED + TOC_RECORD * toc.len() + 8);
-            header.extend_from_slice(&MAGIC);
-            header.extend_from_slice(&VERSION.to_le_bytes());
-            header.extend_from_slice(&n_layers.to_le_bytes());
-            header.extend_from_slice(&n_bases.to_le_bytes());
-            header.push(base_dtype.code());
-            header.push(DTYPE_F16);
-            header.extend_from_slice(&[0u8; 2]);
-            header.extend_from_slice(&(toc.len() as u32).to_le_bytes());
-            write_header(out, header, &toc)?;
-            Ok(pos)
-        })();
-        let total = r.map_err(|e| self.io(e))?;
-        fs::rename(&self.tmp, &self.path).map_err(|e| self.io(e))?;
-        self.done = true;
-        Ok(total)
-    }
-}
-
-impl Drop for DeltaWriter {
-    /// A failed or abandoned conversion leaves no file behind.
-    fn drop(&mut self) {
-        if !self.done {
-            self.out = None;
-            let _ = fs::remove_file(&self.tmp);
-        }
+            },
+            extra: &extra,
+        };
+        let no_more = |_: &mut Sections<'_>| Ok(());
+        self.w.finish(layout, no_more, (&self.index, routing), meta)
     }
 }

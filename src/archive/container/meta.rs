@@ -1,0 +1,84 @@
+//! META's JSON as both container kinds write it (docs/FORMAT.md §3, FORMAT-DELTA.md §5):
+//! a head and a tail every kind has (`format`, `version`, `model`, `hf_files`; then
+//! `checksum_index`, `extra`) around the kind's own keys, and the conversion of a
+//! [`ModelDesc`] to and from its `model` + `hf_files` keys.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::ModelDesc;
+
+/// META as written. Field order here is the JSON key order: serde emits the flattened
+/// `kind`'s keys where the field stands, so they land between `hf_files` and
+/// `checksum_index` as the formats specify.
+#[derive(Serialize)]
+pub struct MetaOut<'a, K: Serialize> {
+    pub format: &'a str,
+    pub version: u32,
+    /// `ModelDesc` with `hf_files` emptied (they go to the `hf_files` key below).
+    pub model: serde_json::Value,
+    pub hf_files: BTreeMap<String, serde_json::Value>,
+    #[serde(flatten)]
+    pub kind: K,
+    pub checksum_index: BTreeMap<String, String>,
+    pub extra: &'a serde_json::Value,
+}
+
+/// META as read (unknown keys ignored).
+#[derive(Deserialize)]
+pub struct MetaIn<K> {
+    pub format: String,
+    pub version: u32,
+    pub model: serde_json::Value,
+    #[serde(default)]
+    pub hf_files: BTreeMap<String, serde_json::Value>,
+    #[serde(flatten)]
+    pub kind: K,
+    pub checksum_index: BTreeMap<String, String>,
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+/// META's `model` + `hf_files` for a model: side files as JSON strings when they are
+/// UTF-8 (they are JSON/text: ~1 byte per byte instead of ~4 as a number array).
+pub fn model_to_meta(
+    model: &ModelDesc,
+) -> serde_json::Result<(serde_json::Value, BTreeMap<String, serde_json::Value>)> {
+    let mut v = serde_json::to_value(model)?;
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(
+            "hf_files".into(),
+            serde_json::Value::Object(Default::default()),
+        );
+    }
+    let files = model
+        .hf_files
+        .iter()
+        .map(|(k, bytes)| {
+            let val = match std::str::from_utf8(bytes) {
+                Ok(s) => serde_json::Value::String(s.to_owned()),
+                Err(_) => serde_json::to_value(bytes).expect("bytes serialize"),
+            };
+            (k.clone(), val)
+        })
+        .collect();
+    Ok((v, files))
+}
+
+/// Inverse of [`model_to_meta`].
+pub fn model_from_meta(
+    model: serde_json::Value,
+    files: BTreeMap<String, serde_json::Value>,
+) -> Result<ModelDesc, String> {
+    let mut m: ModelDesc = serde_json::from_value(model).map_err(|e| format!("model: {e}"))?;
+    for (k, v) in files {
+        let bytes = match v {
+            serde_json::Value::String(s) => s.into_bytes(),
+            other => serde_json::from_value::<Vec<u8>>(other)
+                .map_err(|e| format!("hf_files[{k:?}]: {e}"))?,
+        };
+        m.hf_files.insert(k, bytes);
+    }
+    Ok(m)
+}
