@@ -3,7 +3,7 @@
 //! The data path runs one way, and every import points down it (docs/ARCHITECTURE.md;
 //! `tests/layering.rs` checks it):
 //! ```text
-//! gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
+//! error (FileError) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
 //!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► import (HF dir, GGUF)
 //!   ─► archive: error ◄ store (the Store trait) ◄ container ◄ cawsf | delta | npydir ◄ open
 //!   ─► layout (virtual safetensors / GGUF / HF metadata) ─► router ─► export
@@ -17,6 +17,7 @@ pub mod cache;
 pub mod codec;
 pub mod control;
 pub mod convert;
+pub mod error;
 pub mod export;
 pub mod fs;
 pub mod fuse;

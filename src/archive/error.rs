@@ -1,13 +1,4 @@
-//! The error of opening or reading an archive of any kind: the file and the problem.
+//! The error of opening or reading an archive of any kind: the file and the problem
+//! ([`crate::error::FileError`], named for this layer).
 
-#[derive(Debug, thiserror::Error)]
-pub enum ArchiveError {
-    #[error("{path}: {reason}")]
-    Invalid { path: String, reason: String },
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+pub use crate::error::FileError as ArchiveError;

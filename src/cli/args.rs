@@ -283,7 +283,7 @@ pub struct ConvertArgs {
     pub pq_k: u32,
     #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
     pub kmeans_iters: u32,
-    /// Store tensors matching this `*` pattern as bit-exact passthrough (repeatable).
+    /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.
     #[arg(long = "passthrough", value_name = "PATTERN")]

@@ -14,9 +14,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::archive::cawsf::CawsfWriter;
 use crate::archive::container::rows_per_block;
-use crate::archive::{ArchiveError, Compression};
+use crate::archive::Compression;
 use crate::codec::{self, codec_label, CodecError, EncodedTensor, NdsqOptions};
-use crate::import::{ImportError, SourceModel};
+use crate::import::SourceModel;
 use crate::model::TensorDesc;
 
 pub mod delta;
@@ -80,10 +80,9 @@ impl ConvertOptions {
 pub enum ConvertError {
     #[error("invalid options: {0}")]
     Options(String),
+    /// Reading the source or writing the archive failed.
     #[error(transparent)]
-    Import(#[from] ImportError),
-    #[error(transparent)]
-    Archive(#[from] ArchiveError),
+    File(#[from] crate::error::FileError),
     #[error("tensor {tensor}: {source}")]
     Codec {
         tensor: String,

@@ -51,7 +51,7 @@ impl Default for NpyOptions {
 }
 
 fn io(path: &Path, source: std::io::Error) -> ConvertError {
-    ConvertError::Archive(ArchiveError::Io {
+    ConvertError::File(ArchiveError::Io {
         path: path.display().to_string(),
         source,
     })

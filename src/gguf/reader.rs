@@ -11,17 +11,8 @@ use std::path::{Path, PathBuf};
 
 use super::{GgmlType, GgufArray, GgufValue};
 
-#[derive(Debug, thiserror::Error)]
-pub enum GgufError {
-    #[error("{path}: {reason}")]
-    Invalid { path: String, reason: String },
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+/// Why a GGUF file cannot be read: the file and the problem.
+pub use crate::error::FileError as GgufError;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct GgufTensorInfo {

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::{ImportError, SourceModel};
 use crate::gguf::quant;
-use crate::gguf::{meta_get, GgmlType, GgufArray, GgufError, GgufFile, GgufValue};
+use crate::gguf::{meta_get, GgmlType, GgufArray, GgufFile, GgufValue};
 use crate::model::names;
 use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
 
@@ -39,15 +39,6 @@ struct TensorPlan {
     unit_elems: u64,
     /// Heads of the rotary row permutation to undo, if any.
     permute: Option<u32>,
-}
-
-impl From<GgufError> for ImportError {
-    fn from(e: GgufError) -> ImportError {
-        match e {
-            GgufError::Invalid { path, reason } => ImportError::Invalid { path, reason },
-            GgufError::Io { path, source } => ImportError::Io { path, source },
-        }
-    }
 }
 
 /// Read typed metadata with one-line errors naming the key.

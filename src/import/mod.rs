@@ -10,17 +10,8 @@ pub mod hf;
 #[cfg(test)]
 pub(crate) mod mem;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ImportError {
-    #[error("{path}: {reason}")]
-    Invalid { path: String, reason: String },
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+/// Why a source model cannot be imported: the file and the problem.
+pub use crate::error::FileError as ImportError;
 
 /// A source model opened for conversion.
 pub trait SourceModel: Send + Sync {

@@ -307,18 +307,12 @@ pub fn check_checksum_index(
 
 /// `ArchiveError::Invalid` for `path`.
 pub fn invalid(path: &Path, reason: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
+    ArchiveError::invalid(path, reason)
 }
 
 /// `ArchiveError::Io` for `path`.
 pub fn io_error(path: &Path, source: std::io::Error) -> ArchiveError {
-    ArchiveError::Io {
-        path: path.display().to_string(),
-        source,
-    }
+    ArchiveError::io(path, source)
 }
 
 /// The TOC as `inspect` lists it.
