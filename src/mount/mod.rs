@@ -75,6 +75,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // glibc's adaptive mmap threshold would move them into arenas that keep the memory
     // after free, and the daemon's resident size would drift far above its budget.
     // A fixed threshold keeps them mmap-backed, returned to the system on free.
+    // libc: mallopt is glibc-only and nix does not wrap it.
     // SAFETY: mallopt only changes allocator tuning parameters.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
@@ -82,7 +83,8 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     }
     // Block the signals before any thread starts so every thread inherits the mask
     // and only the wait below receives them.
-    let sigs = signals::blocked_signals();
+    let sigs = signals::StopSignals::block()
+        .map_err(|e| mount_err(format!("cannot block stop signals: {e}")))?;
     let archive = crate::archive::open(archive_path)?;
     let fs = Arc::new(MountFs::new(archive, &opts.fs)?);
     let session = session::mount(fs.clone(), archive_path, mountpoint, opts)
@@ -112,7 +114,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         server.path().display()
     );
     loop {
-        if let Some(sig) = signals::wait_signal(&sigs, Duration::from_millis(200)) {
+        if let Some(sig) = sigs.wait(Duration::from_millis(200)) {
             tracing::info!("signal {sig}: unmounting {}", mountpoint.display());
             break;
         }

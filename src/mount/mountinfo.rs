@@ -1,16 +1,37 @@
 //! Reading /proc/self/mountinfo: which device backs a mount point, and whether a
 //! cawsfs filesystem is mounted there.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use procfs::process::MountInfo;
+
+/// Every mount of this process's namespace, in mountinfo order (later mounts last);
+/// empty when /proc cannot be read.
+fn mounts() -> Vec<MountInfo> {
+    match procfs::process::Process::myself().and_then(|p| p.mountinfo()) {
+        Ok(m) => m.0,
+        Err(e) => {
+            tracing::debug!("cannot read /proc/self/mountinfo: {e}");
+            Vec::new()
+        }
+    }
+}
+
+/// The entry's mount point with mountinfo's octal escapes decoded: procfs hands the
+/// field over as written (`/mnt/a\040b`).
+fn mount_point(m: &MountInfo) -> PathBuf {
+    PathBuf::from(unescape_mountinfo(&m.mount_point.to_string_lossy()))
+}
 
 /// `major:minor` of the filesystem mounted at `mountpoint`, from /proc/self/mountinfo.
+/// With several mounts stacked there, the last one listed: the one on top.
 pub fn mount_device(mountpoint: &Path) -> Option<String> {
     let canon = crate::control::canonical_mountpoint(mountpoint);
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().rev().find_map(|l| {
-        let f: Vec<&str> = l.split(' ').collect();
-        (f.len() > 4 && Path::new(&unescape_mountinfo(f[4])) == canon).then(|| f[2].to_string())
-    })
+    mounts()
+        .into_iter()
+        .rev()
+        .find(|m| mount_point(m) == canon)
+        .map(|m| m.majmin)
 }
 
 /// Whether a FUSE filesystem of ours is mounted at `mountpoint` (its mountinfo source
@@ -20,20 +41,12 @@ pub fn mount_device(mountpoint: &Path) -> Option<String> {
 /// and `cawsfs umount` must still recognise it to clean it up.
 pub fn is_mounted(mountpoint: &Path) -> bool {
     let canon = crate::control::canonical_mountpoint(mountpoint);
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    info.lines().any(|l| {
-        let f: Vec<&str> = l.split(' ').collect();
-        let Some((_, tail)) = l.split_once(" - ") else {
-            return false;
-        };
-        let mut t = tail.split(' ');
-        let (fstype, source) = (t.next().unwrap_or(""), t.next().unwrap_or(""));
-        f.len() > 4
-            && Path::new(&unescape_mountinfo(f[4])) == canon
-            && fstype.starts_with("fuse")
-            && source.starts_with("cawsfs:")
+    mounts().iter().any(|m| {
+        mount_point(m) == canon
+            && m.fs_type.starts_with("fuse")
+            && m.mount_source
+                .as_deref()
+                .is_some_and(|s| s.starts_with("cawsfs:"))
     })
 }
 
@@ -66,5 +79,21 @@ mod tests {
         assert_eq!(unescape_mountinfo("/mnt/a\\040b"), "/mnt/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
         assert_eq!(unescape_mountinfo("/trail\\04"), "/trail\\04");
+    }
+
+    #[test]
+    fn procfs_entries_are_unescaped() {
+        let line = "36 35 0:52 / /mnt/a\\040b rw,nosuid master:1 - fuse cawsfs:/x\\040y.cawsf ro";
+        let m = MountInfo::from_line(line).unwrap();
+        assert_eq!(mount_point(&m), Path::new("/mnt/a b"));
+        assert_eq!(m.majmin, "0:52");
+        assert_eq!(m.fs_type, "fuse");
+        assert_eq!(m.mount_source.as_deref(), Some("cawsfs:/x\\040y.cawsf"));
+    }
+
+    #[test]
+    fn root_has_a_device() {
+        assert!(mount_device(Path::new("/")).is_some());
+        assert!(!is_mounted(Path::new("/")));
     }
 }

@@ -1,28 +1,45 @@
 //! The signals that unmount the daemon (SIGINT, SIGTERM, SIGHUP): blocked in every
 //! thread and received only by the run loop's timed wait.
 
+use std::os::fd::AsFd;
 use std::time::Duration;
 
-pub(super) fn blocked_signals() -> libc::sigset_t {
-    // SAFETY: the set is initialized by sigemptyset before use; pthread_sigmask only
-    // reads it.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGHUP);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+
+/// The stop signals, blocked in the calling thread (and so in every thread it starts
+/// afterwards) and readable from a signalfd instead. Blocking rather than handling
+/// them means no FUSE or cache thread is ever interrupted by one.
+pub(super) struct StopSignals {
+    fd: SignalFd,
 }
 
-pub(super) fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: set and ts are valid for the call; a null siginfo pointer is allowed.
-    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
-    (sig > 0).then_some(sig)
+impl StopSignals {
+    /// Blocks the signals; call before any thread starts so every thread inherits
+    /// the mask.
+    pub(super) fn block() -> nix::Result<StopSignals> {
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGINT);
+        set.add(Signal::SIGTERM);
+        set.add(Signal::SIGHUP);
+        set.thread_block()?;
+        // Non-blocking: `wait` polls with a timeout, then reads what is pending.
+        let fd = SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)?;
+        Ok(StopSignals { fd })
+    }
+
+    /// The number of a stop signal received within `timeout`, else `None`.
+    pub(super) fn wait(&self, timeout: Duration) -> Option<i32> {
+        let t = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+        let mut fds = [PollFd::new(self.fd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, t) {
+            Ok(n) if n > 0 => {}
+            _ => return None,
+        }
+        match self.fd.read_signal() {
+            Ok(Some(info)) => i32::try_from(info.ssi_signo).ok(),
+            _ => None,
+        }
+    }
 }
