@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use nix::sys::socket::{self, getsockopt, sockopt::PeerCredentials};
 use serde_json::Value;
 
 use super::protocol::{Request, Response, MAX_REQUEST_LINE};
@@ -66,30 +67,8 @@ pub fn allowed_peer(peer_uid: u32, daemon_uid: u32) -> bool {
 /// The uid of the process at the other end of `s` (`SO_PEERCRED`: the credentials
 /// at connect time, which the peer cannot forge).
 pub fn peer_uid(s: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: u32::MAX,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the fd is a live socket owned by `s`; `cred` and `len` are valid for
-    // writes of the sizes passed.
-    let rc = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if len as usize != std::mem::size_of::<libc::ucred>() {
-        return Err(io::Error::other("short SO_PEERCRED reply"));
-    }
-    Ok(cred.uid)
+    let cred = getsockopt(s, PeerCredentials)?;
+    Ok(cred.uid())
 }
 
 struct Shared {
@@ -210,10 +189,7 @@ impl ControlServer {
         self.shared.stopping.store(true, Ordering::SeqCst);
         // On Linux, shutting down a listening Unix socket makes a blocked accept()
         // return EINVAL ("receive shutdown"), which wakes the accept thread.
-        // SAFETY: the fd belongs to `self.listener`, which is alive.
-        unsafe {
-            libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR);
-        }
+        let _ = socket::shutdown(self.listener.as_raw_fd(), socket::Shutdown::Both);
         let _ = accept.join();
         if let Some(m) = self.registered.take() {
             // Only our own entry: a later mount may have registered another socket.
@@ -742,62 +718,65 @@ mod tests {
     /// Connects to `sock` as uid 65534 (nobody) from a forked child and returns
     /// `Err(errno)` if connect failed, else the bytes the daemon replied.
     fn connect_as_nobody(sock: &Path) -> Result<Vec<u8>, i32> {
-        use std::os::unix::ffi::OsStrExt;
+        use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+        use nix::sys::wait::{waitpid, WaitStatus};
+        use nix::unistd::{fork, pipe, read, write, ForkResult};
         // Everything the child needs is prepared before fork: after fork in a
-        // threaded process only async-signal-safe calls are allowed (no allocation).
-        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        for (d, s) in addr.sun_path.iter_mut().zip(sock.as_os_str().as_bytes()) {
-            *d = *s as libc::c_char;
-        }
+        // threaded process only async-signal-safe calls are allowed (no allocation,
+        // no panics).
+        let addr = UnixAddr::new(sock).unwrap();
         let req = b"{\"verb\":\"ping\"}\n";
-        let mut fds = [0; 2];
-        unsafe {
-            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
-            let pid = libc::fork();
-            assert!(pid >= 0);
-            if pid == 0 {
-                libc::close(fds[0]);
-                // Raw syscalls: glibc's setuid wrappers coordinate threads, which a
-                // forked child no longer has.
-                if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
-                    || libc::syscall(libc::SYS_setgid, 65534) != 0
-                    || libc::syscall(libc::SYS_setuid, 65534) != 0
-                {
-                    libc::_exit(100);
-                }
-                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-                let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-                if libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
-                    let errno = *libc::__errno_location();
-                    libc::_exit(errno.min(99));
-                }
-                libc::write(fd, req.as_ptr().cast(), req.len());
-                let mut buf = [0u8; 4096];
-                loop {
-                    let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
-                    if n <= 0 {
-                        break;
+        let (rx, tx) = pipe().unwrap();
+        // SAFETY: the child makes only plain syscalls (nix's wrappers of them
+        // allocate nothing) and leaves through `_exit`.
+        match unsafe { fork() }.unwrap() {
+            ForkResult::Child => {
+                drop(rx);
+                // libc: raw syscalls, because glibc's setuid wrappers (and nix's,
+                // which call them) coordinate threads a forked child no longer has;
+                // and `_exit`, which nix does not wrap.
+                // SAFETY: plain syscalls with valid (null, empty) arguments.
+                unsafe {
+                    if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+                        || libc::syscall(libc::SYS_setgid, 65534) != 0
+                        || libc::syscall(libc::SYS_setuid, 65534) != 0
+                    {
+                        libc::_exit(100);
                     }
-                    libc::write(fds[1], buf.as_ptr().cast(), n as usize);
                 }
-                libc::_exit(0);
+                let fd = socket(
+                    AddressFamily::Unix,
+                    SockType::Stream,
+                    SockFlag::empty(),
+                    None,
+                );
+                let connected = fd.and_then(|fd| connect(fd.as_raw_fd(), &addr).map(|()| fd));
+                let fd = match connected {
+                    Ok(fd) => fd,
+                    // SAFETY: `_exit` ends the child without running destructors.
+                    Err(errno) => unsafe { libc::_exit((errno as i32).min(99)) },
+                };
+                let _ = write(&fd, req);
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = read(&fd, &mut buf) {
+                    let _ = write(&tx, &buf[..n]);
+                }
+                // SAFETY: as above.
+                unsafe { libc::_exit(0) }
             }
-            libc::close(fds[1]);
-            let mut out = Vec::new();
-            let mut f = std::fs::File::from(std::os::fd::OwnedFd::from_raw_fd(fds[0]));
-            f.read_to_end(&mut out).unwrap();
-            let mut status = 0;
-            assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
-            assert!(libc::WIFEXITED(status));
-            match libc::WEXITSTATUS(status) {
-                0 => Ok(out),
-                100 => panic!("child could not drop privileges"),
-                errno => Err(errno),
+            ForkResult::Parent { child } => {
+                drop(tx);
+                let mut out = Vec::new();
+                std::fs::File::from(rx).read_to_end(&mut out).unwrap();
+                match waitpid(child, None).unwrap() {
+                    WaitStatus::Exited(_, 0) => Ok(out),
+                    WaitStatus::Exited(_, 100) => panic!("child could not drop privileges"),
+                    WaitStatus::Exited(_, errno) => Err(errno),
+                    other => panic!("child ended with {other:?}"),
+                }
             }
         }
     }
-    use std::os::fd::FromRawFd;
 
     #[test]
     fn other_users_are_refused() {
@@ -810,7 +789,7 @@ mod tests {
         fs::set_permissions(t.path(), fs::Permissions::from_mode(0o755)).unwrap();
         let (_srv, p) = server(t.path());
         // With the socket at 0600 the kernel refuses connect().
-        assert_eq!(connect_as_nobody(&p), Err(libc::EACCES));
+        assert_eq!(connect_as_nobody(&p), Err(nix::errno::Errno::EACCES as i32));
         // Widened by hand, the connection gets through and SO_PEERCRED refuses it.
         fs::set_permissions(&p, fs::Permissions::from_mode(0o666)).unwrap();
         let reply = connect_as_nobody(&p).expect("connect");
