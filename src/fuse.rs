@@ -47,8 +47,8 @@ pub struct FuseAdapter {
 
 impl FuseAdapter {
     pub fn new(fs: std::sync::Arc<MountFs>) -> FuseAdapter {
-        // SAFETY: getuid/getgid cannot fail and touch no memory.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+        let (uid, gid) = (uid.as_raw(), gid.as_raw());
         FuseAdapter { fs, uid, gid }
     }
 

@@ -77,8 +77,7 @@ impl ControlError {
 
 /// The current effective uid.
 pub fn current_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    nix::unistd::geteuid().as_raw()
 }
 
 /// The directory holding derived sockets and registry files, not yet created:
