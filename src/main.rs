@@ -24,9 +24,8 @@ fn main() -> ExitCode {
         // println!. The daemon keeps Rust's SIGPIPE-ignored default: a client that hangs
         // up must cost one write error, not the mount.
         // SAFETY: restoring a default disposition before any thread is started.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
+        use nix::sys::signal::{signal, SigHandler, Signal};
+        let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
     }
     match cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -61,11 +61,12 @@ fn spawn_daemon(a: &MountArgs) -> Result<()> {
     cmd.stdin(std::process::Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file);
-    // SAFETY: setsid is async-signal-safe; it detaches the daemon from our terminal.
+    // SAFETY: setsid is async-signal-safe; it detaches the daemon from our terminal
+    // (failure only means it keeps our session, as before: nothing to report from here).
     unsafe {
         use std::os::unix::process::CommandExt;
         cmd.pre_exec(|| {
-            libc::setsid();
+            let _ = nix::unistd::setsid();
             Ok(())
         });
     }

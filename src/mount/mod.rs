@@ -40,7 +40,7 @@ pub struct MountOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error(transparent)]
-    CawsfArchive(#[from] ArchiveError),
+    Archive(#[from] ArchiveError),
     #[error("{0}")]
     Setup(#[from] SetupError),
     #[error("control socket: {0}")]
@@ -51,14 +51,9 @@ pub enum MountError {
 
 /// Default cache budget: a quarter of physical memory, at least 256 MiB.
 pub fn default_cache_bytes() -> u64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let total = (pages.max(0) as u64).saturating_mul(page.max(0) as u64);
+    use nix::unistd::{sysconf, SysconfVar};
+    let get = |v| sysconf(v).ok().flatten().unwrap_or(0).max(0) as u64;
+    let total = get(SysconfVar::_PHYS_PAGES).saturating_mul(get(SysconfVar::PAGE_SIZE));
     (total / 4).max(256 << 20)
 }
 
