@@ -7,7 +7,8 @@
 //! scales, exact length, zstd frames walked), so reads only index into ranges known to be
 //! inside the file. Rows `r0..r1` are a contiguous byte range of each file: plain `.npy`
 //! files are memory-mapped, cawsfs's `.npy.zst` hold one zstd frame per row block, and a
-//! foreign single-frame `.npy.zst` is decompressed whole into a small LRU.//!
+//! foreign single-frame `.npy.zst` is decompressed whole into a small LRU.
+//!
 //! Files: [`sidecar`] (`cawsfs.json` and opening what cawsfs wrote), [`foreign`]
 //! (directories without it), [`files`] (one data file: open checks, block reads, the
 //! whole-file LRU), [`frames`] (zstd frame walking), [`geometry`] (where a row block lies
@@ -57,6 +58,7 @@ const MAX_SMALL_FILE: u64 = 256 << 20;
 /// Files in `tensors/` and zstd frames in one file, at most.
 const MAX_FILES: usize = 1 << 20;
 
+/// A JSON or side file, refused above [`MAX_SMALL_FILE`].
 fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
     let len = std::fs::metadata(path).map_err(|e| io_err(path, e))?.len();
     if len > MAX_SMALL_FILE {
@@ -162,6 +164,7 @@ fn list_tensor_files(dir: &Path) -> Result<HashSet<String>, ArchiveError> {
     Ok(out)
 }
 
+/// Size of a file for `parts` (0 when its metadata cannot be read).
 fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }
