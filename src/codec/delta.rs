@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{thin_svd, CodecError};
+use crate::codec::{le, thin_svd, CodecError};
 
 /// How a base is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,8 +76,8 @@ pub struct EncodedDelta {
     pub unreachable: bool,
 }
 
-fn f16_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(|x| f16::from_f32(x).to_le_bytes()).collect()
+fn f16_bytes(v: &[f32]) -> Vec<u8> {
+    le::le_bytes(&le::to_f16s(v))
 }
 
 /// Little-endian f16 bytes → f32 (`out.len()` values).
@@ -198,7 +198,7 @@ pub fn encode_base(
         let dst = &mut deq[r0 * cols..r1 * cols];
         let payload = match dtype {
             BaseDtype::F16 => {
-                let p = f16_bytes(src.iter().copied());
+                let p = f16_bytes(src);
                 f16_to_f32(&p, dst);
                 p
             }
@@ -337,7 +337,47 @@ pub fn decompose(
         rel(d)
     };
 
-    let (rank, rel_err, unreachable) = match choice {
+    let (rank, rel_err, unreachable) = choose_rank(choice, s, tail_rank, err_at);
+
+    // The stored factors are the first `rank` columns of U·√σ and rows of √σ·Vᵀ; their
+    // values are already f16, so rounding them again is exact.
+    let u_blocks = (0..rows)
+        .step_by(rows_per_block)
+        .map(|r0| {
+            let r1 = (r0 + rows_per_block).min(rows);
+            let vals: Vec<f32> = (r0..r1)
+                .flat_map(|i| (0..rank).map(move |j| (i, j)))
+                .map(|(i, j)| uh[(i, j)])
+                .collect();
+            f16_bytes(&vals)
+        })
+        .collect();
+    let vt_vals: Vec<f32> = (0..rank)
+        .flat_map(|i| (0..cols).map(move |j| (i, j)))
+        .map(|(i, j)| vth[(i, j)])
+        .collect();
+    let vt = f16_bytes(&vt_vals);
+    Ok(EncodedDelta {
+        rank,
+        u_blocks,
+        vt,
+        rel_err,
+        base_rel_err,
+        tail_ranks,
+        unreachable,
+    })
+}
+
+/// (rank, its error, unreachable) for `choice`, among ranks 0..=`s`. `tail_rank(e)` is
+/// the smallest rank whose SVD tail alone is within `e`; `err_at(r)` the error of the
+/// stored rank-`r` reconstruction (which only falls as r grows, up to rounding).
+fn choose_rank(
+    choice: RankChoice,
+    s: usize,
+    tail_rank: impl Fn(f64) -> usize,
+    err_at: impl Fn(usize) -> f64,
+) -> (usize, f64, bool) {
+    match choice {
         RankChoice::Fixed(r) => {
             let r = r.min(s);
             (r, err_at(r), false)
@@ -348,60 +388,33 @@ pub fn decompose(
             let r0 = tail_rank(e);
             let e0 = err_at(r0);
             if e0 <= e {
-                (r0, e0, false)
-            } else {
-                let (mut lo, mut step) = (r0, 1usize);
-                let mut hi = None;
-                while lo < s {
-                    let cand = (lo + step).min(s);
-                    let ec = err_at(cand);
-                    if ec <= e {
-                        hi = Some((cand, ec));
-                        break;
-                    }
-                    lo = cand;
-                    step *= 2;
+                return (r0, e0, false);
+            }
+            let (mut lo, mut step) = (r0, 1usize);
+            let mut hi = None;
+            while lo < s {
+                let cand = (lo + step).min(s);
+                let ec = err_at(cand);
+                if ec <= e {
+                    hi = Some((cand, ec));
+                    break;
                 }
-                match hi {
-                    None => (s, err_at(s), true),
-                    Some((mut h, mut eh)) => {
-                        while h - lo > 1 {
-                            let mid = lo + (h - lo) / 2;
-                            let em = err_at(mid);
-                            if em <= e {
-                                (h, eh) = (mid, em);
-                            } else {
-                                lo = mid;
-                            }
-                        }
-                        (h, eh, false)
-                    }
+                lo = cand;
+                step *= 2;
+            }
+            let Some((mut h, mut eh)) = hi else {
+                return (s, err_at(s), true);
+            };
+            while h - lo > 1 {
+                let mid = lo + (h - lo) / 2;
+                let em = err_at(mid);
+                if em <= e {
+                    (h, eh) = (mid, em);
+                } else {
+                    lo = mid;
                 }
             }
+            (h, eh, false)
         }
-    };
-
-    let mut u_blocks = Vec::with_capacity(rows.div_ceil(rows_per_block));
-    for r0 in (0..rows).step_by(rows_per_block) {
-        let r1 = (r0 + rows_per_block).min(rows);
-        u_blocks.push(f16_bytes(
-            (r0..r1)
-                .flat_map(|i| (0..rank).map(move |j| (i, j)))
-                .map(|(i, j)| uh[(i, j)]),
-        ));
     }
-    let vt = f16_bytes(
-        (0..rank)
-            .flat_map(|i| (0..cols).map(move |j| (i, j)))
-            .map(|(i, j)| vth[(i, j)]),
-    );
-    Ok(EncodedDelta {
-        rank,
-        u_blocks,
-        vt,
-        rel_err,
-        base_rel_err,
-        tail_ranks,
-        unreachable,
-    })
 }

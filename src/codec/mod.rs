@@ -11,10 +11,12 @@
 
 pub mod delta;
 pub mod intq;
+pub mod le;
 mod ndsq;
 mod passthrough;
 mod pq;
 
+pub use le::f16s_to_f32;
 /// Thin SVD (sequential, deterministic), shared with the delta kind's decomposition.
 pub(crate) use ndsq::thin_svd;
 
@@ -311,19 +313,6 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
         let (s, e) = block_row_range(rows, rows_per_block, b);
         (s, e - s)
     })
-}
-
-/// Little-endian f16 values into f32 (`out.len()` values; extra bytes ignored).
-pub fn f16s_to_f32(bytes: &[u8], out: &mut [f32]) {
-    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-    }
-}
-
-fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
-    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    }
 }
 
 /// Short human label of how a tensor is coded, as reports and `inspect` print it.

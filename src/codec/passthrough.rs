@@ -2,7 +2,7 @@
 //! (f32 / f16 / bf16 little-endian, or whole ggml blocks), so a round trip is bit-exact.
 //! Decoding converts to f32; the global blob is empty.
 
-use super::{blocks_of, CodecError, EncodedTensor, TensorCodec};
+use super::{blocks_of, le, CodecError, EncodedTensor, TensorCodec};
 use crate::model::SourceType;
 
 /// Bytes of one row of `cols` elements in `format`.
@@ -74,13 +74,9 @@ pub(super) fn decode_rows(
     // r0 ≤ r1 ≤ block_rows was checked, and the payload holds block_rows rows.
     let bytes = &payload[(r0 * rb) as usize..(r1 * rb) as usize];
     match format {
-        SourceType::F32 => super::f32s_from_le(bytes, out),
-        SourceType::F16 => super::f16s_to_f32(bytes, out),
-        SourceType::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
+        SourceType::F32 => le::f32s_from_le(bytes, out),
+        SourceType::F16 => le::f16s_to_f32(bytes, out),
+        SourceType::BF16 => le::bf16s_to_f32(bytes, out),
         SourceType::Ggml(ty) => {
             // Row by row: each row is a whole number of ggml blocks.
             let rb = rb as usize;

@@ -7,16 +7,20 @@
 //! not depend on the thread count.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use half::slice::HalfFloatSliceExt;
 
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::archive::container::with_suffix;
 use crate::archive::npydir::npy::{self, Dtype};
 use crate::archive::npydir::{hex, safe_key, SideFile, SideTensor, Sidecar};
 use crate::archive::npydir::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::ArchiveError;
 use crate::codec::intq as quant;
+use crate::codec::le;
 use crate::convert::{wildcard_match, ConvertError, ConvertReport, TensorReport};
 use crate::import::SourceModel;
 use crate::model::TensorDesc;
@@ -116,10 +120,10 @@ fn write_component(
     ))
 }
 
+/// `w` rounded to f16: its little-endian bytes and the values they decode to.
 fn f16_bytes(w: &[f32]) -> (Vec<u8>, Vec<f32>) {
-    let h: Vec<half::f16> = w.iter().map(|&x| half::f16::from_f32(x)).collect();
-    let back = h.iter().map(|x| x.to_f32()).collect();
-    (h.iter().flat_map(|x| x.to_le_bytes()).collect(), back)
+    let h = le::to_f16s(w);
+    (le::le_bytes(&h), h.to_f32_vec())
 }
 
 fn encode_one(
@@ -177,7 +181,7 @@ fn encode_one(
                     suffix: "__s4",
                     dtype: Dtype::F32,
                     shape: vec![rows as u64, g as u64],
-                    data: s.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    data: le::le_bytes(&s),
                     row_bytes: g * 4,
                 },
             ];
@@ -185,7 +189,7 @@ fn encode_one(
         } else {
             let (mut q, mut s) = (Vec::new(), Vec::new());
             quant::quantize_int8(&w, cols, &mut q, &mut s);
-            let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+            let qb: Vec<u8> = bytemuck::cast_vec(q);
             let mut back = vec![0f32; w.len()];
             quant::dequantize_int8(&qb, &s, cols, 1, &mut back);
             let comps = vec![
@@ -202,7 +206,7 @@ fn encode_one(
                     suffix: "__s",
                     dtype: Dtype::F32,
                     shape: vec![rows as u64],
-                    data: s.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    data: le::le_bytes(&s),
                     row_bytes: 4,
                 },
             ];
@@ -220,7 +224,8 @@ fn encode_one(
     }
     // The original shape, int64 (as Squish writes it); always plain .npy.
     let mut shape = npy::write_header(Dtype::I64, &[t.shape.len() as u64]);
-    shape.extend(t.shape.iter().flat_map(|&d| (d as i64).to_le_bytes()));
+    let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+    le::push_le(&dims, &mut shape);
     let sname = format!("{key}__shape.npy");
     let spath = tdir.join(&sname);
     std::fs::write(&spath, &shape).map_err(|e| io(&spath, e))?;
@@ -257,12 +262,6 @@ fn encode_one(
         },
         quantized: kind != "passthrough",
     })
-}
-
-fn tmp_path(out: &Path) -> PathBuf {
-    let mut s = out.as_os_str().to_owned();
-    s.push(".tmp");
-    PathBuf::from(s)
 }
 
 /// Convert `src` into an npy-dir at `out`. `progress(done, total, name)` is called after
@@ -302,7 +301,8 @@ pub fn convert(
             )));
         }
     }
-    let tmp = tmp_path(out);
+    // A fixed name (not a random temp dir): the next run removes what a crashed one left.
+    let tmp = with_suffix(out, ".tmp");
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }

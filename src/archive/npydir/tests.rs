@@ -8,7 +8,7 @@ use super::npy::{write_header, Dtype};
 use super::*;
 use crate::convert::npydir::{convert, NpyOptions};
 use crate::import::mem::MemSource;
-use crate::model::ArchConfig;
+use crate::model::{ArchConfig, SourceType, TensorDesc};
 
 const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
  "num_hidden_layers": 1, "intermediate_size": 96, "vocab_size": 300, "num_key_value_heads": 1}"#;

@@ -1,0 +1,374 @@
+//! One data file of a tensor ([`DataFile`]): opened and validated whole at open (npy
+//! header, dtype, exact length, zstd frames), then read by row block. Plain `.npy` files
+//! are memory-mapped, cawsfs-framed `.npy.zst` decompress one frame per block, and a
+//! foreign `.npy.zst` is decompressed whole into a small LRU shared by the directory.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::frames::{walk_frames, zst_header, Frame};
+use super::npy::{self, Dtype};
+use super::{NpyDir, TENSOR_DIR};
+use crate::archive::container::{invalid, io_error as io_err};
+use crate::archive::ArchiveError;
+
+/// Decompressed foreign `.npy.zst` files kept in memory (NPYDIR.md §4).
+const WHOLE_LRU_BYTES: usize = 256 << 20;
+/// zstd cannot expand data by more than this (an RLE block: 4 bytes → 128 KiB).
+const ZSTD_MAX_RATIO: u64 = 32768;
+
+pub(super) enum Storage {
+    /// Plain `.npy`, memory-mapped; data at `header.data_offset`.
+    Plain(Mmap),
+    /// cawsfs-framed `.npy.zst`: `frames[b]` = (offset, len) of row block `b`'s frame.
+    Framed {
+        map: Mmap,
+        frames: Vec<(usize, usize)>,
+    },
+    /// Foreign `.npy.zst`, decompressed whole on demand; `id` keys the LRU.
+    Whole { map: Mmap, id: usize },
+}
+
+pub(super) struct DataFile {
+    /// Path relative to the directory, for messages ("tensors/x__q.npy").
+    pub rel: String,
+    pub header: npy::Header,
+    pub storage: Storage,
+    pub file_len: u64,
+    /// XXH3-64 of each row block's data bytes (cawsfs-written directories).
+    pub sums: Option<Vec<u64>>,
+}
+
+impl DataFile {
+    pub(super) fn is_zst(&self) -> bool {
+        !matches!(self.storage, Storage::Plain(_))
+    }
+}
+
+/// Decompressed foreign files, least recently used first out.
+pub(super) struct WholeCache {
+    lru: lru::LruCache<usize, Arc<Vec<u8>>>,
+    bytes: usize,
+}
+
+impl WholeCache {
+    pub(super) fn new() -> Self {
+        WholeCache {
+            lru: lru::LruCache::unbounded(),
+            bytes: 0,
+        }
+    }
+}
+
+/// Opens the data files of one directory; numbers the foreign zst files for the LRU.
+pub(super) struct Opener<'a> {
+    pub dir: &'a Path,
+    pub next_whole: usize,
+}
+
+impl Opener<'_> {
+    /// Open `tensors/{name}` (`.npy` or `.npy.zst`), check its dtype is one of `dtypes`
+    /// and its length; `framed` = Some(block data lengths) for a cawsfs-framed zst.
+    pub(super) fn open(
+        &mut self,
+        name: &str,
+        dtypes: &[Dtype],
+        framed: Option<&[u64]>,
+    ) -> Result<DataFile, ArchiveError> {
+        let rel = format!("{TENSOR_DIR}/{name}");
+        let path = self.dir.join(&rel);
+        let f = File::open(&path).map_err(|e| io_err(&path, e))?;
+        let file_len = f.metadata().map_err(|e| io_err(&path, e))?.len();
+        if file_len == 0 {
+            return Err(invalid(&path, "empty file"));
+        }
+        // SAFETY: the file is only read; every range is validated against its length
+        // below. Another process truncating it while mounted is outside what we defend.
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| io_err(&path, e))?;
+        let zst = name.ends_with(".zst");
+        let (header, storage) = if !zst {
+            let hl = npy::header_len(&map[..map.len().min(12)]).map_err(|e| invalid(&path, e))?;
+            let header =
+                npy::parse(&map[..map.len().min(hl as usize)]).map_err(|e| invalid(&path, e))?;
+            (header, Storage::Plain(map))
+        } else {
+            self.open_zst(&path, map, file_len, framed)?
+        };
+        if !dtypes.contains(&header.dtype) {
+            return Err(invalid(
+                &path,
+                format!(
+                    "dtype {} is not allowed here (expected {})",
+                    header.dtype.descr(),
+                    dtypes
+                        .iter()
+                        .map(|d| d.descr())
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ),
+            ));
+        }
+        if !zst {
+            let expect = header.data_offset + header.data_len();
+            if file_len < expect {
+                return Err(invalid(
+                    &path,
+                    format!("truncated: {file_len} bytes, the npy header says {expect}"),
+                ));
+            }
+            if file_len > expect {
+                return Err(invalid(
+                    &path,
+                    format!("{} trailing bytes after the array", file_len - expect),
+                ));
+            }
+        }
+        Ok(DataFile {
+            rel,
+            header,
+            storage,
+            file_len,
+            sums: None,
+        })
+    }
+
+    /// The header and storage of a `.npy.zst`: its frames walked, its decompressed size
+    /// checked against the npy header, and its framing as `framed` says.
+    fn open_zst(
+        &mut self,
+        path: &Path,
+        map: Mmap,
+        file_len: u64,
+        framed: Option<&[u64]>,
+    ) -> Result<(npy::Header, Storage), ArchiveError> {
+        let frames = walk_frames(&map).map_err(|e| invalid(path, e))?;
+        let header = zst_header(&map).map_err(|e| invalid(path, e))?;
+        let expect = header.data_offset + header.data_len();
+        if expect
+            > file_len
+                .saturating_mul(ZSTD_MAX_RATIO)
+                .saturating_add(1 << 20)
+        {
+            return Err(invalid(
+                path,
+                format!(
+                    "header claims {expect} bytes, more than {file_len} compressed bytes can hold"
+                ),
+            ));
+        }
+        if frames.iter().all(|f| f.content.is_some()) {
+            let total: u64 = frames.iter().map(|f| f.content.unwrap_or(0)).sum();
+            if total != expect {
+                return Err(invalid(
+                    path,
+                    format!("truncated or padded: decompresses to {total} bytes, the npy header says {expect}"),
+                ));
+            }
+        }
+        let storage = match framed {
+            Some(lens) => framed_storage(path, map, &frames, &header, lens)?,
+            None => {
+                check_whole(path, &frames, expect)?;
+                self.next_whole += 1;
+                Storage::Whole {
+                    map,
+                    id: self.next_whole,
+                }
+            }
+        };
+        Ok((header, storage))
+    }
+}
+
+/// A cawsfs-framed file: one header frame, then one frame per row block of `lens` bytes.
+fn framed_storage(
+    path: &Path,
+    map: Mmap,
+    frames: &[Frame],
+    header: &npy::Header,
+    lens: &[u64],
+) -> Result<Storage, ArchiveError> {
+    let ok = frames.len() == lens.len() + 1
+        && frames[0].content == Some(header.data_offset)
+        && frames[1..]
+            .iter()
+            .zip(lens)
+            .all(|(f, &l)| f.content == Some(l));
+    if !ok {
+        return Err(invalid(
+            path,
+            format!(
+                "not framed as cawsfs.json says (one header frame and {} row-block frames)",
+                lens.len()
+            ),
+        ));
+    }
+    let frames = frames[1..].iter().map(|f| (f.offset, f.len)).collect();
+    Ok(Storage::Framed { map, frames })
+}
+
+/// A foreign stream is decompressed into memory on read: its size must be known and
+/// bounded now, or one crafted file could make the daemon reserve gigabytes (and abort)
+/// on its first read.
+fn check_whole(path: &Path, frames: &[Frame], expect: u64) -> Result<(), ArchiveError> {
+    if frames.iter().any(|f| f.content.is_none()) {
+        return Err(invalid(
+            path,
+            "a zstd frame does not record its decompressed size; recompress with `zstd` (it records sizes)",
+        ));
+    }
+    if expect > WHOLE_LRU_BYTES as u64 {
+        return Err(invalid(
+            path,
+            format!(
+                "one zstd stream of {expect} bytes decompressed is over the {} MiB that can be served by decompressing it whole; decompress it (`zstd -d`) or reconvert with `cawsfs convert --to npy-dir --zstd` (framed per row block)",
+                WHOLE_LRU_BYTES >> 20
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `tensors/{name}` as a shape file: (shape, file length, XXH3-64 of the whole file).
+pub(super) fn read_shape_file(
+    op: &mut Opener,
+    name: &str,
+) -> Result<(Vec<u64>, u64, u64), ArchiveError> {
+    let f = op.open(name, &[Dtype::I64, Dtype::I32], None)?;
+    let path = op.dir.join(&f.rel);
+    if f.header.shape.len() != 1 || f.header.shape[0] > 32 {
+        return Err(invalid(
+            &path,
+            format!(
+                "shape file has shape {:?}, expected [ndim ≤ 32]",
+                f.header.shape
+            ),
+        ));
+    }
+    let bytes = whole_bytes(&f).map_err(|e| invalid(&path, e))?;
+    let data = &bytes[f.header.data_offset as usize..];
+    let size = f.header.dtype.size() as usize;
+    let mut shape = Vec::new();
+    for c in data.chunks_exact(size) {
+        let v = if size == 8 {
+            i64::from_le_bytes(c.try_into().expect("8 bytes"))
+        } else {
+            i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64
+        };
+        if v < 0 {
+            return Err(invalid(&path, format!("negative dimension {v}")));
+        }
+        shape.push(v as u64);
+    }
+    let mut n: u64 = 1;
+    for &d in &shape {
+        n = n
+            .checked_mul(d)
+            .filter(|&n| n <= npy::MAX_ELEMS)
+            .ok_or_else(|| invalid(&path, format!("shape {shape:?} has too many elements")))?;
+    }
+    Ok((shape, f.file_len, xxh3_64(&bytes)))
+}
+
+/// The whole decompressed npy file (header + data) of a small file.
+fn whole_bytes(f: &DataFile) -> Result<Cow<'_, [u8]>, String> {
+    match &f.storage {
+        Storage::Plain(m) => Ok(Cow::Borrowed(&m[..])),
+        Storage::Framed { map, .. } | Storage::Whole { map, .. } => {
+            let n = (f.header.data_offset + f.header.data_len()) as usize;
+            let v = zstd::bulk::decompress(map, n).map_err(|e| format!("zstd: {e}"))?;
+            if v.len() != n {
+                return Err(format!("decompresses to {} bytes, expected {n}", v.len()));
+            }
+            Ok(Cow::Owned(v))
+        }
+    }
+}
+
+/// The npy header bytes of a data file (decompressing frame 0 of a framed file).
+pub(super) fn header_bytes(f: &DataFile) -> Result<Vec<u8>, String> {
+    let n = f.header.data_offset as usize;
+    match &f.storage {
+        Storage::Plain(m) => Ok(m[..n].to_vec()),
+        Storage::Framed { map, frames } => {
+            let end = frames.first().map_or(map.len(), |f| f.0);
+            let v = zstd::bulk::decompress(&map[..end], n).map_err(|e| format!("zstd: {e}"))?;
+            if v.len() != n {
+                return Err("zstd header frame has the wrong length".into());
+            }
+            Ok(v)
+        }
+        Storage::Whole { .. } => Err("not a framed file".into()),
+    }
+}
+
+impl NpyDir {
+    /// The data bytes `lo..hi` of file `f`, which lie in row block `b`.
+    pub(super) fn data_slice<'a>(
+        &'a self,
+        f: &'a DataFile,
+        b: usize,
+        (lo, hi): (u64, u64),
+    ) -> Result<Cow<'a, [u8]>, String> {
+        let (stored, bytes): (u64, Cow<[u8]>) = match &f.storage {
+            Storage::Plain(m) => {
+                let off = f.header.data_offset;
+                (
+                    hi - lo,
+                    Cow::Borrowed(&m[(off + lo) as usize..(off + hi) as usize]),
+                )
+            }
+            Storage::Framed { map, frames } => {
+                let (o, n) = frames[b];
+                let want = (hi - lo) as usize;
+                let v = zstd::bulk::decompress(&map[o..o + n], want)
+                    .map_err(|e| format!("zstd frame of row block {b}: {e}"))?;
+                if v.len() != want {
+                    return Err(format!(
+                        "zstd frame of row block {b} decompresses to {} bytes, expected {want}",
+                        v.len()
+                    ));
+                }
+                (n as u64, Cow::Owned(v))
+            }
+            Storage::Whole { id, .. } => {
+                let all = self.whole_file(f, *id)?;
+                let off = f.header.data_offset;
+                (
+                    hi - lo,
+                    Cow::Owned(all[(off + lo) as usize..(off + hi) as usize].to_vec()),
+                )
+            }
+        };
+        self.counters.record(stored, hi - lo);
+        Ok(bytes)
+    }
+
+    /// A foreign `.npy.zst`, decompressed whole (through the LRU).
+    fn whole_file(&self, f: &DataFile, id: usize) -> Result<Arc<Vec<u8>>, String> {
+        let poisoned = |_| "cache lock poisoned".to_string();
+        if let Some(v) = self.whole.lock().map_err(poisoned)?.lru.get(&id) {
+            return Ok(v.clone());
+        }
+        // Decompressed outside the lock; two readers of one cold file may both do it.
+        let v = Arc::new(whole_bytes(f)?.into_owned());
+        let mut c = self.whole.lock().map_err(poisoned)?;
+        if v.len() <= WHOLE_LRU_BYTES {
+            while c.bytes + v.len() > WHOLE_LRU_BYTES {
+                match c.lru.pop_lru() {
+                    Some((_, old)) => c.bytes -= old.len(),
+                    None => break,
+                }
+            }
+            if c.lru.put(id, v.clone()).is_none() {
+                c.bytes += v.len();
+            }
+        }
+        Ok(v)
+    }
+}

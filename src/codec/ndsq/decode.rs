@@ -1,0 +1,268 @@
+//! NDSQ decoding: the global blob parsed once per tensor ([`NdsqGlobal`]), each block
+//! payload validated whole before any row is read ([`BlockView`]), then rows decoded
+//! (`U·Σ·Vᵀ + R̂ + D + S`) or multiplied by a vector without forming them.
+
+use faer::{Accum, MatMut, MatRef, Par};
+use half::f16;
+
+use super::{check_shape_params, diag_rows, idx_width, read_idx, MAGIC};
+use crate::codec::{le, CodecError, Reader};
+
+/// The parsed global blob.
+pub(in crate::codec) struct NdsqGlobal {
+    rank: usize,
+    cols: usize,
+    d: usize,
+    k: usize,
+    m: usize,
+    /// Σ·Vᵀ (rank × cols, row-major), scale applied.
+    svt: Vec<f32>,
+    /// k × d centroids.
+    codebook: Vec<f32>,
+}
+
+impl NdsqGlobal {
+    pub(in crate::codec) fn heap_bytes(&self) -> usize {
+        (self.svt.len() + self.codebook.len()) * 4
+    }
+
+    /// The caller's `cols` must be the one the global was parsed for.
+    pub(in crate::codec) fn check_cols(&self, cols: u64) -> Result<(), CodecError> {
+        if cols != self.cols as u64 {
+            return Err(CodecError::Params(format!(
+                "cols {cols} differs from the {} the NDSQ global was decoded for",
+                self.cols
+            )));
+        }
+        Ok(())
+    }
+
+    pub(in crate::codec) fn parse(
+        bytes: &[u8],
+        rows: u64,
+        cols: u64,
+        rank: u32,
+        pq_dim: u32,
+        pq_k: u32,
+    ) -> Result<Self, CodecError> {
+        let bad = |m: String| CodecError::Corrupt(format!("NDSQ global: {m}"));
+        check_shape_params(rows, cols, rank, pq_dim, pq_k).map_err(bad)?;
+        let mut r = Reader::new(bytes, "NDSQ global");
+        if r.take(4)? != MAGIC {
+            return Err(bad("bad magic".into()));
+        }
+        let fields = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
+        if fields != [rank, cols as u32, pq_dim, pq_k] {
+            return Err(bad(format!(
+                "header (rank, cols, pq_dim, pq_k) = {fields:?}, tensor table says ({rank}, {cols}, {pq_dim}, {pq_k})"
+            )));
+        }
+        let scale = r.f32()?;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(bad(format!("L scale {scale} is not a positive number")));
+        }
+        let (rank, cols, d, k) = (rank as usize, cols as usize, pq_dim as usize, pq_k as usize);
+        let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
+        let cb_b = r.take_n(k * d, 4)?;
+        r.finish()?;
+        let mut svt = vec![0f32; rank * cols];
+        le::f16s_to_f32(svt_b, &mut svt);
+        svt.iter_mut().for_each(|x| *x *= scale);
+        let mut codebook = vec![0f32; k * d];
+        le::f32s_from_le(cb_b, &mut codebook);
+        Ok(NdsqGlobal {
+            rank,
+            cols,
+            d,
+            k,
+            m: cols / d,
+            svt,
+            codebook,
+        })
+    }
+}
+
+/// A validated view of one block payload.
+pub(in crate::codec) struct BlockView<'a> {
+    n: usize,
+    first: usize,
+    u: &'a [u8],
+    codes: &'a [u8],
+    diag: &'a [u8],
+    nd: usize,
+    w: usize,
+    s_cols: &'a [u8],
+    s_vals: &'a [u8],
+    /// Outlier entry range of row i: start[i]..start[i+1].
+    start: Vec<usize>,
+}
+
+impl<'a> BlockView<'a> {
+    pub(in crate::codec) fn parse(
+        g: &NdsqGlobal,
+        payload: &'a [u8],
+        first_row: u64,
+        block_rows: u64,
+    ) -> Result<Self, CodecError> {
+        let bad = |m: String| CodecError::Corrupt(format!("NDSQ block at row {first_row}: {m}"));
+        let n = usize::try_from(block_rows)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| CodecError::Params(format!("block of {block_rows} rows")))?;
+        let first = usize::try_from(first_row)
+            .map_err(|_| CodecError::Params(format!("first row {first_row} too large")))?;
+        let w = idx_width(g.cols);
+        let mut r = Reader::new(payload, "NDSQ block");
+        let u = r.take_n(n, g.rank * 2)?;
+        let codes = r.take_n(n, g.m)?;
+        if let Some(&c) = codes.iter().find(|&&c| c as usize >= g.k) {
+            return Err(bad(format!("PQ code {c} ≥ k = {}", g.k)));
+        }
+        let nd = diag_rows(first_row, n, g.cols);
+        let diag = r.take_n(nd, 2)?;
+        let counts = r.take_n(n, w)?;
+        let mut start = Vec::with_capacity(n + 1);
+        start.push(0usize);
+        let mut total = 0usize;
+        for i in 0..n {
+            let c = read_idx(counts, i, w);
+            if c > g.cols {
+                return Err(bad(format!("row {i} has {c} outliers, cols is {}", g.cols)));
+            }
+            total += c; // ≤ n × cols, and n × m bytes were present: no overflow
+            start.push(total);
+        }
+        let s_cols = r.take_n(total, w)?;
+        let s_vals = r.take_n(total, 4)?;
+        r.finish()?;
+        for i in 0..n {
+            let mut prev: Option<usize> = None;
+            for e in start[i]..start[i + 1] {
+                let c = read_idx(s_cols, e, w);
+                if c >= g.cols || prev.is_some_and(|p| c <= p) {
+                    return Err(bad(format!(
+                        "row {i}: outlier column {c} out of range or out of order"
+                    )));
+                }
+                prev = Some(c);
+            }
+        }
+        Ok(BlockView {
+            n,
+            first,
+            u,
+            codes,
+            diag,
+            nd,
+            w,
+            s_cols,
+            s_vals,
+            start,
+        })
+    }
+
+    fn s_val(&self, e: usize) -> f32 {
+        let b = &self.s_vals[4 * e..4 * e + 4];
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    fn diag_val(&self, i: usize) -> f32 {
+        f16::from_le_bytes([self.diag[2 * i], self.diag[2 * i + 1]]).to_f32()
+    }
+
+    /// Rows `r0..r1` of the block into `out` ((r1-r0) × cols), already range-checked.
+    pub(in crate::codec) fn decode_rows(
+        &self,
+        g: &NdsqGlobal,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) {
+        let (cols, d, m) = (g.cols, g.d, g.m);
+        let nr = r1 - r0;
+        if nr == 0 {
+            return;
+        }
+        debug_assert!(r1 <= self.n && out.len() == nr * cols);
+        if g.rank > 0 {
+            let mut u = vec![0f32; nr * g.rank];
+            le::f16s_to_f32(&self.u[r0 * g.rank * 2..r1 * g.rank * 2], &mut u);
+            let um = MatRef::from_row_major_slice(&u, nr, g.rank);
+            let svt = MatRef::from_row_major_slice(&g.svt, g.rank, cols);
+            let dst = MatMut::from_row_major_slice_mut(out, nr, cols);
+            faer::linalg::matmul::matmul(dst, Accum::Replace, um, svt, 1.0f32, Par::Seq);
+        } else {
+            out.fill(0.0);
+        }
+        for (li, row) in out.chunks_exact_mut(cols).enumerate() {
+            let i = r0 + li;
+            let codes = &self.codes[i * m..(i + 1) * m];
+            for (seg, &c) in row.chunks_exact_mut(d).zip(codes) {
+                let cent = &g.codebook[c as usize * d..(c as usize + 1) * d];
+                for (o, &v) in seg.iter_mut().zip(cent) {
+                    *o += v;
+                }
+            }
+            if i < self.nd {
+                row[self.first + i] += self.diag_val(i);
+            }
+            for e in self.start[i]..self.start[i + 1] {
+                row[read_idx(self.s_cols, e, self.w)] += self.s_val(e);
+            }
+        }
+    }
+
+    /// y = Ŵ_block · x.
+    pub(in crate::codec) fn apply(&self, g: &NdsqGlobal, x: &[f32], y: &mut [f32]) {
+        let (cols, d, m, k) = (g.cols, g.d, g.m, g.k);
+        // t = Σ·Vᵀ·x once, then y_i = U_i · t.
+        let t: Vec<f32> = g
+            .svt
+            .chunks_exact(cols.max(1))
+            .take(g.rank)
+            .map(|row| dot(row, x))
+            .collect();
+        // With many rows a table of centroid·x-slice products beats direct dots.
+        let table: Option<Vec<f32>> = (self.n >= k).then(|| {
+            let mut tab = vec![0f32; m * k];
+            for (j, xs) in x.chunks_exact(d).enumerate() {
+                for (c, cent) in g.codebook.chunks_exact(d).enumerate() {
+                    tab[j * k + c] = dot(cent, xs);
+                }
+            }
+            tab
+        });
+        let mut u = vec![0f32; g.rank];
+        for (i, yi) in y.iter_mut().enumerate() {
+            le::f16s_to_f32(&self.u[i * g.rank * 2..(i + 1) * g.rank * 2], &mut u);
+            let mut acc = 0f32;
+            for (&ur, &tr) in u.iter().zip(&t) {
+                acc += ur * tr;
+            }
+            let codes = &self.codes[i * m..(i + 1) * m];
+            match &table {
+                Some(tab) => {
+                    for (j, &c) in codes.iter().enumerate() {
+                        acc += tab[j * k + c as usize];
+                    }
+                }
+                None => {
+                    for (xs, &c) in x.chunks_exact(d).zip(codes) {
+                        acc += dot(&g.codebook[c as usize * d..(c as usize + 1) * d], xs);
+                    }
+                }
+            }
+            if i < self.nd {
+                acc += self.diag_val(i) * x[self.first + i];
+            }
+            for e in self.start[i]..self.start[i + 1] {
+                acc += self.s_val(e) * x[read_idx(self.s_cols, e, self.w)];
+            }
+            *yi = acc;
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}

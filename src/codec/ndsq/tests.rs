@@ -1,0 +1,475 @@
+//! NDSQ round trips, error bounds, determinism and corrupt input (errors, never panics).
+
+use super::svd::{matmul, thin_svd, truncated_svd};
+use crate::codec::*;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn normal(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            // Box–Muller.
+            let u1: f64 = rng.random::<f64>().max(1e-300);
+            let u2: f64 = rng.random();
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect()
+}
+
+fn opts(rank: u32, pq_dim: u32, k: u32) -> NdsqOptions {
+    NdsqOptions {
+        rank,
+        outlier_q: 0.999,
+        pq_dim,
+        pq_m: None,
+        pq_k: k,
+        kmeans_iters: 15,
+        seed: 42,
+    }
+}
+
+/// Rank-8 signal plus i.i.d. noise of standard deviation `noise`.
+fn low_rank_plus_noise(rows: usize, cols: usize, noise: f32, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let a = normal(&mut rng, rows * 8);
+    let b = normal(&mut rng, 8 * cols);
+    let e = normal(&mut rng, rows * cols);
+    let mut w = vec![0f32; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            let s: f32 = (0..8).map(|t| a[i * 8 + t] * b[t * cols + j]).sum();
+            w[i * cols + j] = s / 8f32.sqrt() + noise * e[i * cols + j];
+        }
+    }
+    w
+}
+
+/// Decodes a whole tensor block by block.
+fn decode_all(enc: &EncodedTensor, rows: u64, cols: u64, rpb: u64) -> Vec<f32> {
+    let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+    let mut out = vec![0f32; (rows * cols) as usize];
+    for (b, payload) in enc.blocks.iter().enumerate() {
+        let (s, e) = block_row_range(rows, rpb, b as u64);
+        decode_block_rows(
+            &enc.codec,
+            &g,
+            payload,
+            s,
+            e - s,
+            cols,
+            0,
+            e - s,
+            &mut out[(s * cols) as usize..(e * cols) as usize],
+        )
+        .unwrap();
+    }
+    out
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+fn bits_per_weight(enc: &EncodedTensor, n: usize) -> f64 {
+    let bytes = enc.global.len() + enc.blocks.iter().map(Vec::len).sum::<usize>();
+    bytes as f64 * 8.0 / n as f64
+}
+
+#[test]
+fn low_rank_plus_noise_reconstructs_below_noise() {
+    let (rows, cols) = (200usize, 96usize);
+    let w = low_rank_plus_noise(rows, cols, 0.05, 1);
+    let enc = encode_ndsq(&w, rows as u64, cols as u64, 32, &opts(8, 4, 256)).unwrap();
+    let noise_only: Vec<f32> = {
+        let clean = low_rank_plus_noise(rows, cols, 0.0, 1);
+        w.iter().zip(&clean).map(|(a, b)| a - b).collect()
+    };
+    let noise_rel = (noise_only.iter().map(|x| (*x as f64).powi(2)).sum::<f64>()
+        / w.iter().map(|x| (*x as f64).powi(2)).sum::<f64>())
+    .sqrt();
+    let dec = decode_all(&enc, rows as u64, cols as u64, 32);
+    let measured = rel(&w, &dec);
+    assert!(
+        (measured - enc.rel_err).abs() < 1e-9,
+        "{measured} vs {}",
+        enc.rel_err
+    );
+    assert!(
+        enc.rel_err < noise_rel,
+        "rel_err {} ≥ noise {noise_rel}",
+        enc.rel_err
+    );
+    // Rank 0 (no L) on the same matrix is clearly worse.
+    let no_l = encode_ndsq(&w, rows as u64, cols as u64, 32, &opts(0, 4, 256)).unwrap();
+    assert!(no_l.rel_err > 2.0 * enc.rel_err);
+}
+
+#[test]
+fn smaller_pq_dim_reduces_error() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (rows, cols) = (128usize, 192usize);
+    let w = normal(&mut rng, rows * cols);
+    let e4 = encode_ndsq(&w, rows as u64, cols as u64, 16, &opts(4, 4, 256)).unwrap();
+    let e2 = encode_ndsq(&w, rows as u64, cols as u64, 16, &opts(4, 2, 256)).unwrap();
+    assert!(e2.rel_err < e4.rel_err, "{} vs {}", e2.rel_err, e4.rel_err);
+    assert!(e4.rel_err < 0.6 && e2.rel_err < 0.3);
+}
+
+#[test]
+fn outliers_and_diagonal_are_exact() {
+    let (rows, cols) = (64usize, 48usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut w = normal(&mut rng, rows * cols);
+    w[5 * cols + 7] = 100.0;
+    w[40 * cols + 1] = -80.0;
+    for i in 0..cols {
+        w[i * cols + i] += 3.0;
+    }
+    let mut o = opts(2, 4, 16);
+    o.outlier_q = 0.99;
+    // With rank 0 the spikes are outliers of W − L and come back exact (with a
+    // rank > 0, L absorbs a lone spike as a singular vector instead).
+    o.rank = 0;
+    let enc = encode_ndsq(&w, rows as u64, cols as u64, 10, &o).unwrap();
+    let dec = decode_all(&enc, rows as u64, cols as u64, 10);
+    assert!(
+        (dec[5 * cols + 7] - 100.0).abs() < 1e-4,
+        "{}",
+        dec[5 * cols + 7]
+    );
+    assert!((dec[40 * cols + 1] + 80.0).abs() < 1e-4);
+    o.rank = 2;
+    let enc = encode_ndsq(&w, rows as u64, cols as u64, 10, &o).unwrap();
+    let dec = decode_all(&enc, rows as u64, cols as u64, 10);
+    for i in 0..cols {
+        let (a, b) = (w[i * cols + i], dec[i * cols + i]);
+        assert!(
+            (a - b).abs() <= 2e-3 * a.abs().max(1.0),
+            "diag {i}: {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn row_ranges_match_full_decode() {
+    let (rows, cols, rpb) = (77u64, 40u64, 16u64);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let w = normal(&mut rng, (rows * cols) as usize);
+    let mut o = opts(3, 4, 32);
+    o.outlier_q = 0.98;
+    let enc = encode_ndsq(&w, rows, cols, rpb, &o).unwrap();
+    let full = decode_all(&enc, rows, cols, rpb);
+    let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+    for _ in 0..200 {
+        let a = rng.random_range(0..rows);
+        let b = rng.random_range(a..=rows);
+        // Serve a..b by visiting only the overlapping blocks.
+        let mut out = vec![0f32; ((b - a) * cols) as usize];
+        let mut r = a;
+        while r < b {
+            let blk = r / rpb;
+            let (s, e) = block_row_range(rows, rpb, blk);
+            let end = e.min(b);
+            let o0 = ((r - a) * cols) as usize;
+            let o1 = ((end - a) * cols) as usize;
+            decode_block_rows(
+                &enc.codec,
+                &g,
+                &enc.blocks[blk as usize],
+                s,
+                e - s,
+                cols,
+                r - s,
+                end - s,
+                &mut out[o0..o1],
+            )
+            .unwrap();
+            r = end;
+        }
+        assert_eq!(
+            out,
+            full[(a * cols) as usize..(b * cols) as usize],
+            "rows {a}..{b}"
+        );
+    }
+}
+
+#[test]
+fn apply_matches_decode() {
+    // Blocks of 300 rows use the centroid table, blocks of 7 the direct path.
+    for rpb in [300u64, 7] {
+        let (rows, cols) = (600u64, 64u64);
+        let w = low_rank_plus_noise(rows as usize, cols as usize, 0.3, 11);
+        let enc = encode_ndsq(&w, rows, cols, rpb, &opts(8, 2, 256)).unwrap();
+        let full = decode_all(&enc, rows, cols, rpb);
+        let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let x = normal(&mut rng, cols as usize);
+        for (b, payload) in enc.blocks.iter().enumerate() {
+            let (s, e) = block_row_range(rows, rpb, b as u64);
+            let mut y = vec![0f32; (e - s) as usize];
+            apply_block(&enc.codec, &g, payload, s, e - s, cols, &x, &mut y).unwrap();
+            let want: Vec<f32> = (s..e)
+                .map(|i| {
+                    let row = &full[(i * cols) as usize..((i + 1) * cols) as usize];
+                    row.iter()
+                        .zip(&x)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            let r = rel(&want, &y);
+            assert!(r < 1e-4, "block {b}: relative difference {r}");
+        }
+    }
+}
+
+#[test]
+fn encoding_is_deterministic() {
+    let w = low_rank_plus_noise(300, 64, 0.2, 4);
+    let a = encode_ndsq(&w, 300, 64, 50, &opts(16, 4, 64)).unwrap();
+    let b = encode_ndsq(&w, 300, 64, 50, &opts(16, 4, 64)).unwrap();
+    assert_eq!(a.global, b.global);
+    assert_eq!(a.blocks, b.blocks);
+    assert_eq!(a.codec, b.codec);
+    assert_eq!(a.rel_err, b.rel_err);
+}
+
+#[test]
+fn randomized_svd_is_close_to_exact() {
+    let w = low_rank_plus_noise(400, 120, 0.1, 8);
+    let a = faer::MatRef::from_row_major_slice(&w, 400, 120);
+    // r = 8 takes the randomized path (2·18 ≤ 120); compare with the exact one.
+    let (u, svt) = truncated_svd(a, 8, 1).unwrap();
+    let (ue, se, ve) = thin_svd(a).unwrap();
+    let approx = matmul(u.as_ref(), svt.as_ref());
+    let mut best = 0f64;
+    let mut got = 0f64;
+    for i in 0..400 {
+        for j in 0..120 {
+            let ex: f32 = (0..8).map(|t| ue[(i, t)] * se[t] * ve[(j, t)]).sum();
+            best += ((w[i * 120 + j] - ex) as f64).powi(2);
+            got += ((w[i * 120 + j] - approx[(i, j)]) as f64).powi(2);
+        }
+    }
+    assert!(
+        got.sqrt() < best.sqrt() * 1.01,
+        "{} vs {}",
+        got.sqrt(),
+        best.sqrt()
+    );
+}
+
+#[test]
+fn bad_params_are_errors() {
+    let w = vec![0.5f32; 10 * 12];
+    let mut o = opts(2, 5, 16);
+    let e = encode_ndsq(&w, 10, 12, 4, &o).err().unwrap().to_string();
+    assert!(e.contains("12") && e.contains("5"), "{e}");
+    o.pq_m = Some(5);
+    let e = encode_ndsq(&w, 10, 12, 4, &o).err().unwrap().to_string();
+    assert!(e.contains("cols = 12") && e.contains("pq_m = 5"), "{e}");
+    o.pq_m = Some(3);
+    let enc = encode_ndsq(&w, 10, 12, 4, &o).unwrap();
+    assert!(matches!(enc.codec, TensorCodec::Ndsq { pq_dim: 4, .. }));
+    assert!(encode_ndsq(&w, 10, 11, 4, &opts(2, 1, 16)).is_err());
+    let mut nan = w.clone();
+    nan[3] = f32::NAN;
+    assert!(encode_ndsq(&nan, 10, 12, 4, &opts(2, 2, 16)).is_err());
+    assert!(encode_ndsq(&w, 10, 12, 4, &opts(2, 2, 257)).is_err());
+    assert!(encode_ndsq(&w, 10, 12, 0, &opts(2, 2, 16)).is_err());
+    // A constant matrix: everything is rank one, any settings reconstruct it.
+    let enc = encode_ndsq(&w, 10, 12, 4, &opts(2, 2, 16)).unwrap();
+    assert!(enc.rel_err < 1e-3, "{}", enc.rel_err);
+}
+
+#[test]
+fn huge_and_tiny_magnitudes_survive_f16() {
+    for scale in [1e6f32, 1e-6] {
+        let w: Vec<f32> = low_rank_plus_noise(64, 32, 0.1, 6)
+            .iter()
+            .map(|x| x * scale)
+            .collect();
+        let mut o = opts(8, 2, 64);
+        o.outlier_q = 1.0;
+        let enc = encode_ndsq(&w, 64, 32, 16, &o).unwrap();
+        assert!(enc.rel_err < 0.1, "scale {scale}: rel_err {}", enc.rel_err);
+    }
+}
+
+#[test]
+fn corrupt_inputs_are_errors_not_panics() {
+    let (rows, cols, rpb) = (50u64, 24u64, 20u64);
+    let w = low_rank_plus_noise(rows as usize, cols as usize, 0.3, 12);
+    let mut o = opts(4, 4, 32);
+    o.outlier_q = 0.97;
+    let enc = encode_ndsq(&w, rows, cols, rpb, &o).unwrap();
+    let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+    let mut out = vec![0f32; (rpb * cols) as usize];
+    let mut y = vec![0f32; rpb as usize];
+    let x = vec![1f32; cols as usize];
+    let payload = &enc.blocks[0];
+    // Truncations and extensions of the payload and the global blob.
+    for cut in 0..payload.len() {
+        assert!(decode_block_rows(
+            &enc.codec,
+            &g,
+            &payload[..cut],
+            0,
+            rpb,
+            cols,
+            0,
+            rpb,
+            &mut out
+        )
+        .is_err());
+    }
+    let mut longer = payload.clone();
+    longer.push(0);
+    assert!(decode_block_rows(&enc.codec, &g, &longer, 0, rpb, cols, 0, rpb, &mut out).is_err());
+    for cut in 0..enc.global.len() {
+        assert!(decode_global(&enc.codec, &enc.global[..cut], rows, cols).is_err());
+    }
+    // Random mutations: must never panic; outcomes may be Ok (a changed value).
+    let mut rng = ChaCha8Rng::seed_from_u64(77);
+    let mut errs = 0;
+    for _ in 0..3000 {
+        let mut p = payload.clone();
+        for _ in 0..rng.random_range(1..4) {
+            let i = rng.random_range(0..p.len());
+            p[i] = rng.random();
+        }
+        if rng.random_range(0..4) == 0 {
+            let n = rng.random_range(0..p.len());
+            p.truncate(n);
+        }
+        let r1 = decode_block_rows(&enc.codec, &g, &p, 0, rpb, cols, 0, rpb, &mut out);
+        let r2 = apply_block(&enc.codec, &g, &p, 0, rpb, cols, &x, &mut y);
+        assert_eq!(r1.is_err(), r2.is_err());
+        errs += r1.is_err() as u32;
+        let mut gb = enc.global.clone();
+        let i = rng.random_range(0..gb.len());
+        gb[i] = rng.random();
+        if let Ok(g2) = decode_global(&enc.codec, &gb, rows, cols) {
+            let _ = decode_block_rows(&enc.codec, &g2, payload, 0, rpb, cols, 0, rpb, &mut out);
+        }
+    }
+    assert!(errs > 500, "only {errs} of 3000 mutations were detected");
+    // Fully random garbage of plausible lengths.
+    for len in [0usize, 1, 100, payload.len(), payload.len() + 7] {
+        let garbage: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        let _ = decode_block_rows(&enc.codec, &g, &garbage, 0, rpb, cols, 0, rpb, &mut out);
+        let _ = decode_global(&enc.codec, &garbage, rows, cols);
+    }
+    // Mismatched table parameters.
+    let TensorCodec::Ndsq {
+        rank,
+        pq_dim,
+        pq_k,
+        outlier_q,
+    } = enc.codec.clone()
+    else {
+        unreachable!()
+    };
+    for c in [
+        TensorCodec::Ndsq {
+            rank: rank + 1,
+            pq_dim,
+            pq_k,
+            outlier_q,
+        },
+        TensorCodec::Ndsq {
+            rank,
+            pq_dim: 3,
+            pq_k,
+            outlier_q,
+        },
+        TensorCodec::Ndsq {
+            rank,
+            pq_dim,
+            pq_k: 0,
+            outlier_q,
+        },
+    ] {
+        assert!(decode_global(&c, &enc.global, rows, cols).is_err());
+    }
+    assert!(decode_global(&enc.codec, &enc.global, rows, cols + 4).is_err());
+    // cols other than the global's.
+    let mut wide = vec![0f32; (rpb * (cols + 4)) as usize];
+    assert!(
+        decode_block_rows(&enc.codec, &g, payload, 0, rpb, cols + 4, 0, rpb, &mut wide).is_err()
+    );
+    let x4 = vec![1f32; (cols + 4) as usize];
+    assert!(apply_block(&enc.codec, &g, payload, 0, rpb, cols + 4, &x4, &mut y).is_err());
+}
+
+fn load_f32(path: &str) -> Option<Vec<f32>> {
+    let b = std::fs::read(path).ok()?;
+    Some(
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+/// Measurements for the report: `cargo test --release --lib codec::ndsq::tests::bench
+/// -- --ignored --nocapture`. Real matrices are read from NDSQ_REAL_DIR when set
+/// (raw little-endian f32 dumps, named like `real_blk_5_ffn_down_weight.f32`).
+#[test]
+#[ignore]
+fn bench() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut cases: Vec<(String, usize, usize, Vec<f32>)> = vec![(
+        "random normal".into(),
+        576,
+        1536,
+        normal(&mut rng, 576 * 1536),
+    )];
+    if let Ok(dir) = std::env::var("NDSQ_REAL_DIR") {
+        for (name, r, c) in [
+            ("blk_5_ffn_down_weight", 576, 1536),
+            ("blk_5_ffn_up_weight", 1536, 576),
+            ("blk_5_attn_q_weight", 576, 576),
+            ("blk_5_attn_k_weight", 192, 576),
+            ("token_embd_weight", 49152, 576),
+        ] {
+            if let Some(w) = load_f32(&format!("{dir}/real_{name}.f32")) {
+                cases.push((name.into(), r, c, w));
+            }
+        }
+    }
+    for (name, r, c, w) in &cases {
+        for pq_dim in [4u32, 2] {
+            let o = opts(16, pq_dim, 256);
+            let t = std::time::Instant::now();
+            let enc = encode_ndsq(w, *r as u64, *c as u64, 64, &o).unwrap();
+            let te = t.elapsed();
+            let t = std::time::Instant::now();
+            let dec = decode_all(&enc, *r as u64, *c as u64, 64);
+            let td = t.elapsed();
+            assert!((rel(w, &dec) - enc.rel_err).abs() < 1e-9);
+            println!(
+                "{name} {r}×{c} rank 16 q .999 pq_dim {pq_dim} k 256: {:.3} bpw, rel_err {:.4}, encode {:.2?}, decode {:.2?}",
+                bits_per_weight(&enc, r * c),
+                enc.rel_err,
+                te,
+                td
+            );
+        }
+    }
+    // SVD: randomized vs exact on the largest shapes.
+    for (name, r, c, w) in &cases {
+        let a = faer::MatRef::from_row_major_slice(w, *r, *c);
+        let t = std::time::Instant::now();
+        let _ = truncated_svd(a, 16, 1).unwrap();
+        let tr = t.elapsed();
+        let t = std::time::Instant::now();
+        let _ = thin_svd(a).unwrap();
+        println!(
+            "{name}: rank-16 randomized SVD {tr:.2?}, exact thin SVD {:.2?}",
+            t.elapsed()
+        );
+    }
+}
