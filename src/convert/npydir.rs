@@ -7,21 +7,20 @@
 //! not depend on the thread count.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use half::slice::HalfFloatSliceExt;
 
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::archive::container::with_suffix;
 use crate::archive::npydir::npy::{self, Dtype};
 use crate::archive::npydir::{hex, safe_key, SideFile, SideTensor, Sidecar};
 use crate::archive::npydir::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::ArchiveError;
 use crate::codec::intq as quant;
 use crate::codec::le;
-use crate::convert::{wildcard_match, ConvertError, ConvertReport, TensorReport};
+use crate::convert::{ConvertError, ConvertReport, Patterns, TensorReport};
 use crate::import::SourceModel;
 use crate::model::TensorDesc;
 
@@ -36,7 +35,8 @@ pub struct NpyOptions {
     pub group: usize,
     /// Write data files as framed `.npy.zst`.
     pub zstd: bool,
-    /// Tensors matching one of these `*` patterns are stored as f16 passthrough.
+    /// Tensors matching one of these glob patterns ([`Patterns`]) are stored as f16
+    /// passthrough.
     pub passthrough: Vec<String>,
     /// Tensors quantized at once; bounds peak memory.
     pub window: usize,
@@ -131,12 +131,13 @@ fn encode_one(
     i: usize,
     tdir: &Path,
     opts: &NpyOptions,
+    passthrough: &Patterns,
 ) -> Result<Written, ConvertError> {
     let t: &TensorDesc = &src.desc().tensors[i];
     let key = safe_key(&t.name);
     let (rows, cols) = (t.rows() as usize, t.cols() as usize);
     let w = src.f32(i)?;
-    let pass = t.shape.len() < 2 || opts.passthrough.iter().any(|p| wildcard_match(p, &t.name));
+    let pass = t.shape.len() < 2 || passthrough.is_match(&t.name);
     let finite = w.iter().all(|x| x.is_finite());
     if !pass && !finite {
         tracing::warn!("{}: stored as f16 passthrough (non-finite values)", t.name);
@@ -264,6 +265,14 @@ fn encode_one(
     })
 }
 
+/// `DIR.tmp`, where the directory is built before it replaces `DIR` (docs/NPYDIR.md):
+/// a fixed name, so the next run removes what a crashed one left.
+fn tmp_path(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(".tmp");
+    PathBuf::from(s)
+}
+
 /// Convert `src` into an npy-dir at `out`. `progress(done, total, name)` is called after
 /// each tensor is written.
 pub fn convert(
@@ -290,6 +299,7 @@ pub fn convert(
             out.display()
         )));
     }
+    let passthrough = Patterns::new(&opts.passthrough)?;
     let desc = src.desc();
     let mut keys = std::collections::HashSet::new();
     for t in &desc.tensors {
@@ -302,7 +312,7 @@ pub fn convert(
         }
     }
     // A fixed name (not a random temp dir): the next run removes what a crashed one left.
-    let tmp = with_suffix(out, ".tmp");
+    let tmp = tmp_path(out);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
@@ -314,7 +324,7 @@ pub fn convert(
     crate::convert::in_windows(
         n,
         opts.window,
-        |i| encode_one(src, i, &tdir, opts),
+        |i| encode_one(src, i, &tdir, opts, &passthrough),
         |i, w| {
             written.push(w);
             progress(i + 1, n, &desc.tensors[i].name);
