@@ -7,8 +7,6 @@ use crate::model::ModelDesc;
 
 pub mod gguf;
 pub mod hf;
-#[cfg(test)]
-pub(crate) mod mem;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {

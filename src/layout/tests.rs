@@ -10,7 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use super::gguf::{self as g, HeaderOut};
 use super::*;
 use crate::gguf::{GgmlType, GgufArray, GgufValue};
-use crate::model::{ArchConfig, SourceType, TensorDesc};
+use crate::model::{ArchConfig, SourceType};
+use crate::test_support::{self, tensor, tiny_arch};
 
 struct Mock {
     /// Row-major values and column count per tensor.
@@ -62,10 +63,9 @@ impl RowSource for Mock {
     }
 }
 
+/// Two layers, hidden 64, 4 heads of 16 sharing 2 KV heads, vocabulary 100.
 fn arch() -> ArchConfig {
     ArchConfig {
-        model_type: "llama".into(),
-        gguf_arch: "llama".into(),
         n_layers: 2,
         hidden_size: 64,
         intermediate_size: 96,
@@ -74,64 +74,64 @@ fn arch() -> ArchConfig {
         head_dim: 16,
         vocab_size: 100,
         context_length: 2048,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: false,
-        bos_token_id: Some(1),
-        eos_token_id: Some(2),
-        pad_token_id: None,
-    }
-}
-
-fn td(name: &str, shape: &[u64], source: SourceType) -> TensorDesc {
-    TensorDesc {
-        name: name.into(),
-        shape: shape.to_vec(),
-        source,
+        ..tiny_arch()
     }
 }
 
 fn test_model(tied: bool) -> ModelDesc {
     let bf = SourceType::BF16;
     let f32t = SourceType::F32;
-    let mut tensors = vec![td("model.embed_tokens.weight", &[100, 64], bf)];
+    let mut tensors = vec![tensor("model.embed_tokens.weight", &[100, 64], bf)];
     for l in 0..2 {
         let p = format!("model.layers.{l}.");
-        tensors.push(td(&format!("{p}self_attn.q_proj.weight"), &[64, 64], bf));
-        tensors.push(td(&format!("{p}self_attn.k_proj.weight"), &[32, 64], bf));
-        tensors.push(td(
+        tensors.push(tensor(
+            &format!("{p}self_attn.q_proj.weight"),
+            &[64, 64],
+            bf,
+        ));
+        tensors.push(tensor(
+            &format!("{p}self_attn.k_proj.weight"),
+            &[32, 64],
+            bf,
+        ));
+        tensors.push(tensor(
             &format!("{p}self_attn.v_proj.weight"),
             &[32, 64],
             SourceType::F16,
         ));
-        tensors.push(td(&format!("{p}self_attn.o_proj.weight"), &[64, 64], bf));
-        tensors.push(td(&format!("{p}mlp.gate_proj.weight"), &[96, 64], bf));
-        tensors.push(td(&format!("{p}mlp.up_proj.weight"), &[96, 64], bf));
-        tensors.push(td(&format!("{p}mlp.down_proj.weight"), &[64, 96], bf));
-        tensors.push(td(&format!("{p}input_layernorm.weight"), &[64], f32t));
-        tensors.push(td(
+        tensors.push(tensor(
+            &format!("{p}self_attn.o_proj.weight"),
+            &[64, 64],
+            bf,
+        ));
+        tensors.push(tensor(&format!("{p}mlp.gate_proj.weight"), &[96, 64], bf));
+        tensors.push(tensor(&format!("{p}mlp.up_proj.weight"), &[96, 64], bf));
+        tensors.push(tensor(&format!("{p}mlp.down_proj.weight"), &[64, 96], bf));
+        tensors.push(tensor(&format!("{p}input_layernorm.weight"), &[64], f32t));
+        tensors.push(tensor(
             &format!("{p}post_attention_layernorm.weight"),
             &[64],
             f32t,
         ));
-        tensors.push(td(&format!("{p}self_attn.rotary_emb.inv_freq"), &[8], f32t));
+        tensors.push(tensor(
+            &format!("{p}self_attn.rotary_emb.inv_freq"),
+            &[8],
+            f32t,
+        ));
     }
-    tensors.push(td("model.norm.weight", &[64], f32t));
+    tensors.push(tensor("model.norm.weight", &[64], f32t));
     if !tied {
-        tensors.push(td(
+        tensors.push(tensor(
             "lm_head.weight",
             &[100, 64],
             SourceType::Ggml(GgmlType::Q8_0),
         ));
     }
-    let mut a = arch();
-    a.tie_word_embeddings = tied;
-    ModelDesc {
-        arch: a,
-        tensors,
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    }
+    let arch = ArchConfig {
+        tie_word_embeddings: tied,
+        ..arch()
+    };
+    test_support::model(arch, tensors)
 }
 
 fn encode_all(vals: &[f32], dt: FloatType) -> Vec<u8> {
@@ -238,12 +238,10 @@ fn safetensors_matches_the_reference_writer() {
 
 #[test]
 fn small_reads_touch_only_overlapping_rows() {
-    let model = ModelDesc {
-        arch: arch(),
-        tensors: vec![td("big.weight", &[1000, 512], SourceType::F16)],
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    };
+    let model = test_support::model(
+        arch(),
+        vec![tensor("big.weight", &[1000, 512], SourceType::F16)],
+    );
     let src = Mock::new(&model, 2);
     let f = safetensors_file(&model, None).unwrap();
     let (_, start, _) = f.tensor_ranges()[0];
@@ -270,12 +268,10 @@ fn small_reads_touch_only_overlapping_rows() {
 
 #[test]
 fn large_reads_run_in_bounded_row_runs() {
-    let model = ModelDesc {
-        arch: arch(),
-        tensors: vec![td("big.weight", &[4096, 1024], SourceType::F32)],
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    };
+    let model = test_support::model(
+        arch(),
+        vec![tensor("big.weight", &[4096, 1024], SourceType::F32)],
+    );
     let src = Mock::new(&model, 3);
     let f = safetensors_file(&model, Some(FloatType::F16)).unwrap();
     let (_, start, _) = f.tensor_ranges()[0];
@@ -653,8 +649,8 @@ fn from_bytes_reads_back() {
 fn export_throughput() {
     let mut model = test_model(false);
     model.tensors = vec![
-        td("model.embed_tokens.weight", &[16384, 2048], SourceType::F32),
-        td(
+        tensor("model.embed_tokens.weight", &[16384, 2048], SourceType::F32),
+        tensor(
             "model.layers.0.self_attn.q_proj.weight",
             &[2048, 2048],
             SourceType::F32,
