@@ -642,39 +642,3 @@ fn from_bytes_reads_back() {
     fn is_send_sync<T: Send + Sync + Clone>() {}
     is_send_sync::<VirtualFile>();
 }
-
-/// Throughput of export-sized reads (run with `--ignored --nocapture`).
-#[test]
-#[ignore]
-fn export_throughput() {
-    let mut model = test_model(false);
-    model.tensors = vec![
-        tensor("model.embed_tokens.weight", &[16384, 2048], SourceType::F32),
-        tensor(
-            "model.layers.0.self_attn.q_proj.weight",
-            &[2048, 2048],
-            SourceType::F32,
-        ),
-    ];
-    model.arch.n_heads = 16;
-    let src = Mock::new(&model, 9);
-    let seen = Seen::default();
-    for f in [
-        safetensors_file(&model, Some(FloatType::F16)).unwrap(),
-        g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap(),
-    ] {
-        let mut buf = vec![0u8; 8 << 20];
-        let t = std::time::Instant::now();
-        let mut off = 0;
-        while off < f.size {
-            off += f.read_at(&src, off, &mut buf).unwrap() as u64;
-        }
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "{}: {:.0} MiB in {s:.3}s = {:.2} GB/s",
-            f.name,
-            f.size as f64 / 1048576.0,
-            f.size as f64 / s / 1e9
-        );
-    }
-}
