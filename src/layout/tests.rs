@@ -11,7 +11,7 @@ use super::gguf::{self as g, HeaderOut};
 use super::*;
 use crate::gguf::{GgmlType, GgufArray, GgufValue};
 use crate::model::{ArchConfig, SourceType};
-use crate::test_support::{self, tensor, tiny_arch};
+use crate::test_support::{self, tensor as td, tiny_arch};
 
 struct Mock {
     /// Row-major values and column count per tensor.
@@ -81,47 +81,31 @@ fn arch() -> ArchConfig {
 fn test_model(tied: bool) -> ModelDesc {
     let bf = SourceType::BF16;
     let f32t = SourceType::F32;
-    let mut tensors = vec![tensor("model.embed_tokens.weight", &[100, 64], bf)];
+    let mut tensors = vec![td("model.embed_tokens.weight", &[100, 64], bf)];
     for l in 0..2 {
         let p = format!("model.layers.{l}.");
-        tensors.push(tensor(
-            &format!("{p}self_attn.q_proj.weight"),
-            &[64, 64],
-            bf,
-        ));
-        tensors.push(tensor(
-            &format!("{p}self_attn.k_proj.weight"),
-            &[32, 64],
-            bf,
-        ));
-        tensors.push(tensor(
+        tensors.push(td(&format!("{p}self_attn.q_proj.weight"), &[64, 64], bf));
+        tensors.push(td(&format!("{p}self_attn.k_proj.weight"), &[32, 64], bf));
+        tensors.push(td(
             &format!("{p}self_attn.v_proj.weight"),
             &[32, 64],
             SourceType::F16,
         ));
-        tensors.push(tensor(
-            &format!("{p}self_attn.o_proj.weight"),
-            &[64, 64],
-            bf,
-        ));
-        tensors.push(tensor(&format!("{p}mlp.gate_proj.weight"), &[96, 64], bf));
-        tensors.push(tensor(&format!("{p}mlp.up_proj.weight"), &[96, 64], bf));
-        tensors.push(tensor(&format!("{p}mlp.down_proj.weight"), &[64, 96], bf));
-        tensors.push(tensor(&format!("{p}input_layernorm.weight"), &[64], f32t));
-        tensors.push(tensor(
+        tensors.push(td(&format!("{p}self_attn.o_proj.weight"), &[64, 64], bf));
+        tensors.push(td(&format!("{p}mlp.gate_proj.weight"), &[96, 64], bf));
+        tensors.push(td(&format!("{p}mlp.up_proj.weight"), &[96, 64], bf));
+        tensors.push(td(&format!("{p}mlp.down_proj.weight"), &[64, 96], bf));
+        tensors.push(td(&format!("{p}input_layernorm.weight"), &[64], f32t));
+        tensors.push(td(
             &format!("{p}post_attention_layernorm.weight"),
             &[64],
             f32t,
         ));
-        tensors.push(tensor(
-            &format!("{p}self_attn.rotary_emb.inv_freq"),
-            &[8],
-            f32t,
-        ));
+        tensors.push(td(&format!("{p}self_attn.rotary_emb.inv_freq"), &[8], f32t));
     }
-    tensors.push(tensor("model.norm.weight", &[64], f32t));
+    tensors.push(td("model.norm.weight", &[64], f32t));
     if !tied {
-        tensors.push(tensor(
+        tensors.push(td(
             "lm_head.weight",
             &[100, 64],
             SourceType::Ggml(GgmlType::Q8_0),
@@ -240,7 +224,7 @@ fn safetensors_matches_the_reference_writer() {
 fn small_reads_touch_only_overlapping_rows() {
     let model = test_support::model(
         arch(),
-        vec![tensor("big.weight", &[1000, 512], SourceType::F16)],
+        vec![td("big.weight", &[1000, 512], SourceType::F16)],
     );
     let src = Mock::new(&model, 2);
     let f = safetensors_file(&model, None).unwrap();
@@ -270,7 +254,7 @@ fn small_reads_touch_only_overlapping_rows() {
 fn large_reads_run_in_bounded_row_runs() {
     let model = test_support::model(
         arch(),
-        vec![tensor("big.weight", &[4096, 1024], SourceType::F32)],
+        vec![td("big.weight", &[4096, 1024], SourceType::F32)],
     );
     let src = Mock::new(&model, 3);
     let f = safetensors_file(&model, Some(FloatType::F16)).unwrap();
