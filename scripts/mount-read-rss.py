@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "clients"))
 from test_mount import Mount, rss_sampler  # noqa: E402
 
 cawsfs = ROOT / "target" / "release" / "cawsfs"

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Run every test: Rust unit and integration tests, then the real-client tests
-# (llama.cpp, transformers, safetensors) against the real test model.
+# Run every test: Rust unit and integration tests (plain `cargo test`, which needs
+# neither Python nor the test model), then the real-client tests: the Rust test that
+# checks GGUF against Python's `gguf` package and the real model, and the Python suite
+# (llama.cpp, transformers, safetensors). The print-only benches are only built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 "scripts/setup.sh"
 cargo build --release --locked 2>&1 | tail -n 3
 cargo test --release --locked
-python3 -m pytest -q tests/
+cargo bench --locked --no-run
+cargo test --release --locked --test gguf_import
+python3 -m pytest -q tests/clients/

@@ -27,3 +27,5 @@ pub mod layout;
 pub mod model;
 pub mod mount;
 pub mod router;
+#[cfg(test)]
+pub(crate) mod test_support;

@@ -1,6 +1,6 @@
 //! The archive end to end on a small synthetic Hugging Face model (no downloads):
 //! convert, random row-range reads against full reconstruction, and corruption of every
-//! single block. The real-model tests live in the Python suite (tests/test_cawsf.py).
+//! single block. The real-model tests live in the Python suite (tests/clients/test_cawsf.py).
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -1,5 +1,6 @@
 //! GGUF reading, writing, dequantization and import checked against the `gguf` Python
-//! package (tests/gguf_dequant.py) and the real test model.
+//! package (tests/clients/gguf_dequant.py) and the real test model. Not part of plain
+//! `cargo test` (it needs both): scripts/test.sh runs it after setup.
 //!
 //! Dequantization is compared bit for bit: ggml's reference, numpy's vectorized
 //! version in `gguf.quants` and ours perform the same float operations in the same
@@ -20,7 +21,7 @@ fn repo() -> &'static Path {
 
 fn python(args: &[&str]) -> String {
     let out = Command::new("python3")
-        .arg(repo().join("tests/gguf_dequant.py"))
+        .arg(repo().join("tests/clients/gguf_dequant.py"))
         .args(args)
         .output()
         .expect("run python3");

@@ -585,37 +585,6 @@ fn prefetch_waits_for_demand_loads() {
     assert!(c.contains(key(0, 4)) && c.contains(key(0, 5)));
 }
 
-/// Warm-path throughput (a memcpy out of resident chunks). Run with
-/// `cargo test --release --lib cache::tests::warm_read_throughput -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn warm_read_throughput() {
-    let cs = DEFAULT_CHUNK_SIZE;
-    let size = 64 << 20;
-    let c = ChunkCache::new(128 << 20, cs).unwrap();
-    let calls = AtomicU64::new(0);
-    let l = loader(0, size, cs, &calls);
-    let mut buf = vec![0u8; 128 << 10];
-    for off in (0..size).step_by(buf.len()) {
-        c.read(0, size, off, &mut buf, &l).unwrap();
-    }
-    let t = Instant::now();
-    let rounds = 8;
-    for _ in 0..rounds {
-        for off in (0..size).step_by(buf.len()) {
-            c.read(0, size, off, &mut buf, &l).unwrap();
-        }
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let s = c.stats();
-    println!(
-        "warm 128 KiB reads: {:.2} GB/s, p50 {} us, p99 {} us",
-        (rounds * size) as f64 / secs / 1e9,
-        s.latency_us.p50_us,
-        s.latency_us.p99_us
-    );
-}
-
 #[test]
 fn hinted_chunks_are_evicted_last_and_hints_are_consumed_by_reads() {
     let (cs, size) = (16, 320);

@@ -9,6 +9,8 @@
 //!
 //! Byte layouts of globals and payloads: docs/CODECS.md.
 
+#[doc(hidden)]
+pub mod bench_api;
 pub mod delta;
 pub mod intq;
 pub mod le;

@@ -196,21 +196,3 @@ mod tests {
         assert_eq!(assign(&cb, 2, &data).len(), 2);
     }
 }
-
-#[cfg(test)]
-mod bench {
-    /// `cargo test --release --lib codec::pq::bench -- --ignored --nocapture`
-    #[test]
-    #[ignore]
-    fn train_timing() {
-        let data: Vec<f32> = (0..32768 * 4).map(|i| ((i as f32) * 0.618).sin()).collect();
-        for iters in [0u32, 15] {
-            let t = std::time::Instant::now();
-            let _ = super::train(&data, 4, 256, iters, 1);
-            println!(
-                "k-means, 32768 × d=4, k=256, {iters} iters: {:.2?}",
-                t.elapsed()
-            );
-        }
-    }
-}

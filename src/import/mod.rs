@@ -7,8 +7,6 @@ use crate::model::ModelDesc;
 
 pub mod gguf;
 pub mod hf;
-#[cfg(test)]
-pub(crate) mod mem;
 
 /// Why a source model cannot be imported: the file and the problem.
 pub use crate::error::FileError as ImportError;

@@ -10,7 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use super::gguf::{self as g, HeaderOut};
 use super::*;
 use crate::gguf::{GgmlType, GgufArray, GgufValue};
-use crate::model::{ArchConfig, SourceType, TensorDesc};
+use crate::model::{ArchConfig, SourceType};
+use crate::test_support::{self, tensor as td, tiny_arch};
 
 struct Mock {
     /// Row-major values and column count per tensor.
@@ -62,10 +63,9 @@ impl RowSource for Mock {
     }
 }
 
+/// Two layers, hidden 64, 4 heads of 16 sharing 2 KV heads, vocabulary 100.
 fn arch() -> ArchConfig {
     ArchConfig {
-        model_type: "llama".into(),
-        gguf_arch: "llama".into(),
         n_layers: 2,
         hidden_size: 64,
         intermediate_size: 96,
@@ -74,20 +74,7 @@ fn arch() -> ArchConfig {
         head_dim: 16,
         vocab_size: 100,
         context_length: 2048,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: false,
-        bos_token_id: Some(1),
-        eos_token_id: Some(2),
-        pad_token_id: None,
-    }
-}
-
-fn td(name: &str, shape: &[u64], source: SourceType) -> TensorDesc {
-    TensorDesc {
-        name: name.into(),
-        shape: shape.to_vec(),
-        source,
+        ..tiny_arch()
     }
 }
 
@@ -124,14 +111,11 @@ fn test_model(tied: bool) -> ModelDesc {
             SourceType::Ggml(GgmlType::Q8_0),
         ));
     }
-    let mut a = arch();
-    a.tie_word_embeddings = tied;
-    ModelDesc {
-        arch: a,
-        tensors,
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    }
+    let arch = ArchConfig {
+        tie_word_embeddings: tied,
+        ..arch()
+    };
+    test_support::model(arch, tensors)
 }
 
 fn encode_all(vals: &[f32], dt: FloatType) -> Vec<u8> {
@@ -238,12 +222,10 @@ fn safetensors_matches_the_reference_writer() {
 
 #[test]
 fn small_reads_touch_only_overlapping_rows() {
-    let model = ModelDesc {
-        arch: arch(),
-        tensors: vec![td("big.weight", &[1000, 512], SourceType::F16)],
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    };
+    let model = test_support::model(
+        arch(),
+        vec![td("big.weight", &[1000, 512], SourceType::F16)],
+    );
     let src = Mock::new(&model, 2);
     let f = safetensors_file(&model, None).unwrap();
     let (_, start, _) = f.tensor_ranges()[0];
@@ -270,12 +252,10 @@ fn small_reads_touch_only_overlapping_rows() {
 
 #[test]
 fn large_reads_run_in_bounded_row_runs() {
-    let model = ModelDesc {
-        arch: arch(),
-        tensors: vec![td("big.weight", &[4096, 1024], SourceType::F32)],
-        hf_files: BTreeMap::new(),
-        gguf_meta: Vec::new(),
-    };
+    let model = test_support::model(
+        arch(),
+        vec![td("big.weight", &[4096, 1024], SourceType::F32)],
+    );
     let src = Mock::new(&model, 3);
     let f = safetensors_file(&model, Some(FloatType::F16)).unwrap();
     let (_, start, _) = f.tensor_ranges()[0];
@@ -645,40 +625,4 @@ fn from_bytes_reads_back() {
     assert_eq!(empty.read_at(&src, 0, &mut buf).unwrap(), 0);
     fn is_send_sync<T: Send + Sync + Clone>() {}
     is_send_sync::<VirtualFile>();
-}
-
-/// Throughput of export-sized reads (run with `--ignored --nocapture`).
-#[test]
-#[ignore]
-fn export_throughput() {
-    let mut model = test_model(false);
-    model.tensors = vec![
-        td("model.embed_tokens.weight", &[16384, 2048], SourceType::F32),
-        td(
-            "model.layers.0.self_attn.q_proj.weight",
-            &[2048, 2048],
-            SourceType::F32,
-        ),
-    ];
-    model.arch.n_heads = 16;
-    let src = Mock::new(&model, 9);
-    let seen = Seen::default();
-    for f in [
-        safetensors_file(&model, Some(FloatType::F16)).unwrap(),
-        g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap(),
-    ] {
-        let mut buf = vec![0u8; 8 << 20];
-        let t = std::time::Instant::now();
-        let mut off = 0;
-        while off < f.size {
-            off += f.read_at(&src, off, &mut buf).unwrap() as u64;
-        }
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "{}: {:.0} MiB in {s:.3}s = {:.2} GB/s",
-            f.name,
-            f.size as f64 / 1048576.0,
-            f.size as f64 / s / 1e9
-        );
-    }
 }

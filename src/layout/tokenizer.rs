@@ -98,8 +98,64 @@ pub(super) fn gguf_tokenizer_meta(
     model: &ModelDesc,
     config: Option<&Value>,
 ) -> Result<Vec<(String, GgufValue)>, LayoutError> {
-    let Some(raw) = model.hf_files.get("tokenizer.json") else {
+    let Some((tj, tc)) = hf_tokenizer_files(model)? else {
         return Ok(Vec::new());
+    };
+    let m = byte_level_bpe(&tj)?;
+    let entries = token_entries(m, &tj)?;
+    let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
+    let n = tokens.len() as u64;
+    let merges = merge_strings(m)?;
+
+    let pre = &tj["pre_tokenizer"];
+    let mut out: Vec<(String, GgufValue)> = vec![
+        (
+            "tokenizer.ggml.add_space_prefix".into(),
+            GgufValue::Bool(add_space_prefix(pre)),
+        ),
+        (
+            "tokenizer.ggml.model".into(),
+            GgufValue::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            GgufValue::String(pre_name(pre).into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            GgufValue::Array(GgufArray::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            GgufValue::Array(GgufArray::String(merges)),
+        ),
+    ];
+    out.extend(special_token_ids(model, config, &tc, &entries, n));
+    out.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        GgufValue::Bool(add_bos_token(&tj, &tc)),
+    ));
+    if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
+        out.push((
+            "tokenizer.ggml.add_eos_token".into(),
+            GgufValue::Bool(add_eos),
+        ));
+    }
+    if let Some(t) = chat_template(model, &tc) {
+        out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
+    }
+    Ok(out)
+}
+
+/// tokenizer.json and tokenizer_config.json (`Null` when absent) parsed; `None`
+/// without a tokenizer.json.
+fn hf_tokenizer_files(model: &ModelDesc) -> Result<Option<(Value, Value)>, LayoutError> {
+    let Some(raw) = model.hf_files.get("tokenizer.json") else {
+        return Ok(None);
     };
     let tj: Value = serde_json::from_slice(raw)
         .map_err(|e| meta_err(format!("tokenizer.json: not valid JSON: {e}")))?;
@@ -108,6 +164,11 @@ pub(super) fn gguf_tokenizer_meta(
             .map_err(|e| meta_err(format!("tokenizer_config.json: not valid JSON: {e}")))?,
         None => Value::Null,
     };
+    Ok(Some((tj, tc)))
+}
+
+/// tokenizer.json's `model`, refused unless it is a byte-level BPE.
+fn byte_level_bpe(tj: &Value) -> Result<&Value, LayoutError> {
     let m = &tj["model"];
     let ty = m.get("type").and_then(Value::as_str).unwrap_or("?");
     if ty != "BPE" {
@@ -120,13 +181,20 @@ pub(super) fn gguf_tokenizer_meta(
             "tokenizer.json is a SentencePiece-style BPE (byte_fallback): only byte-level BPE tokenizers can be written to GGUF".into(),
         ));
     }
+    Ok(m)
+}
+
+/// One token of tokenizer.json: id, content, and for added tokens whether it is special
+/// (`None`: a base-vocabulary token).
+type TokenEntry<'a> = (u64, &'a str, Option<bool>);
+
+/// Every token of the base vocabulary, then every added token.
+fn token_entries<'a>(m: &'a Value, tj: &'a Value) -> Result<Vec<TokenEntry<'a>>, LayoutError> {
     let vocab = m
         .get("vocab")
         .and_then(Value::as_object)
         .ok_or_else(|| meta_err("tokenizer.json: model.vocab missing".into()))?;
-
-    // (id, content, special) of every token.
-    let mut entries: Vec<(u64, &str, Option<bool>)> = Vec::with_capacity(vocab.len());
+    let mut entries: Vec<TokenEntry> = Vec::with_capacity(vocab.len());
     for (tok, id) in vocab {
         let id = id
             .as_u64()
@@ -150,9 +218,18 @@ pub(super) fn gguf_tokenizer_meta(
         let special = a.get("special").and_then(Value::as_bool).unwrap_or(false);
         entries.push((id, content, Some(special)));
     }
+    Ok(entries)
+}
+
+/// Token strings and GGUF token types indexed by id, over the model's vocabulary size
+/// (the largest id + 1 when it has none); ids without a token become `[PAD<id>]`.
+fn token_table(
+    entries: &[TokenEntry],
+    vocab_size: u32,
+) -> Result<(Vec<String>, Vec<i32>), LayoutError> {
     let max_id = entries.iter().map(|e| e.0).max().map_or(0, |m| m + 1);
-    let n = if model.arch.vocab_size > 0 {
-        model.arch.vocab_size as u64
+    let n = if vocab_size > 0 {
+        vocab_size as u64
     } else {
         max_id
     };
@@ -163,7 +240,7 @@ pub(super) fn gguf_tokenizer_meta(
     }
     let mut tokens: Vec<Option<String>> = vec![None; n as usize];
     let mut types = vec![TT_UNUSED; n as usize];
-    for (id, content, special) in &entries {
+    for (id, content, special) in entries {
         tokens[*id as usize] = Some(content.to_string());
         types[*id as usize] = match special {
             None => TT_NORMAL,
@@ -176,7 +253,11 @@ pub(super) fn gguf_tokenizer_meta(
         .enumerate()
         .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
         .collect();
+    Ok((tokens, types))
+}
 
+/// BPE merges as GGUF writes them, `"a b"` (tokenizer.json has strings or pairs).
+fn merge_strings(m: &Value) -> Result<Vec<String>, LayoutError> {
     let mut merges = Vec::new();
     for mg in m
         .get("merges")
@@ -194,7 +275,18 @@ pub(super) fn gguf_tokenizer_meta(
         };
         merges.push(s);
     }
+    Ok(merges)
+}
 
+/// `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`: tokenizer_config.json's token,
+/// else config.json's id, else the architecture's; only ids below `n`.
+fn special_token_ids(
+    model: &ModelDesc,
+    config: Option<&Value>,
+    tc: &Value,
+    entries: &[TokenEntry],
+    n: u64,
+) -> Vec<(String, GgufValue)> {
     let id_of = |content: &str| -> Option<u32> {
         // Added tokens win over the base vocabulary, as in `tokenizers`.
         entries
@@ -222,40 +314,8 @@ pub(super) fn gguf_tokenizer_meta(
             .or(fallback)
             .filter(|&v| (v as u64) < n)
     };
-
-    // The byte-level pre-tokenizer's add_prefix_space, as llama.cpp's own key.
-    let pre = &tj["pre_tokenizer"];
-    let add_space_prefix = std::iter::once(pre)
-        .chain(pre["pretokenizers"].as_array().into_iter().flatten())
-        .filter(|p| is_type(p, "ByteLevel"))
-        .any(|p| p.get("add_prefix_space").and_then(Value::as_bool) == Some(true));
-    let mut out: Vec<(String, GgufValue)> = vec![
-        (
-            "tokenizer.ggml.add_space_prefix".into(),
-            GgufValue::Bool(add_space_prefix),
-        ),
-        (
-            "tokenizer.ggml.model".into(),
-            GgufValue::String("gpt2".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            GgufValue::String(pre_name(pre).into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens)),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-        (
-            "tokenizer.ggml.merges".into(),
-            GgufValue::Array(GgufArray::String(merges)),
-        ),
-    ];
     let a = &model.arch;
+    let mut out = Vec::new();
     for (typ, key, fallback) in [
         ("bos", "bos_token_id", a.bos_token_id),
         ("eos", "eos_token_id", a.eos_token_id),
@@ -266,31 +326,28 @@ pub(super) fn gguf_tokenizer_meta(
             out.push((format!("tokenizer.ggml.{key}"), GgufValue::U32(id)));
         }
     }
-    // add_bos_token: tokenizer_config.json, else whether the post-processor template
-    // starts with a special token.
-    let add_bos = tc
-        .get("add_bos_token")
+    out
+}
+
+/// The byte-level pre-tokenizer's add_prefix_space, as llama.cpp's own key.
+fn add_space_prefix(pre: &Value) -> bool {
+    std::iter::once(pre)
+        .chain(pre["pretokenizers"].as_array().into_iter().flatten())
+        .filter(|p| is_type(p, "ByteLevel"))
+        .any(|p| p.get("add_prefix_space").and_then(Value::as_bool) == Some(true))
+}
+
+/// add_bos_token: tokenizer_config.json, else whether the post-processor template
+/// starts with a special token.
+fn add_bos_token(tj: &Value, tc: &Value) -> bool {
+    tc.get("add_bos_token")
         .and_then(Value::as_bool)
         .unwrap_or_else(|| {
             is_type(&tj["post_processor"], "TemplateProcessing")
                 && tj["post_processor"]["single"][0]
                     .get("SpecialToken")
                     .is_some()
-        });
-    out.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        GgufValue::Bool(add_bos),
-    ));
-    if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
-        out.push((
-            "tokenizer.ggml.add_eos_token".into(),
-            GgufValue::Bool(add_eos),
-        ));
-    }
-    if let Some(t) = chat_template(model, &tc) {
-        out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
-    }
-    Ok(out)
+        })
 }
 
 /// The chat template: tokenizer_config.json's (a string, or the "default" of a named

@@ -3,61 +3,21 @@ use std::collections::BTreeMap;
 use super::*;
 use crate::archive::{encode_routing, ShardKind};
 use crate::gguf::GgufValue;
-use crate::import::{ImportError, SourceModel};
-use crate::model::{ArchConfig, SourceType, TensorDesc};
+use crate::model::ArchConfig;
+use crate::test_support::{self, f32_tensor, tiny_arch, word_level_tokenizer, MemSource};
 
 const WORDS: [&str; 12] = [
     "<unk>", "the", "capital", "of", "france", "is", "paris", "dog", "cat", "red", "blue", "sky",
 ];
 
-/// A word-level tokenizer over WORDS (ids = positions), split on whitespace.
-fn tokenizer_json() -> Vec<u8> {
-    let vocab: serde_json::Map<String, serde_json::Value> = WORDS
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
-        .collect();
-    serde_json::to_vec(&serde_json::json!({
-        "version": "1.0",
-        "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null, "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    }))
-    .unwrap()
-}
-
-struct Fake {
-    desc: ModelDesc,
-    data: Vec<Vec<f32>>,
-}
-
-impl SourceModel for Fake {
-    fn desc(&self) -> &ModelDesc {
-        &self.desc
-    }
-    fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
-        Ok(bytemuck::cast_slice(&self.data[i]).to_vec())
-    }
-    fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
-        Ok(self.data[i].clone())
-    }
-}
-
 /// 12-token vocabulary, hidden 4, one layer; with `moe`, a 2-expert layer whose gate
 /// row e equals the embedding of token 7 (e = 0) or 10 (e = 1).
-fn fake(moe: bool, tokenizer: bool) -> Fake {
-    let t = |name: &str, shape: &[u64]| TensorDesc {
-        name: name.into(),
-        shape: shape.to_vec(),
-        source: SourceType::F32,
-    };
+fn fake(moe: bool, tokenizer: bool) -> MemSource {
     let mut tensors = vec![
-        t("model.embed_tokens.weight", &[12, 4]),
-        t("model.layers.0.input_layernorm.weight", &[4]),
-        t("model.layers.0.mlp.up_proj.weight", &[8, 4]),
-        t("model.norm.weight", &[4]),
+        f32_tensor("model.embed_tokens.weight", &[12, 4]),
+        f32_tensor("model.layers.0.input_layernorm.weight", &[4]),
+        f32_tensor("model.layers.0.mlp.up_proj.weight", &[8, 4]),
+        f32_tensor("model.norm.weight", &[4]),
     ];
     // One-hot-ish embeddings: token i points along axis i % 4, scaled by i.
     let emb: Vec<f32> = (0..12)
@@ -65,13 +25,16 @@ fn fake(moe: bool, tokenizer: bool) -> Fake {
         .collect();
     let mut data = vec![emb.clone(), vec![1.0; 4], vec![0.5; 32], vec![1.0; 4]];
     if moe {
-        tensors.push(t("model.layers.0.block_sparse_moe.gate.weight", &[2, 4]));
+        tensors.push(f32_tensor(
+            "model.layers.0.block_sparse_moe.gate.weight",
+            &[2, 4],
+        ));
         let mut gate = emb[7 * 4..8 * 4].to_vec();
         gate.extend_from_slice(&emb[10 * 4..11 * 4]);
         data.push(gate);
         for e in 0..2 {
             for w in ["w1", "w2", "w3"] {
-                tensors.push(t(
+                tensors.push(f32_tensor(
                     &format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"),
                     &[8, 4],
                 ));
@@ -81,31 +44,20 @@ fn fake(moe: bool, tokenizer: bool) -> Fake {
     }
     let mut hf_files = BTreeMap::new();
     if tokenizer {
-        hf_files.insert("tokenizer.json".to_string(), tokenizer_json());
+        hf_files.insert("tokenizer.json".to_string(), word_level_tokenizer(&WORDS));
     }
-    Fake {
+    let arch = ArchConfig {
+        vocab_size: 12,
+        tie_word_embeddings: true,
+        bos_token_id: None,
+        eos_token_id: None,
+        ..tiny_arch()
+    };
+    MemSource {
         desc: ModelDesc {
-            arch: ArchConfig {
-                model_type: "llama".into(),
-                gguf_arch: "llama".into(),
-                n_layers: 1,
-                hidden_size: 4,
-                intermediate_size: 8,
-                n_heads: 2,
-                n_kv_heads: 1,
-                head_dim: 2,
-                vocab_size: 12,
-                context_length: 64,
-                rope_theta: 10000.0,
-                rms_norm_eps: 1e-5,
-                tie_word_embeddings: true,
-                bos_token_id: None,
-                eos_token_id: None,
-                pad_token_id: None,
-            },
-            tensors,
             hf_files,
             gguf_meta: vec![("general.name".into(), GgufValue::String("fake".into()))],
+            ..test_support::model(arch, tensors)
         },
         data,
     }

@@ -12,43 +12,24 @@ use crate::archive::container::*;
 use crate::archive::{encode_routing, Shard, ShardKind};
 use crate::codec::EncodedTensor;
 use crate::gguf::GgufValue;
-use crate::model::{ArchConfig, SourceType, TensorDesc};
+use crate::model::SourceType;
+use crate::test_support::{self, f32_tensor, tiny_arch};
 
 fn model() -> ModelDesc {
-    let t = |name: &str, shape: &[u64]| TensorDesc {
-        name: name.into(),
-        shape: shape.to_vec(),
-        source: SourceType::F32,
-    };
     let mut hf_files = BTreeMap::new();
     hf_files.insert("config.json".to_string(), b"{\"a\":1}".to_vec());
     hf_files.insert("blob.bin".to_string(), vec![0xff, 0x00, 0x80]);
     ModelDesc {
-        arch: ArchConfig {
-            model_type: "llama".into(),
-            gguf_arch: "llama".into(),
-            n_layers: 1,
-            hidden_size: 4,
-            intermediate_size: 8,
-            n_heads: 2,
-            n_kv_heads: 1,
-            head_dim: 2,
-            vocab_size: 10,
-            context_length: 64,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: false,
-            bos_token_id: Some(1),
-            eos_token_id: Some(2),
-            pad_token_id: None,
-        },
-        tensors: vec![
-            t("model.embed_tokens.weight", &[10, 4]),
-            t("model.norm.weight", &[4]),
-            t("model.layers.0.mlp.up_proj.weight", &[8, 4]),
-        ],
         hf_files,
         gguf_meta: vec![("general.name".into(), GgufValue::String("tiny".into()))],
+        ..test_support::model(
+            tiny_arch(),
+            vec![
+                f32_tensor("model.embed_tokens.weight", &[10, 4]),
+                f32_tensor("model.norm.weight", &[4]),
+                f32_tensor("model.layers.0.mlp.up_proj.weight", &[8, 4]),
+            ],
+        )
     }
 }
 

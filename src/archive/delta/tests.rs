@@ -17,8 +17,8 @@ use crate::archive::Compression;
 use crate::archive::Store;
 use crate::codec::delta::{self as decompose, RankChoice};
 use crate::convert::delta::{convert, DeltaOptions, DeltaReport};
-use crate::import::mem::MemSource;
-use crate::model::{ArchConfig, ModelDesc, ReadError, RowSource, SourceType, TensorDesc};
+use crate::model::{ArchConfig, ModelDesc, ReadError, RowSource};
+use crate::test_support::{self, f32_tensor, read_all, tiny_arch, MemSource};
 
 const ROWS: usize = 48;
 const COLS: usize = 1024; // 32 rows per block: blocks of 32 and 16 rows
@@ -51,18 +51,16 @@ fn synthetic(layers: usize, k: usize, groups: usize, seed: u64) -> MemSource {
         .map(|_| randn(&mut rng, ROWS * COLS, 0.1))
         .collect();
     let a = randn(&mut rng, ROWS * k, 0.2);
-    let t = |name: String, shape: &[u64]| TensorDesc {
-        name,
-        shape: shape.to_vec(),
-        source: SourceType::F32,
-    };
-    let mut tensors = vec![t("model.embed_tokens.weight".into(), &[10, 16])];
+    let mut tensors = vec![f32_tensor("model.embed_tokens.weight", &[10, 16])];
     let mut data = vec![randn(&mut rng, 160, 1.0)];
     for l in 0..layers {
-        tensors.push(t(format!("model.layers.{l}.input_layernorm.weight"), &[16]));
+        tensors.push(f32_tensor(
+            &format!("model.layers.{l}.input_layernorm.weight"),
+            &[16],
+        ));
         data.push(randn(&mut rng, 16, 1.0));
-        tensors.push(t(
-            format!("model.layers.{l}.self_attn.q_proj.weight"),
+        tensors.push(f32_tensor(
+            &format!("model.layers.{l}.self_attn.q_proj.weight"),
             &[ROWS as u64, COLS as u64],
         ));
         let c = randn(&mut rng, k * COLS, 0.1);
@@ -70,30 +68,19 @@ fn synthetic(layers: usize, k: usize, groups: usize, seed: u64) -> MemSource {
         let g = l * groups / layers;
         data.push(bases[g].iter().zip(&d).map(|(b, x)| b + x).collect());
     }
-    tensors.push(t("model.norm.weight".into(), &[16]));
+    tensors.push(f32_tensor("model.norm.weight", &[16]));
     data.push(randn(&mut rng, 16, 1.0));
+    let arch = ArchConfig {
+        n_layers: layers as u32,
+        hidden_size: 16,
+        intermediate_size: 32,
+        head_dim: 8,
+        tie_word_embeddings: true,
+        ..tiny_arch()
+    };
     let desc = ModelDesc {
-        arch: ArchConfig {
-            model_type: "llama".into(),
-            gguf_arch: "llama".into(),
-            n_layers: layers as u32,
-            hidden_size: 16,
-            intermediate_size: 32,
-            n_heads: 2,
-            n_kv_heads: 1,
-            head_dim: 8,
-            vocab_size: 10,
-            context_length: 64,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: true,
-            bos_token_id: Some(1),
-            eos_token_id: Some(2),
-            pad_token_id: None,
-        },
-        tensors,
         hf_files: BTreeMap::from([("config.json".to_string(), b"{}".to_vec())]),
-        gguf_meta: Vec::new(),
+        ..test_support::model(arch, tensors)
     };
     MemSource { desc, data }
 }
@@ -114,13 +101,6 @@ fn write(
     let p = dir.join(name);
     let r = convert(src, &p, o, &|_, _, _| {}).unwrap();
     (p, r)
-}
-
-fn read_all(a: &dyn Store, i: usize) -> Result<Vec<f32>, ReadError> {
-    let t = &a.model().tensors[i];
-    let mut out = vec![0f32; t.numel() as usize];
-    a.read_rows(i, 0, t.rows(), &mut out)?;
-    Ok(out)
 }
 
 fn rel_err(w: &[f32], r: &[f32]) -> f64 {

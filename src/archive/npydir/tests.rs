@@ -7,25 +7,20 @@ use std::path::Path;
 use super::npy::{write_header, Dtype};
 use super::*;
 use crate::convert::npydir::{convert, NpyOptions};
-use crate::import::mem::MemSource;
-use crate::model::{ArchConfig, SourceType, TensorDesc};
+use crate::model::ArchConfig;
+use crate::test_support::{self, f32_tensor, read_all, tiny_arch, MemSource};
 
 const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
  "num_hidden_layers": 1, "intermediate_size": 96, "vocab_size": 300, "num_key_value_heads": 1}"#;
 
 fn source() -> MemSource {
-    let t = |name: &str, shape: &[u64]| TensorDesc {
-        name: name.into(),
-        shape: shape.to_vec(),
-        source: SourceType::F32,
-    };
     let tensors = vec![
         // 300 × 128: several row blocks (rows_per_block = 256).
-        t("model.embed_tokens.weight", &[300, 128]),
-        t("model.layers.0.self_attn.q_proj.weight", &[300, 128]),
+        f32_tensor("model.embed_tokens.weight", &[300, 128]),
+        f32_tensor("model.layers.0.self_attn.q_proj.weight", &[300, 128]),
         // Width 96 is not a multiple of the group: int8 even with --bits 4.
-        t("model.layers.0.mlp.down_proj.weight", &[128, 96]),
-        t("model.norm.weight", &[128]),
+        f32_tensor("model.layers.0.mlp.down_proj.weight", &[128, 96]),
+        f32_tensor("model.norm.weight", &[128]),
     ];
     let mut x = 12345u32;
     let data = tensors
@@ -43,29 +38,20 @@ fn source() -> MemSource {
         .collect();
     let mut hf_files = BTreeMap::new();
     hf_files.insert("config.json".to_string(), CONFIG.as_bytes().to_vec());
+    let arch = ArchConfig {
+        hidden_size: 128,
+        intermediate_size: 96,
+        head_dim: 64,
+        vocab_size: 300,
+        tie_word_embeddings: true,
+        bos_token_id: None,
+        eos_token_id: None,
+        ..tiny_arch()
+    };
     MemSource {
         desc: ModelDesc {
-            arch: ArchConfig {
-                model_type: "llama".into(),
-                gguf_arch: "llama".into(),
-                n_layers: 1,
-                hidden_size: 128,
-                intermediate_size: 96,
-                n_heads: 2,
-                n_kv_heads: 1,
-                head_dim: 64,
-                vocab_size: 300,
-                context_length: 64,
-                rope_theta: 10000.0,
-                rms_norm_eps: 1e-5,
-                tie_word_embeddings: true,
-                bos_token_id: None,
-                eos_token_id: None,
-                pad_token_id: None,
-            },
-            tensors,
             hf_files,
-            gguf_meta: Vec::new(),
+            ..test_support::model(arch, tensors)
         },
         data,
     }
@@ -78,13 +64,6 @@ fn write(src: &MemSource, dir: &Path, bits: u8, zstd: bool) -> crate::convert::C
         ..Default::default()
     };
     convert(src, dir, &opts, &|_, _, _| {}).unwrap()
-}
-
-fn read_all(d: &NpyDir, t: usize) -> Result<Vec<f32>, ReadError> {
-    let td = &d.model().tensors[t];
-    let mut out = vec![0f32; td.numel() as usize];
-    d.read_rows(t, 0, td.rows(), &mut out)?;
-    Ok(out)
 }
 
 fn file_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {

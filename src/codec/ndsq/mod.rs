@@ -23,6 +23,7 @@ mod tests;
 pub(super) use decode::{BlockView, NdsqGlobal};
 pub(super) use encode::encode;
 pub(crate) use svd::thin_svd;
+pub(super) use svd::truncated_svd;
 
 const MAGIC: &[u8; 4] = b"NDQ1";
 

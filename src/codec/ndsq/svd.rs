@@ -62,7 +62,7 @@ fn orth(y: MatRef<'_, f32>) -> Result<Mat<f32>, CodecError> {
 /// Rank-`r` truncated SVD of `a`: (U m×r, Σ·Vᵀ r×n). Randomized range finder
 /// (Halko et al., with power iterations) when r is small against the matrix, exact
 /// thin SVD otherwise.
-pub(super) fn truncated_svd(
+pub(in crate::codec) fn truncated_svd(
     a: MatRef<'_, f32>,
     r: usize,
     seed: u64,

@@ -72,11 +72,6 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
-fn bits_per_weight(enc: &EncodedTensor, n: usize) -> f64 {
-    let bytes = enc.global.len() + enc.blocks.iter().map(Vec::len).sum::<usize>();
-    bytes as f64 * 8.0 / n as f64
-}
-
 #[test]
 fn low_rank_plus_noise_reconstructs_below_noise() {
     let (rows, cols) = (200usize, 96usize);
@@ -403,73 +398,4 @@ fn corrupt_inputs_are_errors_not_panics() {
     );
     let x4 = vec![1f32; (cols + 4) as usize];
     assert!(apply_block(&enc.codec, &g, payload, 0, rpb, cols + 4, &x4, &mut y).is_err());
-}
-
-fn load_f32(path: &str) -> Option<Vec<f32>> {
-    let b = std::fs::read(path).ok()?;
-    Some(
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
-}
-
-/// Measurements for the report: `cargo test --release --lib codec::ndsq::tests::bench
-/// -- --ignored --nocapture`. Real matrices are read from NDSQ_REAL_DIR when set
-/// (raw little-endian f32 dumps, named like `real_blk_5_ffn_down_weight.f32`).
-#[test]
-#[ignore]
-fn bench() {
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let mut cases: Vec<(String, usize, usize, Vec<f32>)> = vec![(
-        "random normal".into(),
-        576,
-        1536,
-        normal(&mut rng, 576 * 1536),
-    )];
-    if let Ok(dir) = std::env::var("NDSQ_REAL_DIR") {
-        for (name, r, c) in [
-            ("blk_5_ffn_down_weight", 576, 1536),
-            ("blk_5_ffn_up_weight", 1536, 576),
-            ("blk_5_attn_q_weight", 576, 576),
-            ("blk_5_attn_k_weight", 192, 576),
-            ("token_embd_weight", 49152, 576),
-        ] {
-            if let Some(w) = load_f32(&format!("{dir}/real_{name}.f32")) {
-                cases.push((name.into(), r, c, w));
-            }
-        }
-    }
-    for (name, r, c, w) in &cases {
-        for pq_dim in [4u32, 2] {
-            let o = opts(16, pq_dim, 256);
-            let t = std::time::Instant::now();
-            let enc = encode_ndsq(w, *r as u64, *c as u64, 64, &o).unwrap();
-            let te = t.elapsed();
-            let t = std::time::Instant::now();
-            let dec = decode_all(&enc, *r as u64, *c as u64, 64);
-            let td = t.elapsed();
-            assert!((rel(w, &dec) - enc.rel_err).abs() < 1e-9);
-            println!(
-                "{name} {r}×{c} rank 16 q .999 pq_dim {pq_dim} k 256: {:.3} bpw, rel_err {:.4}, encode {:.2?}, decode {:.2?}",
-                bits_per_weight(&enc, r * c),
-                enc.rel_err,
-                te,
-                td
-            );
-        }
-    }
-    // SVD: randomized vs exact on the largest shapes.
-    for (name, r, c, w) in &cases {
-        let a = faer::MatRef::from_row_major_slice(w, *r, *c);
-        let t = std::time::Instant::now();
-        let _ = truncated_svd(a, 16, 1).unwrap();
-        let tr = t.elapsed();
-        let t = std::time::Instant::now();
-        let _ = thin_svd(a).unwrap();
-        println!(
-            "{name}: rank-16 randomized SVD {tr:.2?}, exact thin SVD {:.2?}",
-            t.elapsed()
-        );
-    }
 }

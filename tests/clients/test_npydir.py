@@ -1,7 +1,7 @@
 """The npy-dir (Squish) archive kind end to end on the real test model: convert with
 int8 / int4 / int4+zstd, verify, inspect, numpy reads the files, mount (byte-identical to
 `cawsfs export`), llama.cpp and safetensors read the mount; a directory written by an
-independent numpy script (tests/make_npydir.py) mounts and matches numpy's own
+independent numpy script (tests/clients/make_npydir.py) mounts and matches numpy's own
 dequantization; corrupt, truncated and malformed files give clear errors and EIO."""
 import errno
 import io

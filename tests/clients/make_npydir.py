@@ -2,7 +2,7 @@
 alone — no cawsfs code — so the tests can check that cawsfs mounts directories written by
 other tools. Also dequantizes such a directory the way Squish's loader does.
 
-    python3 tests/make_npydir.py HF_DIR OUT_DIR
+    python3 tests/clients/make_npydir.py HF_DIR OUT_DIR
 
 Layout written (as Squish's convert_weights.py / save_int4_npy_dir / squish_entropy do):
   manifest.json                 {original_name: safe_key}, safe_key = name with '.' → '__'

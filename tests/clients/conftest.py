@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 # A fixed English text shipped by a Debian package (base-files), for perplexity.
 TEXT = "/usr/share/common-licenses/GPL-3"
@@ -31,9 +31,14 @@ def run_status(cmd):
 
 @pytest.fixture(scope="session")
 def cawsfs():
-    exe = ROOT / "target" / "release" / "cawsfs"
-    run(["cargo", "build", "--release", "--quiet"], cwd=ROOT)
-    assert exe.is_file()
+    """The binary under test: $CAWSFS_BIN when set (a build of one's own, safe from
+    other checkouts sharing a target directory), else this checkout's release build."""
+    if os.environ.get("CAWSFS_BIN"):
+        exe = Path(os.environ["CAWSFS_BIN"]).resolve()
+    else:
+        run(["cargo", "build", "--release", "--quiet"], cwd=ROOT)
+        exe = ROOT / os.environ.get("CARGO_TARGET_DIR", "target") / "release" / "cawsfs"
+    assert exe.is_file(), exe
     return exe
 
 
