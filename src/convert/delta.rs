@@ -18,6 +18,7 @@ use crate::codec::delta::{
 use crate::codec::{self, CodecError};
 use crate::convert::{rows_per_block, ConvertError};
 use crate::import::SourceModel;
+use crate::model::ModelDesc;
 
 #[derive(Clone, Debug)]
 pub struct DeltaOptions {
@@ -153,9 +154,50 @@ pub fn convert(
     let desc = src.desc();
     let n = desc.tensors.len();
     let total_steps = WEIGHT_TYPES.len() + n;
+    let groups = group_by_type(desc);
 
-    // Group the seven projections by type; a type is delta-coded when all its layers'
-    // matrices are 2-D with one shape.
+    let mut writer = DeltaWriter::create(out, opts.compression)?;
+    let mut plans: Vec<Plan> = (0..n).map(|_| Plan::Pass).collect();
+    let mut base_reports = Vec::new();
+    for (ty, group) in groups.iter().enumerate() {
+        progress(ty + 1, total_steps, WEIGHT_TYPES[ty]);
+        if !group.is_empty() {
+            let mut out = Planned {
+                writer: &mut writer,
+                plans: &mut plans,
+                bases: &mut base_reports,
+            };
+            encode_type(src, opts, ty, group, &mut out)?;
+        }
+    }
+    let written = |i: usize, name: &str| progress(WEIGHT_TYPES.len() + i + 1, total_steps, name);
+    let (matrices, passthrough) = write_tensors(src, plans, &base_reports, &mut writer, &written)?;
+    let mut report = summarize(desc, opts, matrices, base_reports, passthrough);
+    let extra = serde_json::json!({
+        "convert": report.options,
+        "rel_err": report.matrices.iter().map(|m| (m.name.clone(), serde_json::json!(m.rel_err)))
+            .collect::<serde_json::Map<String, serde_json::Value>>(),
+        "report": report,
+    });
+    let routing = crate::convert::routing_bytes(src)?;
+    report.archive_bytes = writer.finish(desc, opts.base_dtype, extra, &routing)?;
+    report.bits_per_weight = report.archive_bytes as f64 * 8.0 / report.total_weights.max(1) as f64;
+    // Prove the archive opens before reporting success.
+    crate::archive::delta::DeltaArchive::open(out)?;
+    Ok(report)
+}
+
+fn wrap(name: &str, source: CodecError) -> ConvertError {
+    ConvertError::Codec {
+        tensor: name.to_string(),
+        source,
+    }
+}
+
+/// The seven projections' tensors by type, as (layer, tensor index) in layer order; a
+/// type is delta-coded when all its layers' matrices are 2-D with one shape, otherwise
+/// its group is left empty (its tensors are stored as passthrough).
+fn group_by_type(desc: &ModelDesc) -> Vec<Vec<(u32, usize)>> {
     let mut groups: Vec<Vec<(u32, usize)>> = vec![Vec::new(); WEIGHT_TYPES.len()];
     for (i, t) in desc.tensors.iter().enumerate() {
         if let Some((layer, ty)) = weight_type_of(&t.name) {
@@ -174,112 +216,129 @@ pub fn convert(
         }
     }
 
-    let mut writer = DeltaWriter::create(out, opts.compression)?;
-    let mut plans: Vec<Plan> = (0..n).map(|_| Plan::Pass).collect();
-    let mut base_reports = Vec::new();
-    let wrap = |name: &str, source: CodecError| ConvertError::Codec {
-        tensor: name.to_string(),
-        source,
-    };
+    groups
+}
 
-    for (ty, group) in groups.iter().enumerate() {
-        progress(ty + 1, total_steps, WEIGHT_TYPES[ty]);
-        if group.is_empty() {
-            continue;
-        }
-        let t0 = &desc.tensors[group[0].1];
-        let (rows, cols) = (t0.rows() as usize, t0.cols() as usize);
-        let rpb = rows_per_block(t0);
-        let ws: Vec<Vec<f32>> = group
-            .par_iter()
-            .map(|&(_, i)| src.f32(i))
-            .collect::<Result<_, _>>()?;
-        let refs: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
-        let (assign, means) = decompose::cluster_layers(&refs, opts.bases, opts.kmeans_iters);
-        // Bases: quantize, store, keep B̂ for the residuals.
-        let mut stored_bases = Vec::with_capacity(means.len());
-        for (c, mean) in means.iter().enumerate() {
-            let layers: Vec<u32> = group
-                .iter()
-                .zip(&assign)
-                .filter(|(_, &a)| a == c)
-                .map(|(&(l, _), _)| l)
-                .collect();
-            let (deq, blocks) =
-                decompose::encode_base(mean, rows, cols, rpb as usize, opts.base_dtype);
-            let (idx, bytes) = writer.add_base(
-                WEIGHT_TYPES[ty],
-                c as u32,
-                layers.clone(),
-                rows as u64,
-                cols as u64,
-                rpb,
-                &blocks,
-            )?;
-            base_reports.push(BaseReport {
-                ty: WEIGHT_TYPES[ty].to_string(),
-                cluster: c as u32,
-                layers,
-                bytes,
-            });
-            stored_bases.push((idx, deq));
-        }
-        let encoded: Vec<Result<EncodedDelta, ConvertError>> = (0..group.len())
-            .into_par_iter()
-            .map(|m| {
-                let name = &desc.tensors[group[m].1].name;
-                decompose::decompose(
-                    &ws[m],
-                    &stored_bases[assign[m]].1,
-                    rows,
-                    cols,
-                    rpb as usize,
-                    opts.rank,
-                )
-                .map_err(|e| wrap(name, e))
-            })
+/// Where [`encode_type`] puts its results: bases go to the writer now, deltas are
+/// planned for writing in model order.
+struct Planned<'a> {
+    writer: &'a mut DeltaWriter,
+    plans: &'a mut [Plan],
+    bases: &'a mut Vec<BaseReport>,
+}
+
+/// One weight type: bases (k-means over its layers, quantized and stored) and each
+/// layer's low-rank delta against its base.
+fn encode_type(
+    src: &dyn SourceModel,
+    opts: &DeltaOptions,
+    ty: usize,
+    group: &[(u32, usize)],
+    out: &mut Planned,
+) -> Result<(), ConvertError> {
+    let desc = src.desc();
+    let t0 = &desc.tensors[group[0].1];
+    let (rows, cols) = (t0.rows() as usize, t0.cols() as usize);
+    let rpb = rows_per_block(t0);
+    let ws: Vec<Vec<f32>> = group
+        .par_iter()
+        .map(|&(_, i)| src.f32(i))
+        .collect::<Result<_, _>>()?;
+    let refs: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
+    let (assign, means) = decompose::cluster_layers(&refs, opts.bases, opts.kmeans_iters);
+    // Bases: quantize, store, keep B̂ for the residuals.
+    let mut stored_bases = Vec::with_capacity(means.len());
+    for (c, mean) in means.iter().enumerate() {
+        let layers: Vec<u32> = group
+            .iter()
+            .zip(&assign)
+            .filter(|(_, &a)| a == c)
+            .map(|(&(l, _), _)| l)
             .collect();
-        let cos: Vec<(Option<f64>, f64)> = (0..group.len())
-            .into_par_iter()
-            .map(|m| {
-                let prev = (m > 0 && group[m - 1].0 + 1 == group[m].0)
-                    .then(|| decompose::cosine(&ws[m], &ws[m - 1]));
-                (prev, decompose::cosine(&ws[m], &means[assign[m]]))
-            })
-            .collect();
-        for (m, (enc, (cos_prev, cos_base))) in encoded.into_iter().zip(cos).enumerate() {
-            let enc = enc?;
-            let (layer, i) = group[m];
-            let report = MatrixReport {
-                name: desc.tensors[i].name.clone(),
-                layer,
-                ty: type_label(WEIGHT_TYPES[ty]).to_string(),
-                base: stored_bases[assign[m]].0 as usize,
-                rank: enc.rank,
-                bytes: 0,
-                bits_per_weight: 0.0,
-                rel_err: enc.rel_err,
-                base_rel_err: enc.base_rel_err,
-                cos_prev,
-                cos_base,
-                tail_ranks: TAIL_THRESHOLDS
-                    .iter()
-                    .zip(&enc.tail_ranks)
-                    .map(|(t, &r)| (format!("{t}"), r))
-                    .collect(),
-                note: enc.unreachable.then(|| {
-                    "--max-rel-err not reachable at full rank with f16 factors".to_string()
-                }),
-            };
-            plans[i] = Plan::Delta {
-                base: stored_bases[assign[m]].0,
-                enc: Box::new(enc),
-                report,
-            };
-        }
+        let (deq, blocks) = decompose::encode_base(mean, rows, cols, rpb as usize, opts.base_dtype);
+        let (idx, bytes) = out.writer.add_base(
+            WEIGHT_TYPES[ty],
+            c as u32,
+            layers.clone(),
+            rows as u64,
+            cols as u64,
+            rpb,
+            &blocks,
+        )?;
+        out.bases.push(BaseReport {
+            ty: WEIGHT_TYPES[ty].to_string(),
+            cluster: c as u32,
+            layers,
+            bytes,
+        });
+        stored_bases.push((idx, deq));
     }
+    let encoded: Vec<Result<EncodedDelta, ConvertError>> = (0..group.len())
+        .into_par_iter()
+        .map(|m| {
+            let name = &desc.tensors[group[m].1].name;
+            decompose::decompose(
+                &ws[m],
+                &stored_bases[assign[m]].1,
+                rows,
+                cols,
+                rpb as usize,
+                opts.rank,
+            )
+            .map_err(|e| wrap(name, e))
+        })
+        .collect();
+    let cos: Vec<(Option<f64>, f64)> = (0..group.len())
+        .into_par_iter()
+        .map(|m| {
+            let prev = (m > 0 && group[m - 1].0 + 1 == group[m].0)
+                .then(|| decompose::cosine(&ws[m], &ws[m - 1]));
+            (prev, decompose::cosine(&ws[m], &means[assign[m]]))
+        })
+        .collect();
+    for (m, (enc, (cos_prev, cos_base))) in encoded.into_iter().zip(cos).enumerate() {
+        let enc = enc?;
+        let (layer, i) = group[m];
+        let report = MatrixReport {
+            name: desc.tensors[i].name.clone(),
+            layer,
+            ty: type_label(WEIGHT_TYPES[ty]).to_string(),
+            base: stored_bases[assign[m]].0 as usize,
+            rank: enc.rank,
+            bytes: 0,
+            bits_per_weight: 0.0,
+            rel_err: enc.rel_err,
+            base_rel_err: enc.base_rel_err,
+            cos_prev,
+            cos_base,
+            tail_ranks: TAIL_THRESHOLDS
+                .iter()
+                .zip(&enc.tail_ranks)
+                .map(|(t, &r)| (format!("{t}"), r))
+                .collect(),
+            note: enc
+                .unreachable
+                .then(|| "--max-rel-err not reachable at full rank with f16 factors".to_string()),
+        };
+        out.plans[i] = Plan::Delta {
+            base: stored_bases[assign[m]].0,
+            enc: Box::new(enc),
+            report,
+        };
+    }
+    Ok(())
+}
 
-    // Tensors in model order: one layer's deltas lie together.
+/// Write every tensor in model order (one layer's deltas lie together): passthrough
+/// tensors are read and encoded now, deltas were planned by [`encode_type`].
+fn write_tensors(
+    src: &dyn SourceModel,
+    plans: Vec<Plan>,
+    base_reports: &[BaseReport],
+    writer: &mut DeltaWriter,
+    written: &dyn Fn(usize, &str),
+) -> Result<(Vec<MatrixReport>, Vec<PassReport>), ConvertError> {
+    let desc = src.desc();
     let mut matrices = Vec::new();
     let mut passthrough = Vec::new();
     for (i, plan) in plans.into_iter().enumerate() {
@@ -320,9 +379,20 @@ pub fn convert(
                 matrices.push(report);
             }
         }
-        progress(WEIGHT_TYPES.len() + i + 1, total_steps, &t.name);
+        written(i, &t.name);
     }
 
+    Ok((matrices, passthrough))
+}
+
+/// The report's totals over what was written (archive size filled in after `finish`).
+fn summarize(
+    desc: &ModelDesc,
+    opts: &DeltaOptions,
+    matrices: Vec<MatrixReport>,
+    base_reports: Vec<BaseReport>,
+    passthrough: Vec<PassReport>,
+) -> DeltaReport {
     let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
     let numel = |name: &str| {
         desc.tensor_index(name)
@@ -336,7 +406,7 @@ pub fn convert(
         err_w += m.rel_err * numel(&m.name) as f64;
         max_rel_err = max_rel_err.max(m.rel_err);
     }
-    let mut report = DeltaReport {
+    DeltaReport {
         options: opts.to_json(),
         unreachable: matrices.iter().filter(|m| m.note.is_some()).count(),
         mean_rel_err: if delta_weights > 0 {
@@ -353,17 +423,5 @@ pub fn convert(
         archive_bytes: 0,
         total_weights,
         bits_per_weight: 0.0,
-    };
-    let extra = serde_json::json!({
-        "convert": report.options,
-        "rel_err": report.matrices.iter().map(|m| (m.name.clone(), serde_json::json!(m.rel_err)))
-            .collect::<serde_json::Map<String, serde_json::Value>>(),
-        "report": report,
-    });
-    let routing = crate::convert::routing_bytes(src)?;
-    report.archive_bytes = writer.finish(desc, opts.base_dtype, extra, &routing)?;
-    report.bits_per_weight = report.archive_bytes as f64 * 8.0 / total_weights.max(1) as f64;
-    // Prove the archive opens before reporting success.
-    crate::archive::delta::DeltaArchive::open(out)?;
-    Ok(report)
+    }
 }
