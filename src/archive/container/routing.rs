@@ -126,11 +126,13 @@ pub fn encode_routing(r: &Routing) -> Vec<u8> {
     out
 }
 
+// The parser checks every record's extent against the input before reading its fields,
+// so a field outside the input is a bug here, not bad input.
 fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    super::u32_at(b, at).expect("field inside a record already bounds-checked")
 }
 fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+    super::u64_at(b, at).expect("field inside a record already bounds-checked")
 }
 
 /// Parse ROUTING bytes; every count is checked against the input before allocating.
