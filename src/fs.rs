@@ -270,72 +270,9 @@ impl MountFs {
         })
     }
 
-    /// The stat reply of the control protocol (docs/CONTROL.md).
-    pub fn stats_json(&self) -> serde_json::Value {
-        let c = self.cache.stats();
-        let a = self.archive.read_counters();
-        let files: Vec<serde_json::Value> = self
-            .entries
-            .iter()
-            .map(|e| {
-                let f = c.files.iter().find(|f| f.file == file_id(e.ino));
-                serde_json::json!({
-                    "name": e.name,
-                    "size": e.file.size,
-                    "reads": f.map_or(0, |f| f.reads),
-                    "hits": f.map_or(0, |f| f.hits + f.prefetch_hits),
-                    "prefetch_hits": f.map_or(0, |f| f.prefetch_hits),
-                    "misses": f.map_or(0, |f| f.misses),
-                    "bytes_served": f.map_or(0, |f| f.bytes_served),
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "archive_kind": self.archive.kind().name(),
-            "archive_path": self.archive.path().display().to_string(),
-            "uptime_s": self.started.elapsed().as_secs_f64(),
-            "cache": {
-                "hits": c.hits + c.prefetch_hits,
-                "prefetch_hits": c.prefetch_hits,
-                "misses": c.misses,
-                "coalesced": c.coalesced,
-                "reads": c.reads,
-                "read_errors": c.read_errors,
-                "bytes_served": c.bytes_served,
-                "bytes_loaded": c.bytes_loaded,
-                "loads": c.loads,
-                "evictions": c.evictions,
-                "bytes_used": c.bytes_used,
-                "pinned_bytes": c.pinned_bytes,
-                "pinned_resident_bytes": c.pinned_resident_bytes,
-                "budget": c.budget_bytes,
-                "chunk_size": c.chunk_size,
-                "entries": c.entries,
-                "entry_overhead_bytes": c.entry_overhead_bytes,
-                "readahead_triggers": c.readahead_triggers,
-                "prefetch_loads": c.prefetch_loads,
-                "prefetch_queue_len": c.prefetch_queue_len,
-                "prefetch_skipped": c.prefetch_skipped,
-                "loads_in_flight": c.loads_in_flight,
-                "route_hints": self.cache.hint_count(),
-                "tracing": self.cache.tracing(),
-                "latency_us": {
-                    "count": c.latency_us.count,
-                    "mean": c.latency_us.mean_us,
-                    "p50": c.latency_us.p50_us,
-                    "p90": c.latency_us.p90_us,
-                    "p99": c.latency_us.p99_us,
-                    "max": c.latency_us.max_us,
-                },
-            },
-            "archive": {
-                "blocks_read": a.blocks,
-                "bytes_read": a.stored_bytes,
-                "bytes_decoded": a.payload_bytes,
-                "read_per_served": if c.bytes_served > 0 { a.stored_bytes as f64 / c.bytes_served as f64 } else { 0.0 },
-            },
-            "files": files,
-        })
+    /// Time since the filesystem was built (the mount's uptime).
+    pub fn uptime(&self) -> std::time::Duration {
+        self.started.elapsed()
     }
 }
 

@@ -8,13 +8,23 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 /// How a traced demand chunk lookup was satisfied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TraceOutcome {
     Hit,
     PrefetchHit,
     /// Loaded (or joined a load in flight) for this read.
     Miss,
+}
+
+impl TraceOutcome {
+    /// The outcome's name in a trace reply (docs/CONTROL.md).
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceOutcome::Hit => "hit",
+            TraceOutcome::PrefetchHit => "prefetch_hit",
+            TraceOutcome::Miss => "miss",
+        }
+    }
 }
 
 /// One traced chunk lookup.

@@ -4,6 +4,12 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use cawsfs::control::reply::{
+    EvictReply, PinReply, PrefetchReply, RouteReply, StatReply, TraceOffReply, TraceOnReply,
+    UnpinReply,
+};
+use cawsfs::control::{self, Request};
+use serde::de::DeserializeOwned;
 
 use super::args::RouteArgs;
 
@@ -15,7 +21,6 @@ pub fn cmd_stat(
     watch: bool,
     interval: f64,
 ) -> Result<()> {
-    use cawsfs::control::{self, Request};
     let sock = socket
         .map(Path::to_path_buf)
         .unwrap_or_else(|| control::find_socket(mp));
@@ -27,15 +32,20 @@ pub fn cmd_stat(
         let mut client = control::ControlClient::connect(&sock, timeout)?;
         control::watch(
             std::time::Duration::from_secs_f64(interval),
-            || Ok(client.call(&Request::Stat)?),
+            || Ok(client.call_as::<StatReply>(&Request::Stat)?),
             &mut std::io::stdout(),
         )?;
         return Ok(());
     }
-    let stats = control::request(&sock, &Request::Stat, timeout)?;
     if json {
+        // As the daemon sent it, not through `StatReply`: fields this client does not
+        // know are shown too, and the key order stays as it always was.
+        let stats = control::request(&sock, &Request::Stat, timeout)?;
         println!("{}", serde_json::to_string_pretty(&stats)?);
-    } else if prometheus {
+        return Ok(());
+    }
+    let stats: StatReply = control::request_as(&sock, &Request::Stat, timeout)?;
+    if prometheus {
         print!("{}", control::render_prometheus(&stats));
     } else {
         print!("{}", control::render_stat(&stats));
@@ -43,22 +53,37 @@ pub fn cmd_stat(
     Ok(())
 }
 
-/// Send one control request and print the reply's payload.
-pub fn control_call(mp: &Path, socket: Option<&Path>, req: cawsfs::control::Request) -> Result<()> {
+/// Send one control request (prefetch, pin, unpin, evict, trace) and print the reply's
+/// payload as one JSON line.
+pub fn control_call(mp: &Path, socket: Option<&Path>, req: Request) -> Result<()> {
     let sock = socket
         .map(Path::to_path_buf)
-        .unwrap_or_else(|| cawsfs::control::find_socket(mp));
-    let reply = cawsfs::control::request(&sock, &req, std::time::Duration::from_secs(30))?;
-    let mut v = reply;
-    if let Some(o) = v.as_object_mut() {
-        o.remove("ok");
-    }
-    println!("{}", serde_json::to_string(&v)?);
+        .unwrap_or_else(|| control::find_socket(mp));
+    let line = match &req {
+        Request::Prefetch(_) => echo::<PrefetchReply>(&sock, &req)?,
+        Request::Pin(_) => echo::<PinReply>(&sock, &req)?,
+        Request::Unpin(_) => echo::<UnpinReply>(&sock, &req)?,
+        Request::Evict(_) => echo::<EvictReply>(&sock, &req)?,
+        Request::Trace { on: true } => echo::<TraceOnReply>(&sock, &req)?,
+        Request::Trace { on: false } => echo::<TraceOffReply>(&sock, &req)?,
+        other => bail!("{} has its own command", other.verb()),
+    };
+    println!("{line}");
     Ok(())
 }
 
+/// The reply to `req` as one JSON line, after checking that it reads as `T` (the
+/// verb's reply type), so that a malformed reply is an error here as for `stat` and
+/// `route`. Printed as it came rather than re-serialized from `T`: the reply parser's
+/// removal of `"ok"` moves the last key first (a trace's `dropped`), and this step
+/// keeps every output byte-identical.
+fn echo<T: DeserializeOwned>(sock: &Path, req: &Request) -> Result<String> {
+    let v = control::request(sock, req, std::time::Duration::from_secs(30))?;
+    control::decode::<T>(sock, req, &v)?;
+    Ok(serde_json::to_string(&v)?)
+}
+
 pub fn cmd_route(a: RouteArgs) -> Result<()> {
-    use cawsfs::control::{self, Request};
     let sock = a
         .socket
         .clone()
@@ -70,47 +95,44 @@ pub fn cmd_route(a: RouteArgs) -> Result<()> {
         prefetch: a.prefetch,
         file: a.file.clone(),
     };
-    let v = control::request(&sock, &req, std::time::Duration::from_secs(30))?;
+    let timeout = std::time::Duration::from_secs(30);
     if a.json {
+        // As the daemon sent it (see `cmd_stat`).
+        let v = control::request(&sock, &req, timeout)?;
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    let toks: Vec<&str> = v["tokens"]
-        .as_array()
-        .map(|t| t.iter().filter_map(|x| x.as_str()).collect())
-        .unwrap_or_default();
-    println!("prompt tokens: {}", toks.join(" "));
+    let r: RouteReply = control::request_as(&sock, &req, timeout)?;
+    println!("prompt tokens: {}", r.tokens.join(" "));
     println!(
         "{:>4}  {:<9} {:>6} {:>8}  {:>10}  {:>13}  tensor [rows]",
         "rank", "kind", "order", "score", "cost", "chunks"
     );
-    for s in v["shards"].as_array().into_iter().flatten() {
-        let score = s["score"]
-            .as_f64()
-            .map_or("-".to_string(), |x| format!("{x:.4}"));
-        // serde_json values ignore width, so numbers go through to_string first.
+    for s in &r.shards {
+        let score = s.score.map_or("-".to_string(), |x| format!("{x:.4}"));
         println!(
             "{:>4}  {:<9} {:>6} {:>8}  {:>10}  {:>13}  {} [{}..{}]",
-            s["rank"].to_string(),
-            s["kind"].as_str().unwrap_or("?"),
-            s["order"].to_string(),
+            s.rank,
+            s.kind,
+            s.order,
             score,
-            s["cost"].to_string(),
-            format!("{}..{}", s["chunks"][0], s["chunks"][1]),
-            s["tensor"].as_str().unwrap_or("?"),
-            s["rows"][0],
-            s["rows"][1],
+            s.cost,
+            format!("{}..{}", s.chunks[0], s.chunks[1]),
+            s.tensor,
+            s.rows[0],
+            s.rows[1],
         );
     }
     print!(
         "the routed shards cover {} bytes of {} chunks",
-        v["chunk_bytes"],
-        v["file"].as_str().unwrap_or("?")
+        r.chunk_bytes, r.file
     );
     if a.prefetch {
+        let n = |x: Option<u64>| x.map_or("-".to_string(), |n| n.to_string());
         print!(
             "; queued {} chunks for prefetch, {} hinted",
-            v["queued_chunks"], v["hinted_chunks"]
+            n(r.queued_chunks),
+            n(r.hinted_chunks)
         );
     }
     println!();

@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::protocol::{Request, Response};
@@ -21,6 +22,29 @@ pub const MAX_REPLY_LINE: usize = 64 * 1024 * 1024;
 /// `"ok"`), or the daemon's error message as [`ControlError::Daemon`].
 pub fn request(socket: &Path, req: &Request, timeout: Duration) -> Result<Value, ControlError> {
     ControlClient::connect(socket, timeout)?.call(req)
+}
+
+/// [`request`], the payload read as the verb's reply type (`control::reply`); a
+/// payload that does not fit it is [`ControlError::BadReply`].
+pub fn request_as<T: DeserializeOwned>(
+    socket: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<T, ControlError> {
+    ControlClient::connect(socket, timeout)?.call_as(req)
+}
+
+/// `payload`, the reply to `req` from the daemon at `socket`, read as `T` (the reply
+/// type of `req`'s verb); a payload that does not fit is [`ControlError::BadReply`].
+pub fn decode<T: DeserializeOwned>(
+    socket: &Path,
+    req: &Request,
+    payload: &Value,
+) -> Result<T, ControlError> {
+    T::deserialize(payload).map_err(|e| ControlError::BadReply {
+        path: socket.to_path_buf(),
+        msg: format!("{} reply: {e}", req.verb()),
+    })
 }
 
 /// A connection that can carry many requests (`cawsfs stat --watch` keeps one).
@@ -108,6 +132,12 @@ impl ControlClient {
             Response::Err(e) => Err(ControlError::Daemon(e)),
         }
     }
+
+    /// [`ControlClient::call`], the payload read as `T` (the reply type of `req`'s verb).
+    pub fn call_as<T: DeserializeOwned>(&mut self, req: &Request) -> Result<T, ControlError> {
+        let v = self.call(req)?;
+        decode(&self.path, req, &v)
+    }
 }
 
 #[cfg(test)]
@@ -158,6 +188,16 @@ mod tests {
         let (_t, p, h) = fake(b"{\"ok\":false,\"error\":\"nope\"}\n");
         let e = request(&p, &Request::Ping, T).unwrap_err();
         assert!(matches!(&e, ControlError::Daemon(m) if m == "nope"), "{e}");
+        h.join().unwrap();
+
+        let (_t, p, h) = fake(b"{\"ok\":true,\"queued_chunks\":\"3\"}\n");
+        let e = request_as::<crate::control::PrefetchReply>(&p, &Request::Ping, T)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bad reply") && e.contains("ping reply: invalid type"),
+            "{e}"
+        );
         h.join().unwrap();
 
         let (_t, p, h) = fake(b"");

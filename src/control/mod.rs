@@ -9,6 +9,8 @@
 //! The wire protocol, socket placement and permissions are in docs/CONTROL.md.
 //!
 //! * [`protocol`]: [`Request`] / [`Response`] and their one-line parse errors.
+//! * [`reply`]: the typed payload of each verb's reply, built by the daemon and read
+//!   by the CLI.
 //! * [`server`]: [`ControlServer`] — safe bind (0600 without a window, stale-socket
 //!   replacement), peer-uid check, bounded threads, panic isolation.
 //! * [`client`]: [`request`], [`ControlClient`].
@@ -18,6 +20,7 @@
 pub mod client;
 pub mod protocol;
 pub mod render;
+pub mod reply;
 pub mod server;
 
 use std::fs;
@@ -27,9 +30,14 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-pub use client::{request, ControlClient};
+pub use client::{decode, request, request_as, ControlClient};
 pub use protocol::{Request, Response, Target, MAX_REQUEST_LINE};
 pub use render::{render_prometheus, render_rates, render_stat, watch};
+pub use reply::{
+    ArchiveStat, CacheStat, EvictReply, FileStat, LatencyStat, PinReply, PingReply, PrefetchReply,
+    Reply, RouteReply, RoutedShard, StatReply, TraceOffReply, TraceOnReply, TracedLookup,
+    UnpinReply,
+};
 pub use server::{allowed_peer, ControlServer, Handler, ServerOptions};
 
 /// Longest socket path `bind`/`connect` accept: `sun_path` is 108 bytes with its NUL.

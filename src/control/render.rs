@@ -1,31 +1,15 @@
 //! `cawsfs stat` output: a top-like table, the Prometheus text format, and `--watch`.
 //!
-//! The stat reply's shape is documented in docs/CONTROL.md; every field is optional
-//! here (shown as `-`, or left out of the Prometheus output) so the renderers work
-//! with whatever the daemon's cache reports today and tomorrow.
+//! The stat reply's shape is documented in docs/CONTROL.md and typed as
+//! [`StatReply`]; every field of it is optional (a missing one is shown as `-`, or left
+//! out of the Prometheus output) so the renderers work with whatever the daemon's
+//! cache reports today and tomorrow.
 
 use std::fmt::Write as _;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
-fn get<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
-    path.iter().try_fold(v, |v, k| v.get(k))
-}
-
-fn num(v: &Value, path: &[&str]) -> Option<f64> {
-    get(v, path)?.as_f64().filter(|x| x.is_finite())
-}
-
-fn uint(v: &Value, path: &[&str]) -> Option<u64> {
-    let x = get(v, path)?;
-    x.as_u64().or_else(|| {
-        x.as_f64()
-            .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.8e19)
-            .map(|f| f.round() as u64)
-    })
-}
+use super::reply::{FileStat, StatReply};
 
 /// `1536` → `1.50 KiB`; bytes below 1 KiB are exact.
 pub fn human_bytes(n: u64) -> String {
@@ -63,12 +47,12 @@ fn or_dash(x: Option<String>) -> String {
     x.unwrap_or_else(|| "-".into())
 }
 
-fn count(v: &Value, path: &[&str]) -> String {
-    or_dash(uint(v, path).map(|n| n.to_string()))
+fn count(n: Option<u64>) -> String {
+    or_dash(n.map(|n| n.to_string()))
 }
 
-fn bytes(v: &Value, path: &[&str]) -> String {
-    or_dash(uint(v, path).map(human_bytes))
+fn bytes(n: Option<u64>) -> String {
+    or_dash(n.map(human_bytes))
 }
 
 fn ratio(hits: Option<u64>, misses: Option<u64>) -> String {
@@ -81,90 +65,86 @@ fn ratio(hits: Option<u64>, misses: Option<u64>) -> String {
 }
 
 /// The human `cawsfs stat` table: totals, then one row per file (most served first).
-pub fn render_stat(stats: &Value) -> String {
+pub fn render_stat(stats: &StatReply) -> String {
     render_stat_with(stats, None)
 }
 
-fn render_stat_with(s: &Value, rates: Option<&str>) -> String {
+fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     let mut out = String::new();
     let mut title = String::from("cawsfs");
-    if let Some(m) = get(s, &["mountpoint"]).and_then(Value::as_str) {
+    if let Some(m) = &s.mountpoint {
         let _ = write!(title, "  {m}");
     }
-    if let Some(a) = get(s, &["archive_path"]).and_then(Value::as_str) {
+    if let Some(a) = &s.archive_path {
         let _ = write!(title, "  <- {a}");
     }
-    if let Some(up) = num(s, &["uptime_s"]) {
+    if let Some(up) = s.uptime_s.filter(|x| x.is_finite()) {
         let _ = write!(title, "  up {}", human_duration(up));
     }
     let _ = writeln!(out, "{title}");
 
-    fn c(k: &str) -> [&str; 2] {
-        ["cache", k]
-    }
-    let (hits, misses) = (uint(s, &c("hits")), uint(s, &c("misses")));
+    let c = &s.cache;
     let _ = writeln!(
         out,
         "reads    hits {} (prefetch {})  misses {}  hit ratio {}",
-        count(s, &c("hits")),
-        count(s, &c("prefetch_hits")),
-        count(s, &c("misses")),
-        ratio(hits, misses)
+        count(c.hits),
+        count(c.prefetch_hits),
+        count(c.misses),
+        ratio(c.hits, c.misses)
     );
     let _ = writeln!(
         out,
         "bytes    served {}  reconstructed {}  archive read {}  archive decoded {}",
-        bytes(s, &c("bytes_served")),
-        bytes(s, &c("bytes_loaded")),
-        bytes(s, &["archive", "bytes_read"]),
-        bytes(s, &["archive", "bytes_decoded"]),
+        bytes(c.bytes_served),
+        bytes(c.bytes_loaded),
+        bytes(s.archive.bytes_read),
+        bytes(s.archive.bytes_decoded),
     );
-    let used_pct = match (uint(s, &c("bytes_used")), uint(s, &c("budget"))) {
+    let used_pct = match (c.bytes_used, c.budget) {
         (Some(u), Some(b)) if b > 0 => format!(" ({:.1}%)", 100.0 * u as f64 / b as f64),
         _ => String::new(),
     };
     let _ = writeln!(
         out,
         "cache    used {} / {}{used_pct}  pinned {}  evictions {}",
-        bytes(s, &c("bytes_used")),
-        bytes(s, &c("budget")),
-        bytes(s, &c("pinned_bytes")),
-        count(s, &c("evictions")),
+        bytes(c.bytes_used),
+        bytes(c.budget),
+        bytes(c.pinned_bytes),
+        count(c.evictions),
     );
-    let lat = |q: &str| or_dash(num(s, &["cache", "latency_us", q]).map(human_latency_us));
+    let lat = |us: Option<u64>| or_dash(us.map(|us| human_latency_us(us as f64)));
+    let l = &c.latency_us;
     let _ = writeln!(
         out,
         "latency  p50 {}  p90 {}  p99 {}  max {}",
-        lat("p50"),
-        lat("p90"),
-        lat("p99"),
-        lat("max")
+        lat(l.p50),
+        lat(l.p90),
+        lat(l.p99),
+        lat(l.max)
     );
     if let Some(r) = rates {
         let _ = writeln!(out, "{r}");
     }
-
-    let files: Vec<&Value> = get(s, &["files"])
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter(|f| f.is_object()).collect())
-        .unwrap_or_default();
-    if files.is_empty() {
-        return out;
+    if !s.files.is_empty() {
+        file_table(&mut out, &s.files);
     }
+    out
+}
+
+/// The per-file rows of the stat table, most served first, under a header.
+fn file_table(out: &mut String, files: &[FileStat]) {
     let mut rows: Vec<(String, u64, [String; 5])> = files
         .iter()
         .map(|f| {
-            let name = get(f, &["name"]).and_then(Value::as_str).unwrap_or("?");
-            let name = clip(name, 48);
-            let served = uint(f, &["bytes_served"]);
+            let name = clip(f.name.as_deref().unwrap_or("?"), 48);
             let cells = [
-                bytes(f, &["size"]),
-                count(f, &["hits"]),
-                count(f, &["misses"]),
-                ratio(uint(f, &["hits"]), uint(f, &["misses"])),
-                or_dash(served.map(human_bytes)),
+                bytes(f.size),
+                count(f.hits),
+                count(f.misses),
+                ratio(f.hits, f.misses),
+                bytes(f.bytes_served),
             ];
-            (name, served.unwrap_or(0), cells)
+            (name, f.bytes_served.unwrap_or(0), cells)
         })
         .collect();
     rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
@@ -188,7 +168,6 @@ fn render_stat_with(s: &Value, rates: Option<&str>) -> String {
             ""
         );
     }
-    out
 }
 
 fn clip(s: &str, max: usize) -> String {
@@ -217,23 +196,25 @@ fn human_duration(secs: f64) -> String {
 
 /// The rates between two stat samples `dt` apart: bytes served / reconstructed /
 /// read from the archive per second, and reads per second.
-pub fn render_rates(prev: &Value, cur: &Value, dt: Duration) -> String {
+pub fn render_rates(prev: &StatReply, cur: &StatReply, dt: Duration) -> String {
     let secs = dt.as_secs_f64();
-    let delta = |path: &[&str]| -> Option<f64> {
-        let (a, b) = (uint(prev, path)?, uint(cur, path)?);
+    let delta = |field: fn(&StatReply) -> Option<u64>| -> Option<f64> {
+        let (a, b) = (field(prev)?, field(cur)?);
         // A counter going backwards means the daemon restarted: no rate.
         (b >= a && secs > 0.0).then(|| (b - a) as f64 / secs)
     };
-    let bps = |path: &[&str]| or_dash(delta(path).map(|r| format!("{}/s", human_bytes(r as u64))));
-    let reads = match (delta(&["cache", "hits"]), delta(&["cache", "misses"])) {
+    let bps = |field: fn(&StatReply) -> Option<u64>| {
+        or_dash(delta(field).map(|r| format!("{}/s", human_bytes(r as u64))))
+    };
+    let reads = match (delta(|s| s.cache.hits), delta(|s| s.cache.misses)) {
         (Some(h), Some(m)) => format!("{:.0}/s", h + m),
         _ => "-".into(),
     };
     format!(
         "rates    served {}  reconstructed {}  archive read {}  reads {reads}",
-        bps(&["cache", "bytes_served"]),
-        bps(&["cache", "bytes_loaded"]),
-        bps(&["archive", "bytes_read"]),
+        bps(|s| s.cache.bytes_served),
+        bps(|s| s.cache.bytes_loaded),
+        bps(|s| s.archive.bytes_read),
     )
 }
 
@@ -249,17 +230,6 @@ fn label(v: &str) -> String {
         }
     }
     s
-}
-
-/// A sample value: integers stay exact, other numbers print as Rust's shortest f64.
-fn sample(v: &Value) -> Option<String> {
-    if let Some(u) = v.as_u64() {
-        Some(u.to_string())
-    } else if let Some(i) = v.as_i64() {
-        Some(i.to_string())
-    } else {
-        v.as_f64().filter(|f| f.is_finite()).map(|f| f.to_string())
-    }
 }
 
 /// Writes one metric family if it has samples: HELP, TYPE, then `name{labels} value`.
@@ -278,91 +248,94 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(Stri
     }
 }
 
+/// One figure of a file in the stat reply, for the per-file metric families.
+type FileField = fn(&FileStat) -> Option<u64>;
+
 /// `cawsfs stat --prometheus`: the stat reply in the Prometheus text format 0.0.4
 /// (metric names in docs/CONTROL.md).
-pub fn render_prometheus(stats: &Value) -> String {
+pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
-    let one = |path: &[&str]| -> Vec<(String, String)> {
-        get(stats, path)
-            .and_then(sample)
-            .map(|v| vec![(String::new(), v)])
-            .unwrap_or_default()
-    };
-    let simple: [(&str, &str, &str, &[&str]); 11] = [
+    let (c, a) = (&stats.cache, &stats.archive);
+    let simple: [(&str, &str, &str, Option<u64>); 11] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
             "Reads served entirely from the cache.",
-            &["cache", "hits"],
+            c.hits,
         ),
         (
             "cawsfs_cache_prefetch_hits_total",
             "counter",
             "Cache hits on chunks loaded by prefetch.",
-            &["cache", "prefetch_hits"],
+            c.prefetch_hits,
         ),
         (
             "cawsfs_cache_misses_total",
             "counter",
             "Reads that reconstructed at least one chunk.",
-            &["cache", "misses"],
+            c.misses,
         ),
         (
             "cawsfs_bytes_served_total",
             "counter",
             "Bytes returned to readers.",
-            &["cache", "bytes_served"],
+            c.bytes_served,
         ),
         (
             "cawsfs_bytes_reconstructed_total",
             "counter",
             "Bytes reconstructed into the cache.",
-            &["cache", "bytes_loaded"],
+            c.bytes_loaded,
         ),
         (
             "cawsfs_cache_evictions_total",
             "counter",
             "Chunks evicted from the cache.",
-            &["cache", "evictions"],
+            c.evictions,
         ),
         (
             "cawsfs_cache_used_bytes",
             "gauge",
             "Bytes held by the cache.",
-            &["cache", "bytes_used"],
+            c.bytes_used,
         ),
         (
             "cawsfs_cache_pinned_bytes",
             "gauge",
             "Bytes held by pinned chunks.",
-            &["cache", "pinned_bytes"],
+            c.pinned_bytes,
         ),
         (
             "cawsfs_cache_budget_bytes",
             "gauge",
             "The cache's byte budget.",
-            &["cache", "budget"],
+            c.budget,
         ),
         (
             "cawsfs_archive_bytes_read_total",
             "counter",
             "Compressed bytes read from the archive.",
-            &["archive", "bytes_read"],
+            a.bytes_read,
         ),
         (
             "cawsfs_archive_bytes_decoded_total",
             "counter",
             "Bytes decoded from archive blocks.",
-            &["archive", "bytes_decoded"],
+            a.bytes_decoded,
         ),
     ];
-    for (name, kind, help, path) in simple {
-        family(&mut out, name, kind, help, &one(path));
+    for (name, kind, help, value) in simple {
+        let samples: Vec<_> = value
+            .map(|v| (String::new(), v.to_string()))
+            .into_iter()
+            .collect();
+        family(&mut out, name, kind, help, &samples);
     }
-    let secs = |q: &str| num(stats, &["cache", "latency_us", q]).map(|us| (us / 1e6).to_string());
-    let quantiles: Vec<(String, String)> = [("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99")]
+    let secs = |us: Option<u64>| us.map(|us| (us as f64 / 1e6).to_string());
+    let l = &c.latency_us;
+    let quantiles: Vec<(String, String)> = [("0.5", l.p50), ("0.9", l.p90), ("0.99", l.p99)]
         .into_iter()
-        .filter_map(|(q, k)| secs(k).map(|v| (format!("quantile=\"{q}\""), v)))
+        .filter_map(|(q, us)| secs(us).map(|v| (format!("quantile=\"{q}\""), v)))
         .collect();
     family(
         &mut out,
@@ -371,7 +344,7 @@ pub fn render_prometheus(stats: &Value) -> String {
         "Read latency quantiles.",
         &quantiles,
     );
-    let max: Vec<_> = secs("max")
+    let max: Vec<_> = secs(l.max)
         .map(|v| (String::new(), v))
         .into_iter()
         .collect();
@@ -383,48 +356,44 @@ pub fn render_prometheus(stats: &Value) -> String {
         &max,
     );
 
-    let files: Vec<&Value> = get(stats, &["files"])
-        .and_then(Value::as_array)
-        .map(|a| a.iter().collect())
-        .unwrap_or_default();
-    let per_file = |key: &str| -> Vec<(String, String)> {
-        files
+    let per_file = |field: FileField| -> Vec<(String, String)> {
+        stats
+            .files
             .iter()
             .filter_map(|f| {
-                let name = f.get("name")?.as_str()?;
-                let v = sample(f.get(key)?)?;
-                Some((format!("file=\"{}\"", label(name)), v))
+                let name = f.name.as_deref()?;
+                Some((format!("file=\"{}\"", label(name)), field(f)?.to_string()))
             })
             .collect()
     };
-    let file_metrics = [
+    let file_metrics: [(&str, &str, &str, FileField); 4] = [
         (
             "cawsfs_file_size_bytes",
             "gauge",
             "Size of a virtual file.",
-            "size",
+            |f| f.size,
         ),
         (
             "cawsfs_file_hits_total",
             "counter",
             "Cache hits per virtual file.",
-            "hits",
+            |f| f.hits,
         ),
         (
             "cawsfs_file_misses_total",
             "counter",
             "Cache misses per virtual file.",
-            "misses",
+            |f| f.misses,
         ),
         (
             "cawsfs_file_bytes_served_total",
             "counter",
             "Bytes served per virtual file.",
-            "bytes_served",
+            |f| f.bytes_served,
         ),
     ];
-    for (name, kind, help, key) in file_metrics {
-        family(&mut out, name, kind, help, &per_file(key));
+    for (name, kind, help, field) in file_metrics {
+        family(&mut out, name, kind, help, &per_file(field));
     }
     out
 }
@@ -435,10 +404,10 @@ pub fn render_prometheus(stats: &Value) -> String {
 /// returns that error (so the caller only sets the exit status).
 pub fn watch<W: Write>(
     interval: Duration,
-    mut fetch: impl FnMut() -> anyhow::Result<Value>,
+    mut fetch: impl FnMut() -> anyhow::Result<StatReply>,
     out: &mut W,
 ) -> anyhow::Result<()> {
-    let mut prev: Option<(Instant, Value)> = None;
+    let mut prev: Option<(Instant, StatReply)> = None;
     write!(out, "\x1b[2J")?;
     loop {
         let v = match fetch() {
@@ -474,8 +443,12 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn sample_stats() -> Value {
-        json!({
+    fn stats(v: serde_json::Value) -> StatReply {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn sample_stats() -> StatReply {
+        stats(json!({
             "mountpoint": "/mnt/m",
             "uptime_s": 125.0,
             "cache": {
@@ -489,7 +462,7 @@ mod tests {
                 {"name": "config.json", "size": 700, "hits": 3, "misses": 1, "bytes_served": 2100},
                 {"name": "model.gguf", "size": 283115520u64, "hits": 1200, "misses": 50, "bytes_served": 1200000000u64}
             ]
-        })
+        }))
     }
 
     #[test]
@@ -534,33 +507,44 @@ mod tests {
     }
 
     #[test]
-    fn stat_survives_missing_and_odd_fields() {
+    fn stat_survives_missing_fields() {
         for v in [
             json!({}),
-            json!(null),
-            json!({"cache": "nope", "files": 3}),
-            json!({"cache": {"hits": -1, "misses": 1.5, "budget": 0, "latency_us": []}}),
-            json!({"files": [1, {"name": "a\u{1b}[2Jb"}, {}]}),
+            json!({"cache": {"budget": 0, "latency_us": {}}, "files": []}),
+            json!({"files": [{"name": "a\u{1b}[2Jb"}, {}]}),
         ] {
-            let s = render_stat(&v);
+            let s = render_stat(&stats(v));
             assert!(s.contains("hit ratio"), "{s}");
             assert!(
                 !s.contains('\u{1b}'),
                 "control chars are not passed through"
             );
         }
-        let s = render_stat(&json!({}));
+        let s = render_stat(&stats(json!({})));
         assert!(
             s.contains("hits - (prefetch -)  misses -  hit ratio -"),
             "{s}"
         );
         assert!(!s.contains("FILE"));
+        // Wrong types are no longer shown as `-`: they do not read as a stat reply (the
+        // client reports a bad reply).
+        for v in [
+            json!(null),
+            json!({"cache": "nope", "files": 3}),
+            json!({"cache": {"hits": -1, "misses": 1.5, "latency_us": []}}),
+            json!({"files": [1]}),
+        ] {
+            assert!(
+                serde_json::from_value::<StatReply>(v.clone()).is_err(),
+                "{v}"
+            );
+        }
     }
 
     #[test]
     fn prometheus_text() {
         let mut v = sample_stats();
-        v["files"][1]["name"] = json!("we\"ird\\na\nme");
+        v.files[1].name = Some("we\"ird\\na\nme".into());
         let p = render_prometheus(&v);
         for want in [
             "# HELP cawsfs_cache_hits_total ",
@@ -586,14 +570,18 @@ mod tests {
         // Each family's HELP and TYPE appear once.
         assert_eq!(p.matches("# TYPE cawsfs_file_hits_total").count(), 1);
         // Missing fields leave their families out entirely.
-        let p = render_prometheus(&json!({"cache": {"hits": 1}}));
+        let p = render_prometheus(&stats(json!({"cache": {"hits": 1}})));
         assert_eq!(p.lines().count(), 3, "{p}");
     }
 
     #[test]
     fn rates_between_samples() {
-        let a = json!({"cache": {"bytes_served": 0, "hits": 10, "misses": 0}, "archive": {"bytes_read": 0}});
-        let b = json!({"cache": {"bytes_served": 20u64 << 20, "hits": 30, "misses": 20}, "archive": {"bytes_read": 4096}});
+        let a = stats(
+            json!({"cache": {"bytes_served": 0, "hits": 10, "misses": 0}, "archive": {"bytes_read": 0}}),
+        );
+        let b = stats(
+            json!({"cache": {"bytes_served": 20u64 << 20, "hits": 30, "misses": 20}, "archive": {"bytes_read": 4096}}),
+        );
         let r = render_rates(&a, &b, Duration::from_secs(2));
         assert!(r.contains("served 10.0 MiB/s"), "{r}");
         assert!(r.contains("archive read 2.00 KiB/s"), "{r}");
@@ -614,7 +602,9 @@ mod tests {
                 if n > 3 {
                     anyhow::bail!("no cawsfs daemon at /x (is it mounted?)");
                 }
-                Ok(json!({"cache": {"bytes_served": n * 1_000_000, "hits": n, "misses": 0}}))
+                Ok(stats(
+                    json!({"cache": {"bytes_served": n * 1_000_000, "hits": n, "misses": 0}}),
+                ))
             },
             &mut out,
         );

@@ -6,9 +6,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use serde_json::{json, Value};
-
 use crate::cache::ChunkKey;
+use crate::control::reply::{
+    EvictReply, PinReply, PingReply, PrefetchReply, Reply, RouteReply, RoutedShard, TraceOffReply,
+    TraceOnReply, TracedLookup, UnpinReply,
+};
 use crate::control::{Handler, Request, Target};
 use crate::fs::{file_id, MountFs};
 
@@ -134,7 +136,7 @@ impl ControlHandler {
         budget: Option<u64>,
         prefetch: bool,
         file: Option<&str>,
-    ) -> Result<Value, String> {
+    ) -> Result<RouteReply, String> {
         let router = match &self.router {
             Ok(Some(r)) => r,
             Ok(None) => {
@@ -177,24 +179,26 @@ impl ControlHandler {
             }
             total += new_bytes;
             seen.extend(r.clone().map(|c| (f, c)));
-            out.push(json!({
-                "rank": out.len() + 1,
-                "kind": s.kind.name(),
-                "tensor": model.tensors[s.tensor as usize].name,
-                "rows": [s.row0, s.row1],
-                "order": s.order,
-                "score": score,
-                "cost": s.cost,
-                "chunks": [r.start, r.end],
-            }));
+            out.push(RoutedShard {
+                rank: out.len() as u64 + 1,
+                kind: s.kind.name().to_string(),
+                tensor: model.tensors[s.tensor as usize].name.clone(),
+                rows: [s.row0, s.row1],
+                order: s.order,
+                score: score.map(f64::from),
+                cost: s.cost,
+                chunks: [r.start, r.end],
+            });
             spans.push((f, size, r));
         }
-        let mut reply = json!({
-            "file": file,
-            "tokens": tokens,
-            "shards": out,
-            "chunk_bytes": total,
-        });
+        let mut reply = RouteReply {
+            file: file.to_string(),
+            tokens,
+            shards: out,
+            chunk_bytes: total,
+            queued_chunks: None,
+            hinted_chunks: None,
+        };
         if prefetch {
             // Each chunk once, in rank order (neighbouring shards share chunks).
             let mut once = std::collections::HashSet::new();
@@ -212,8 +216,8 @@ impl ControlHandler {
             for (f, size, c) in chunks {
                 queued += cache.prefetch_registered(f, size, c..c + 1);
             }
-            reply["queued_chunks"] = json!(queued);
-            reply["hinted_chunks"] = json!(hinted);
+            reply.queued_chunks = Some(queued as u64);
+            reply.hinted_chunks = Some(hinted as u64);
         }
         Ok(reply)
     }
@@ -279,47 +283,79 @@ impl ControlHandler {
             }
         }
     }
+
+    /// Pins every chunk `target` covers, all or nothing, and starts loading them;
+    /// returns how many this request pinned.
+    fn pin(&self, target: &Target) -> Result<u64, String> {
+        let cache = self.fs.cache();
+        let spans = self.chunks(target)?;
+        let mut done: Vec<ChunkKey> = Vec::new();
+        for (f, size, r) in &spans {
+            for index in r.clone() {
+                let key = ChunkKey { file: *f, index };
+                if let Err(e) = cache.pin(key, *size) {
+                    // All or nothing: undo what this request pinned.
+                    for k in &done {
+                        let _ = cache.unpin(*k);
+                    }
+                    return Err(e.to_string());
+                }
+                done.push(key);
+            }
+        }
+        // Pinned chunks are reserved; load them now rather than on first read.
+        for (f, size, r) in spans {
+            cache.prefetch_registered(f, size, r);
+        }
+        Ok(done.len() as u64)
+    }
+
+    /// Stops the read trace and returns its record, with the names of the files it
+    /// names by id.
+    fn trace_off(&self) -> TraceOffReply {
+        let cache = self.fs.cache();
+        let (events, dropped) = cache.trace_stop();
+        let files = self
+            .fs
+            .entries()
+            .iter()
+            .filter(|e| e.cached)
+            .map(|e| (file_id(e.ino), e.name.clone()))
+            .collect();
+        let events = events
+            .iter()
+            .map(|e| TracedLookup(e.file, e.index, e.t_us, e.outcome.name().to_string()))
+            .collect();
+        TraceOffReply {
+            tracing: false,
+            chunk_size: cache.chunk_size(),
+            files,
+            events,
+            dropped,
+        }
+    }
 }
 
 impl Handler for ControlHandler {
-    fn handle(&self, req: Request) -> Result<Value, String> {
+    fn handle(&self, req: Request) -> Result<Reply, String> {
         let cache = self.fs.cache();
-        match req {
-            Request::Ping => Ok(json!({"pong": true})),
-            Request::Stat => {
-                let mut v = self.fs.stats_json();
-                v["mountpoint"] = json!(self.mountpoint.display().to_string());
-                Ok(v)
-            }
+        Ok(match req {
+            Request::Ping => PingReply { pong: true }.into(),
+            Request::Stat => super::stat::stat_reply(&self.fs, &self.mountpoint).into(),
             Request::Prefetch(t) => {
                 let mut queued = 0;
                 for (f, size, r) in self.chunks(&t)? {
                     queued += cache.prefetch_registered(f, size, r);
                 }
-                Ok(json!({"queued_chunks": queued}))
-            }
-            Request::Pin(t) => {
-                let spans = self.chunks(&t)?;
-                let mut done: Vec<ChunkKey> = Vec::new();
-                for (f, size, r) in &spans {
-                    for index in r.clone() {
-                        let key = ChunkKey { file: *f, index };
-                        if let Err(e) = cache.pin(key, *size) {
-                            // All or nothing: undo what this request pinned.
-                            for k in &done {
-                                let _ = cache.unpin(*k);
-                            }
-                            return Err(e.to_string());
-                        }
-                        done.push(key);
-                    }
+                PrefetchReply {
+                    queued_chunks: queued as u64,
                 }
-                // Pinned chunks are reserved; load them now rather than on first read.
-                for (f, size, r) in spans {
-                    cache.prefetch_registered(f, size, r);
-                }
-                Ok(json!({"pinned_chunks": done.len()}))
+                .into()
             }
+            Request::Pin(t) => PinReply {
+                pinned_chunks: self.pin(&t)?,
+            }
+            .into(),
             Request::Unpin(t) => {
                 let mut n = 0;
                 for (f, _, r) in self.chunks(&t)? {
@@ -329,48 +365,33 @@ impl Handler for ControlHandler {
                         }
                     }
                 }
-                Ok(json!({"unpinned_chunks": n}))
+                UnpinReply { unpinned_chunks: n }.into()
             }
-            Request::Evict(None) => Ok(json!({"freed_bytes": cache.evict_all_unpinned()})),
+            Request::Evict(None) => EvictReply {
+                freed_bytes: cache.evict_all_unpinned(),
+            }
+            .into(),
             Request::Evict(Some(t)) => {
                 let mut freed = 0;
                 for (f, _, r) in self.chunks(&t)? {
                     freed += cache.evict(r.map(|index| ChunkKey { file: f, index }));
                 }
-                Ok(json!({"freed_bytes": freed}))
+                EvictReply { freed_bytes: freed }.into()
             }
             Request::Trace { on: true } => {
                 cache.trace_start();
-                Ok(json!({"tracing": true}))
+                TraceOnReply { tracing: true }.into()
             }
-            Request::Trace { on: false } => {
-                let (events, dropped) = cache.trace_stop();
-                let files: serde_json::Map<String, Value> = self
-                    .fs
-                    .entries()
-                    .iter()
-                    .filter(|e| e.cached)
-                    .map(|e| (file_id(e.ino).to_string(), json!(e.name)))
-                    .collect();
-                let ev: Vec<Value> = events
-                    .iter()
-                    .map(|e| json!([e.file, e.index, e.t_us, e.outcome]))
-                    .collect();
-                Ok(json!({
-                    "tracing": false,
-                    "chunk_size": cache.chunk_size(),
-                    "files": files,
-                    "events": ev,
-                    "dropped": dropped,
-                }))
-            }
+            Request::Trace { on: false } => self.trace_off().into(),
             Request::Route {
                 prompt,
                 top_k,
                 budget_bytes,
                 prefetch,
                 file,
-            } => self.route(&prompt, top_k, budget_bytes, prefetch, file.as_deref()),
-        }
+            } => self
+                .route(&prompt, top_k, budget_bytes, prefetch, file.as_deref())?
+                .into(),
+        })
     }
 }

@@ -5,12 +5,14 @@
 //! * `session`: mounting the FUSE session (options, access, read-ahead).
 //! * `signals`: the signals that end the daemon, waited for with a timeout.
 //! * `handler`: what each control request does to the mount's cache.
+//! * `stat`: the `stat` reply, from the cache's, archive's and files' figures.
 //! * `mountinfo`: [`is_mounted`] and [`mount_device`] from /proc/self/mountinfo.
 
 mod handler;
 mod mountinfo;
 mod session;
 mod signals;
+mod stat;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

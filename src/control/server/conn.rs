@@ -81,7 +81,11 @@ fn answer(line: &[u8], handler: &dyn Handler) -> Response {
         Err(e) => return Response::error(e),
     };
     match catch_unwind(AssertUnwindSafe(|| handler.handle(req))) {
-        Ok(Ok(v)) => Response::ok(v),
+        // Through a `Value`, as before the replies were typed: the same bytes on the wire.
+        Ok(Ok(reply)) => match serde_json::to_value(&reply) {
+            Ok(v) => Response::ok(v),
+            Err(e) => Response::error(format!("internal error: cannot encode the reply: {e}")),
+        },
         Ok(Err(e)) => Response::error(e),
         Err(p) => {
             let msg = p

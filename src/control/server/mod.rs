@@ -33,19 +33,19 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use nix::sys::socket;
-use serde_json::Value;
 
 use super::protocol::{Request, MAX_REQUEST_LINE};
+use super::reply::Reply;
 use super::{current_uid, ControlError};
 use bind::{bind_private, check_existing, check_len};
 pub use conn::{allowed_peer, peer_uid};
 use conn::{refuse, serve};
 
-/// The daemon's side of the protocol, implemented over its cache. `Ok(payload)`
-/// becomes `{"ok":true, ...payload}`, `Err(msg)` an error reply. Called from many
+/// The daemon's side of the protocol, implemented over its cache. `Ok(reply)`
+/// becomes `{"ok":true, ...reply's fields}`, `Err(msg)` an error reply. Called from many
 /// connection threads at once; a panic is caught and answered with an error reply.
 pub trait Handler: Send + Sync {
-    fn handle(&self, req: Request) -> Result<Value, String>;
+    fn handle(&self, req: Request) -> Result<Reply, String>;
 }
 
 /// Limits of a [`ControlServer`]; the defaults are the documented protocol limits.

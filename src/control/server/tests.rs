@@ -5,7 +5,7 @@ use std::io::{BufRead, Read, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::time::Instant;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::*;
 use crate::control::client::{request, ControlClient};
@@ -13,17 +13,42 @@ use crate::control::protocol::MAX_REQUEST_LINE;
 
 const T: Duration = Duration::from_secs(10);
 
-/// Echoes the request back; `layer 666` panics; `tensor "missing"` is an error.
+/// Answers each verb with a reply that shows what it was asked (a prefetch of layer
+/// `n` queues `n` chunks, a route's only token is its prompt); `layer 666` panics;
+/// `tensor "missing"` is an error.
 struct Mock;
 impl Handler for Mock {
-    fn handle(&self, req: Request) -> Result<Value, String> {
-        match &req {
-            Request::Pin(crate::control::Target::Layer(666)) => panic!("boom"),
-            Request::Pin(crate::control::Target::Tensor(t)) if t == "missing" => {
+    fn handle(&self, req: Request) -> Result<Reply, String> {
+        use crate::control::{reply::*, Target};
+        match req {
+            Request::Pin(Target::Layer(666)) => panic!("boom"),
+            Request::Pin(Target::Tensor(t)) if t == "missing" => {
                 Err(format!("no tensor named {t:?}"))
             }
-            Request::Stat => Ok(json!({"cache": {"hits": 3, "misses": 1}})),
-            _ => Ok(json!({"echo": req.to_json()})),
+            Request::Stat => Ok(StatReply {
+                cache: CacheStat {
+                    hits: Some(3),
+                    misses: Some(1),
+                    ..CacheStat::default()
+                },
+                ..StatReply::default()
+            }
+            .into()),
+            Request::Prefetch(Target::Layer(n)) => Ok(PrefetchReply {
+                queued_chunks: n.into(),
+            }
+            .into()),
+            Request::Trace { on } => Ok(TraceOnReply { tracing: on }.into()),
+            Request::Route { prompt, .. } => Ok(RouteReply {
+                file: "model.gguf".into(),
+                tokens: vec![prompt],
+                shards: vec![],
+                chunk_bytes: 0,
+                queued_chunks: None,
+                hinted_chunks: None,
+            }
+            .into()),
+            _ => Ok(PingReply { pong: true }.into()),
         }
     }
 }
@@ -83,9 +108,12 @@ fn round_trip_and_mode() {
     // Nothing left behind from the private bind directory.
     assert_eq!(fs::read_dir(t.path()).unwrap().count(), 1);
     let v = request(&p, &Request::Stat, T).unwrap();
-    assert_eq!(v, json!({"cache": {"hits": 3, "misses": 1}}));
+    assert_eq!(
+        v["cache"],
+        json!({"hits": 3, "misses": 1, "latency_us": {}})
+    );
     let v = request(&p, &Request::Trace { on: true }, T).unwrap();
-    assert_eq!(v["echo"], json!({"verb": "trace", "on": true}));
+    assert_eq!(v, json!({"tracing": true}));
     let e = request(
         &p,
         &Request::Pin(crate::control::Target::Tensor("missing".into())),
@@ -148,13 +176,17 @@ fn oversize_line_is_refused_without_reading_it_all() {
     line.resize(MAX_REQUEST_LINE - 2, b'x');
     line.extend_from_slice(b"\"}\n");
     let v = c.send(&line);
-    assert_eq!(v["echo"]["verb"], "route", "{v}");
+    assert_eq!(
+        v["tokens"][0].as_str().unwrap().len(),
+        line.len() - 29,
+        "{v}"
+    );
     // One byte more is not.
     line.insert(30, b'x');
     assert!(err_of(&c.send(&line)).contains("longer than"));
     assert_eq!(
         request(&p, &Request::Ping, T).unwrap(),
-        json!({"echo": {"verb": "ping"}})
+        json!({"pong": true})
     );
 }
 
@@ -263,7 +295,7 @@ fn concurrent_clients() {
                 for j in 0..25u32 {
                     let r = Request::Prefetch(crate::control::Target::Layer(i * 100 + j));
                     let v = c.call(&r).unwrap();
-                    assert_eq!(v["echo"]["layer"], i * 100 + j);
+                    assert_eq!(v["queued_chunks"], i * 100 + j);
                 }
                 // And a fresh connection per request.
                 for _ in 0..5 {
