@@ -13,6 +13,7 @@ use std::sync::Arc;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::codec::le::push_le;
 use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
 
 mod gguf;
@@ -249,17 +250,6 @@ fn encode(vals: &[f32], dtype: FloatType, out: &mut Vec<u8>) {
             h.convert_from_f32_slice(vals);
             push_le(&h, out);
         }
-    }
-}
-
-/// Append plain-old-data values as little-endian bytes.
-fn push_le<T: bytemuck::Pod>(vals: &[T], out: &mut Vec<u8>) {
-    let bytes: &[u8] = bytemuck::cast_slice(vals);
-    if cfg!(target_endian = "little") {
-        out.extend_from_slice(bytes);
-    } else {
-        let n = std::mem::size_of::<T>();
-        out.extend(bytes.chunks_exact(n).flat_map(|c| c.iter().rev().copied()));
     }
 }
 
