@@ -14,6 +14,14 @@ pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
         path: path.display().to_string(),
         source,
     })?;
+    // A FIFO or device would block the magic read forever; only files and directories
+    // can be archives.
+    if !meta.is_dir() && !meta.is_file() {
+        return Err(ArchiveError::invalid(
+            path,
+            "not a regular file or directory (an archive is a file, an npy-dir a directory)",
+        ));
+    }
     if meta.is_dir() {
         if !super::npydir::is_npy_dir(path) {
             return Err(ArchiveError::Invalid {
@@ -27,4 +35,35 @@ pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
         return Ok(Arc::new(DeltaArchive::open(path)?));
     }
     Ok(Arc::new(CawsfArchive::open(path)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// A FIFO given as an archive or a source used to block the first read forever.
+    #[test]
+    fn a_fifo_is_refused_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("model.cawsf");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let check = |e: String| {
+            assert!(
+                e.contains("model.cawsf") && e.contains("not a regular file"),
+                "{e}"
+            );
+            assert!(!e.contains('\n'), "{e}");
+        };
+        check(super::open(&fifo).err().unwrap().to_string());
+        check(
+            crate::import::open_source(Path::new(&fifo))
+                .err()
+                .unwrap()
+                .to_string(),
+        );
+    }
 }

@@ -23,7 +23,15 @@ pub trait SourceModel: Send + Sync {
 
 /// Open a HF directory (config.json + *.safetensors) or a `.gguf` file.
 pub fn open_source(path: &Path) -> Result<Box<dyn SourceModel>, ImportError> {
-    if path.is_dir() {
+    let meta = std::fs::metadata(path).map_err(|e| ImportError::io(path, e))?;
+    // A FIFO or device would block the first read forever.
+    if !meta.is_dir() && !meta.is_file() {
+        return Err(ImportError::invalid(
+            path,
+            "not a regular file or directory (a source is a .gguf file or a Hugging Face directory)",
+        ));
+    }
+    if meta.is_dir() {
         Ok(Box::new(hf::HfSource::open(path)?))
     } else {
         Ok(Box::new(gguf::GgufSource::open(path)?))
