@@ -113,6 +113,33 @@ pub struct ArchConfig {
     pub pad_token_id: Option<u32>,
 }
 
+/// Most side files a model may carry: real models have fewer than 20 (config, tokenizer,
+/// generation config, chat template ...); the bound keeps a listing of the mount small.
+pub const MAX_HF_FILES: usize = 256;
+/// Longest side-file name, in bytes (what Linux file systems allow).
+pub const MAX_HF_FILE_NAME: usize = 255;
+
+/// Whether `name` can be a side file served in the mount's one flat directory: one
+/// path component, not `.` or `..`, no NUL, not empty, at most [`MAX_HF_FILE_NAME`]
+/// bytes. Names come from archive metadata, so they are checked where they are read.
+pub fn check_hf_file_name(name: &str) -> Result<(), String> {
+    let why = if name.is_empty() {
+        "is empty"
+    } else if name == "." || name == ".." {
+        "is not a file name"
+    } else if name.contains('/') {
+        "has more than one path component"
+    } else if name.contains('\0') {
+        "contains NUL"
+    } else if name.len() > MAX_HF_FILE_NAME {
+        "is longer than 255 bytes"
+    } else {
+        return Ok(());
+    };
+    let shown: String = name.chars().take(64).collect();
+    Err(format!("side file name {shown:?} {why}"))
+}
+
 /// Everything about a model except its weights' values.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelDesc {
@@ -159,4 +186,36 @@ pub enum ReadError {
     OutOfRange { tensor: String, r0: u64, r1: u64 },
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_hf_file_name;
+
+    #[test]
+    fn side_file_names_are_one_plain_component() {
+        for ok in [
+            "config.json",
+            "tokenizer.json",
+            "a..b",
+            ".hidden",
+            "chat_template.jinja",
+        ] {
+            assert!(check_hf_file_name(ok).is_ok(), "{ok}");
+        }
+        let long = "x".repeat(256);
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "../../escape",
+            "/abs",
+            "nul\0x",
+            long.as_str(),
+        ] {
+            let e = check_hf_file_name(bad).unwrap_err();
+            assert!(e.starts_with("side file name ") && !e.contains('\n'), "{e}");
+        }
+    }
 }

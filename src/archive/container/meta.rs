@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::ModelDesc;
+use crate::model::{check_hf_file_name, ModelDesc, MAX_HF_FILES};
 
 /// META as written. Field order here is the JSON key order: serde emits the flattened
 /// `kind`'s keys where the field stands, so they land between `hf_files` and
@@ -72,7 +72,14 @@ pub fn model_from_meta(
     files: BTreeMap<String, serde_json::Value>,
 ) -> Result<ModelDesc, String> {
     let mut m: ModelDesc = serde_json::from_value(model).map_err(|e| format!("model: {e}"))?;
+    if files.len() > MAX_HF_FILES {
+        return Err(format!(
+            "hf_files lists {} files (at most {MAX_HF_FILES})",
+            files.len()
+        ));
+    }
     for (k, v) in files {
+        check_hf_file_name(&k)?;
         let bytes = match v {
             serde_json::Value::String(s) => s.into_bytes(),
             other => serde_json::from_value::<Vec<u8>>(other)
@@ -81,4 +88,30 @@ pub fn model_from_meta(
         m.hf_files.insert(k, bytes);
     }
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn side_file_names_from_meta_are_checked() {
+        let model = serde_json::to_value(crate::test_support::model(
+            crate::test_support::tiny_arch(),
+            vec![],
+        ))
+        .unwrap();
+        let files = |names: &[&str]| -> BTreeMap<String, serde_json::Value> {
+            names.iter().map(|n| (n.to_string(), "x".into())).collect()
+        };
+        assert!(model_from_meta(model.clone(), files(&["config.json"])).is_ok());
+        for bad in ["", "a/b", "../../escape", ".."] {
+            let e = model_from_meta(model.clone(), files(&[bad])).unwrap_err();
+            assert!(e.contains("side file name") && !e.contains('\n'), "{e}");
+        }
+        let many: Vec<String> = (0..=MAX_HF_FILES).map(|i| format!("f{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let e = model_from_meta(model, files(&many)).unwrap_err();
+        assert!(e.contains("at most 256"), "{e}");
+    }
 }

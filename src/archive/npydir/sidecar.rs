@@ -17,7 +17,7 @@ use super::{file_len, read_small, Entry, Opened};
 use super::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::container::{hex64, invalid, parse_hex64};
 use crate::archive::ArchiveError;
-use crate::model::TensorDesc;
+use crate::model::{check_hf_file_name, TensorDesc, MAX_HF_FILES};
 
 /// `cawsfs.json` (docs/NPYDIR.md §5), written by `convert::npydir`.
 #[derive(Serialize, Deserialize)]
@@ -105,13 +105,15 @@ pub(super) fn open_with_sidecar(
         (MANIFEST.to_string(), file_len(&dir.join(MANIFEST))),
         (SIDECAR.to_string(), file_len(side)),
     ];
+    if sc.hf_files.len() > MAX_HF_FILES {
+        let n = sc.hf_files.len();
+        return Err(invalid(
+            side,
+            format!("hf_files lists {n} files (at most {MAX_HF_FILES})"),
+        ));
+    }
     for (name, sum) in &sc.hf_files {
-        if name.is_empty() || name.contains('/') || name.contains("..") {
-            return Err(invalid(
-                side,
-                format!("hf file name {name:?} is not a file in the directory"),
-            ));
-        }
+        check_hf_file_name(name).map_err(|e| invalid(side, e))?;
         let p = dir.join(name);
         let bytes = read_small(&p)?;
         check_sum(&p, side, "file", &bytes, Some(sum))?;
