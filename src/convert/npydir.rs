@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::archive::npydir::npy::{self, Dtype};
-use crate::archive::npydir::{hex, safe_key, SideFile, SideTensor, Sidecar};
-use crate::archive::npydir::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
+use crate::archive::npydir::{hex, safe_key, seal_sidecar, SideFile, SideTensor, Sidecar};
+use crate::archive::npydir::{MANIFEST, ROUTING_FILE, SIDECAR, TENSOR_DIR};
 use crate::archive::ArchiveError;
 use crate::codec::intq as quant;
 use crate::codec::le;
@@ -384,15 +384,13 @@ pub fn convert(
     let (reports, sides): (Vec<TensorReport>, Vec<SideTensor>) =
         written.into_iter().map(|w| (w.report, w.side)).unzip();
     let sidecar = Sidecar {
-        format: SIDECAR_FORMAT.to_string(),
-        version: 1,
         model,
         hf_files,
         routing_xxh3,
         tensors: sides,
         extra,
     };
-    let sbytes = serde_json::to_vec(&sidecar).map_err(|e| ConvertError::Options(e.to_string()))?;
+    let sbytes = seal_sidecar(&sidecar).map_err(|e| ConvertError::Options(e.to_string()))?;
     write(SIDECAR, &sbytes)?;
 
     if out.exists() {

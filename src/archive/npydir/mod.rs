@@ -46,7 +46,7 @@ use sidecar::open_with_sidecar;
 
 /// The writer's name for the XXH3-64 hex spelling every kind uses.
 pub use crate::archive::container::hex64 as hex;
-pub use sidecar::{SideFile, SideTensor, Sidecar};
+pub use sidecar::{seal_sidecar, SideFile, SideTensor, Sidecar, SIDECAR_VERSION};
 
 pub const MANIFEST: &str = "manifest.json";
 pub const SIDECAR: &str = "cawsfs.json";

@@ -3,10 +3,12 @@
 //! side files and routing checked against their XXH3-64, and every tensor's files
 //! checked against the shape, kind, framing and header checksums the sidecar lists.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -19,11 +21,12 @@ use crate::archive::container::{hex64, invalid, parse_hex64};
 use crate::archive::ArchiveError;
 use crate::model::{check_hf_file_name, TensorDesc, MAX_HF_FILES};
 
-/// `cawsfs.json` (docs/NPYDIR.md §5), written by `convert::npydir`.
+/// The `cawsfs.json` version this build writes and reads.
+pub const SIDECAR_VERSION: u32 = 2;
+
+/// The body of `cawsfs.json` (docs/NPYDIR.md §5), written by `convert::npydir`.
 #[derive(Serialize, Deserialize)]
 pub struct Sidecar {
-    pub format: String,
-    pub version: u32,
     pub model: Value,
     #[serde(default)]
     pub hf_files: BTreeMap<String, String>,
@@ -32,6 +35,72 @@ pub struct Sidecar {
     pub tensors: Vec<SideTensor>,
     #[serde(default)]
     pub extra: Value,
+}
+
+/// What `cawsfs.json` holds: the body as written, and the XXH3-64 of exactly those
+/// bytes, so that every byte deciding what is served is covered by a checksum.
+#[derive(Serialize, Deserialize)]
+struct Envelope<'a> {
+    format: Cow<'a, str>,
+    version: u32,
+    #[serde(default)]
+    xxh3: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    body: Option<&'a RawValue>,
+}
+
+/// The bytes of `cawsfs.json` for `body` (a [`Sidecar`], or a JSON value in tests).
+pub fn seal_sidecar(body: &impl Serialize) -> serde_json::Result<Vec<u8>> {
+    let raw = serde_json::value::to_raw_value(body)?;
+    serde_json::to_vec(&Envelope {
+        format: SIDECAR_FORMAT.into(),
+        version: SIDECAR_VERSION,
+        xxh3: Some(hex64(xxh3_64(raw.get().as_bytes())).into()),
+        body: Some(&raw),
+    })
+}
+
+/// The body of the `cawsfs.json` at `side`, after its format, version and checksum.
+pub(super) fn read_sidecar(side: &Path) -> Result<Sidecar, ArchiveError> {
+    let bytes = read_small(side)?;
+    let env: Envelope = serde_json::from_slice(&bytes)
+        .map_err(|e| invalid(side, format!("not a valid cawsfs.json: {e}")))?;
+    if env.format != SIDECAR_FORMAT {
+        let f = &env.format;
+        return Err(invalid(
+            side,
+            format!("format {f:?} is not {SIDECAR_FORMAT:?}"),
+        ));
+    }
+    match env.version {
+        SIDECAR_VERSION => {}
+        1 => {
+            return Err(invalid(
+                side,
+                "version 1 carries no checksum of its own and is not read any more; \
+                 convert the model again",
+            ))
+        }
+        v => {
+            return Err(invalid(
+                side,
+                format!(
+                    "version {v} is not supported (this cawsfs reads version {SIDECAR_VERSION})"
+                ),
+            ))
+        }
+    }
+    let (Some(sum), Some(body)) = (env.xxh3, env.body) else {
+        return Err(invalid(side, "xxh3 or body is missing"));
+    };
+    if xxh3_64(body.get().as_bytes()) != parse_hex(side, "xxh3", &sum)? {
+        return Err(invalid(
+            side,
+            "body XXH3-64 differs from its xxh3 field (file changed or corrupt)",
+        ));
+    }
+    serde_json::from_str(body.get())
+        .map_err(|e| invalid(side, format!("not a valid cawsfs.json body: {e}")))
 }
 
 /// One tensor of `cawsfs.json`: its kind, block size and files.
@@ -88,17 +157,7 @@ pub(super) fn open_with_sidecar(
     manifest: &[(String, String)],
 ) -> Result<Opened, ArchiveError> {
     let dir = op.dir;
-    let sc: Sidecar = serde_json::from_slice(&read_small(side)?)
-        .map_err(|e| invalid(side, format!("not a valid cawsfs.json: {e}")))?;
-    if sc.format != SIDECAR_FORMAT || sc.version != 1 {
-        return Err(invalid(
-            side,
-            format!(
-                "format {:?} version {} is not {SIDECAR_FORMAT:?} version 1",
-                sc.format, sc.version
-            ),
-        ));
-    }
+    let sc = read_sidecar(side)?;
     let mut model = crate::archive::container::model_from_meta(sc.model, BTreeMap::new())
         .map_err(|e| invalid(side, e))?;
     let mut parts = vec![

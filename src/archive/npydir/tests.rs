@@ -503,20 +503,19 @@ fn absurd_block_count_is_refused_before_allocating() {
     let shape_sum = hex(xxhash_rust::xxh3::xxh3_64(
         &std::fs::read(dir.join(TENSOR_DIR).join(&shape_name)).unwrap(),
     ));
-    let side = dir.join(SIDECAR);
-    let mut v: Value = serde_json::from_slice(&std::fs::read(&side).unwrap()).unwrap();
-    for t in v["model"]["tensors"].as_array_mut().unwrap() {
-        if t["name"] == name {
-            t["shape"] = serde_json::json!(huge);
+    edit_sidecar(&dir, |v| {
+        for t in v["model"]["tensors"].as_array_mut().unwrap() {
+            if t["name"] == name {
+                t["shape"] = serde_json::json!(huge);
+            }
         }
-    }
-    for t in v["tensors"].as_array_mut().unwrap() {
-        if t["name"] == name {
-            t["rows_per_block"] = 1.into();
-            t["files"]["shape"] = serde_json::json!({"file": shape_name, "xxh3": shape_sum});
+        for t in v["tensors"].as_array_mut().unwrap() {
+            if t["name"] == name {
+                t["rows_per_block"] = 1.into();
+                t["files"]["shape"] = serde_json::json!({"file": shape_name, "xxh3": shape_sum});
+            }
         }
-    }
-    std::fs::write(&side, serde_json::to_vec(&v).unwrap()).unwrap();
+    });
     let err = NpyDir::open(&dir).err().expect("must not open").to_string();
     assert!(
         err.contains("block checksums for 68719476736 blocks"),
@@ -539,4 +538,81 @@ fn read_of_a_missing_tensor_is_out_of_range() {
     let err = d.read_rows(0, 0, 1, &mut [0f32; 127]).unwrap_err();
     assert!(matches!(err, ReadError::Io(_)), "{err}");
     assert!(d.read_rows(0, 0, 1, &mut [0f32; 128]).is_ok());
+}
+
+/// Rewrites the body of `dir`'s cawsfs.json with `f` and seals it again, as a tool that
+/// knows the format would (so the edit reaches the checks behind the checksum).
+fn edit_sidecar(dir: &Path, f: impl FnOnce(&mut Value)) {
+    let side = dir.join(SIDECAR);
+    let outer: Value = serde_json::from_slice(&std::fs::read(&side).unwrap()).unwrap();
+    let mut body = outer["body"].clone();
+    f(&mut body);
+    std::fs::write(&side, seal_sidecar(&body).unwrap()).unwrap();
+}
+
+/// Every byte of cawsfs.json is covered: flipping any one of them either makes the
+/// directory refuse to open (naming cawsfs.json) or changes nothing that is served.
+/// (It once changed a token-embedding row, and `n_kv_heads` re-permuted attn_k.)
+#[test]
+fn every_sidecar_byte_flip_is_refused_or_harmless() {
+    let src = source();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("b");
+    write(&src, &base, 8, false);
+    let want = read_all(&NpyDir::open(&base).unwrap(), 1).unwrap();
+    let side = base.join(SIDECAR);
+    let orig = std::fs::read(&side).unwrap();
+    let (mut refused, mut harmless) = (0, 0);
+    for pos in 0..orig.len() {
+        for bit in [0x01u8, 0x20] {
+            let mut b = orig.clone();
+            b[pos] ^= bit;
+            std::fs::write(&side, &b).unwrap();
+            match NpyDir::open(&base) {
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(e.contains(SIDECAR), "flip at {pos}: {e}");
+                    assert_eq!(e.lines().count(), 1, "{e}");
+                    refused += 1;
+                }
+                Ok(d) => {
+                    let got = read_all(&d, 1).unwrap();
+                    assert!(got == want, "flip {bit:#x} at {pos} changed served values");
+                    assert!(d.verify_all().is_empty());
+                    harmless += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        refused > 2 * orig.len() - 8,
+        "{refused} refused, {harmless} harmless"
+    );
+}
+
+/// Edits that keep the checksum valid still meet the structural checks; a version 1
+/// file (no checksum of its own) is refused with a line saying what to do.
+#[test]
+fn sidecar_versions_and_sealed_edits() {
+    let src = source();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("v");
+    write(&src, &dir, 8, false);
+    let side = dir.join(SIDECAR);
+    let outer: Value = serde_json::from_slice(&std::fs::read(&side).unwrap()).unwrap();
+    assert_eq!(outer["version"], SIDECAR_VERSION);
+    let mut v1 = outer["body"].clone();
+    v1["format"] = SIDECAR_FORMAT.into();
+    v1["version"] = 1.into();
+    std::fs::write(&side, serde_json::to_vec(&v1).unwrap()).unwrap();
+    let e = NpyDir::open(&dir).err().expect("v1 opened").to_string();
+    assert!(
+        e.contains("version 1") && e.contains("convert the model again"),
+        "{e}"
+    );
+    std::fs::write(&side, seal_sidecar(&outer["body"]).unwrap()).unwrap();
+    NpyDir::open(&dir).unwrap();
+    edit_sidecar(&dir, |v| v["tensors"][0]["rows_per_block"] = 0.into());
+    let e = NpyDir::open(&dir).err().expect("opened").to_string();
+    assert!(e.contains("rows_per_block is 0"), "{e}");
 }
