@@ -27,13 +27,18 @@ pub fn errno(e: &FsError) -> Errno {
         FsError::Read(ReadError::OutOfRange { .. }) => Errno::EINVAL,
         // A block that fails its checksum or does not decode is never served.
         FsError::Read(
-            ReadError::Checksum { .. } | ReadError::Corrupt { .. } | ReadError::Io(_),
+            ReadError::Checksum { .. }
+            | ReadError::Corrupt { .. }
+            | ReadError::Io(_)
+            | ReadError::Changed(_),
         ) => Errno::EIO,
     }
 }
 
 fn log(op: &str, e: &FsError) {
     match e {
+        // The archive logged its change once; a line per read would bury it.
+        FsError::Read(ReadError::Changed(_)) => tracing::debug!("{op}: {e}"),
         FsError::Read(_) => tracing::error!("{op}: {e}"),
         _ => tracing::debug!("{op}: {e}"),
     }

@@ -18,6 +18,7 @@ const LAYERS: &[&str] = &[
 /// Inside `archive`: rank of each part. Parts of equal rank may not name each other.
 const ARCHIVE: &[(&str, u32)] = &[
     ("error", 0),
+    ("file", 1),
     ("store", 1),
     ("container", 2),
     ("cawsf", 3),

@@ -2,6 +2,9 @@
 //!
 //! From the bottom up (a file imports only what is listed before it):
 //! - [`error`]: [`ArchiveError`], the one error every kind opens and reads with.
+//! - [`file`]: [`file::ArchiveFile`], one file of an archive read with `pread` and
+//!   checked to be unchanged since open (a truncated or rewritten archive gives EIO,
+//!   never SIGBUS or mixed bytes).
 //! - [`store`]: the [`Store`] trait everything above this layer sees, read counters,
 //!   the argument checks every kind makes.
 //! - [`container`]: what the `.cawsf` and delta files share (header/TOC, sections,
@@ -17,6 +20,7 @@ pub mod cawsf;
 pub mod container;
 pub mod delta;
 pub mod error;
+pub mod file;
 pub mod npydir;
 mod open;
 pub mod store;

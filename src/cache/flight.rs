@@ -70,6 +70,7 @@ fn clone_read_error(e: &ReadError) -> ReadError {
             r0: *r0,
             r1: *r1,
         },
+        ReadError::Changed(m) => ReadError::Changed(m.clone()),
         ReadError::Io(io) => ReadError::Io(std::io::Error::new(io.kind(), io.to_string())),
     }
 }

@@ -184,6 +184,10 @@ pub enum ReadError {
     },
     #[error("rows {r0}..{r1} out of range for tensor {tensor}")]
     OutOfRange { tensor: String, r0: u64, r1: u64 },
+    /// The archive file changed (truncated, rewritten) since it was opened: nothing is
+    /// read from it any more. The message names the file; it has been logged once.
+    #[error("{0}")]
+    Changed(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

@@ -116,16 +116,23 @@ def corrupt_block(cawsfs, path, bad, tensor, block):
 
 def pread_eio_offsets(path, ref, step=1 << 20):
     """Read file `path` in `step`-byte preads: each read must equal `ref` there or fail
-    with EIO (never other bytes). Returns the offsets whose reads failed."""
+    with EIO (never other bytes). A short read is POSIX's way of saying the part after
+    it failed: its bytes must be right, and reading on from its end continues the check.
+    Returns the offsets of the steps where a read failed."""
     fd = os.open(path, os.O_RDONLY)
     failed = []
     try:
         for pos in range(0, len(ref), step):
-            try:
-                assert os.pread(fd, step, pos) == ref[pos:pos + step], pos
-            except OSError as e:
-                assert e.errno == errno.EIO
-                failed.append(pos)
+            at, end = pos, min(pos + step, len(ref))
+            while at < end:
+                try:
+                    b = os.pread(fd, end - at, at)
+                except OSError as e:
+                    assert e.errno == errno.EIO
+                    failed.append(pos)
+                    break
+                assert b and b == ref[at:at + len(b)], (pos, at, len(b))
+                at += len(b)
     finally:
         os.close(fd)
     return failed

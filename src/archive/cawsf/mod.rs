@@ -15,11 +15,11 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use memmap2::Mmap;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::archive::container::*;
+use crate::archive::file::ArchiveFile;
 use crate::archive::{
     check_read, parse_routing, rel_err_of, ArchiveError, Kind, ReadCounterSnapshot, ReadCounters,
     Routing, SectionInfo, Store, TensorSummary,
@@ -53,11 +53,11 @@ struct TensorEntry {
     global_xxh3: u64,
 }
 
-/// An opened archive (memory-mapped). Implements [`RowSource`].
+/// An opened archive (read with `pread`, see [`ArchiveFile`]). Implements [`RowSource`].
 pub struct CawsfArchive {
     counters: ReadCounters,
     pub path: PathBuf,
-    map: Mmap,
+    file: ArchiveFile,
     toc: Vec<TocRecord>,
     model: ModelDesc,
     extra: serde_json::Value,
@@ -110,7 +110,7 @@ impl CawsfArchive {
             bank: (bank_rec.offset, bank_rec.size),
             codebooks: (cb_rec.offset, cb_rec.size),
             globals,
-            map: c.map,
+            file: c.file,
             counters: ReadCounters::default(),
         })
     }
@@ -177,7 +177,7 @@ impl CawsfArchive {
                 r1: (block as u64 + 1) * t.rows_per_block,
             });
         }
-        self.payload(tensor, block).map(Cow::into_owned)
+        self.payload(tensor, block)
     }
 
     fn tensor(&self, tensor: usize) -> Result<&TensorEntry, ReadError> {
@@ -191,13 +191,14 @@ impl CawsfArchive {
     }
 
     /// Checksum, header check and decompression of one block (indices already valid).
-    fn payload(&self, tensor: usize, block: usize) -> Result<Cow<'_, [u8]>, ReadError> {
+    fn payload(&self, tensor: usize, block: usize) -> Result<Vec<u8>, ReadError> {
         let t = &self.tensors[tensor];
         let e = &self.index[t.first_block + block];
-        // In range: validated at open.
-        let rec_start = (self.bank.0 + e.offset) as usize;
-        let pay_start = rec_start + REC_HEADER;
-        let stored = &self.map[pay_start..pay_start + e.csize as usize];
+        // In the file: validated at open. Record header and payload in one read.
+        let mut rec = self
+            .file
+            .read_at(self.bank.0 + e.offset, REC_HEADER + e.csize as usize)?;
+        let stored = &rec[REC_HEADER..];
         self.counters.record(e.csize as u64, e.usize as u64);
         let computed = xxh3_64(stored);
         if computed != e.xxh3 {
@@ -213,7 +214,7 @@ impl CawsfArchive {
             block,
             reason,
         };
-        let hdr = RecordHeader::parse(&self.map[rec_start..pay_start]);
+        let hdr = RecordHeader::parse(&rec[..REC_HEADER]);
         let want = RecordHeader {
             ty: REC_ROW_BLOCK,
             comp: e.comp,
@@ -230,39 +231,56 @@ impl CawsfArchive {
                 "record header {hdr} disagrees with the block index {want:?}"
             )));
         }
-        decompress(stored, e.comp, e.usize as usize).map_err(corrupt)
+        match decompress(stored, e.comp, e.usize as usize).map_err(corrupt)? {
+            Cow::Owned(v) => Ok(v),
+            Cow::Borrowed(_) => {
+                // Stored raw: the payload is the read buffer past the record header.
+                rec.drain(..REC_HEADER);
+                Ok(rec)
+            }
+        }
     }
 
-    /// Check and decode a tensor's global blob (once; the result is cached).
+    /// Check and decode a tensor's global blob (once; the result is cached, except a
+    /// failure to read, which may pass).
     fn global(&self, tensor: usize) -> Result<&DecodedGlobal, BlobFault> {
-        self.globals[tensor]
-            .get_or_init(|| {
-                let t = &self.tensors[tensor];
-                let raw = checked_payload(
-                    self.global_stored(t),
-                    t.global_xxh3,
-                    t.global.comp,
-                    t.global.usize as usize,
-                )?;
-                codec::decode_global(&t.codec, &raw, t.rows, t.cols)
-                    .map_err(|e| BlobFault::Corrupt(e.to_string()))
-            })
+        let cell = &self.globals[tensor];
+        if let Some(g) = cell.get() {
+            return g.as_ref().map_err(Clone::clone);
+        }
+        let t = &self.tensors[tensor];
+        let decoded = self.global_stored(t).and_then(|stored| {
+            let raw = checked_payload(
+                &stored,
+                t.global_xxh3,
+                t.global.comp,
+                t.global.usize as usize,
+            )?;
+            codec::decode_global(&t.codec, &raw, t.rows, t.cols)
+                .map_err(|e| BlobFault::Corrupt(e.to_string()))
+        });
+        if let Err(f @ BlobFault::Unread { .. }) = decoded {
+            return Err(f);
+        }
+        // Another thread may have set it meanwhile; both decoded the same bytes.
+        let _ = cell.set(decoded);
+        cell.get()
+            .expect("set above")
             .as_ref()
             .map_err(Clone::clone)
     }
 
-    fn global_stored(&self, t: &TensorEntry) -> &[u8] {
-        let start = (self.codebooks.0 + t.global.offset) as usize;
-        &self.map[start..start + t.global.csize as usize]
+    fn global_stored(&self, t: &TensorEntry) -> Result<Vec<u8>, BlobFault> {
+        let start = self.codebooks.0 + t.global.offset;
+        Ok(self.file.read_at(start, t.global.csize as usize)?)
     }
 
     fn global_error(&self, tensor: usize, block: usize, f: BlobFault) -> ReadError {
-        let reason = f.describe("its tensor's global blob");
-        ReadError::Corrupt {
-            tensor: self.tensors[tensor].name.clone(),
+        f.into_read_error(
+            &self.tensors[tensor].name,
             block,
-            reason,
-        }
+            "its tensor's global blob",
+        )
     }
 
     /// Check every checksum; Err names the first bad section or block.
@@ -281,9 +299,11 @@ impl CawsfArchive {
     pub fn verify_all(&self) -> Vec<String> {
         let mut fails = Vec::new();
         for (ti, t) in self.tensors.iter().enumerate() {
-            let stored = self.global_stored(t);
             let (xxh3, comp, usize) = (t.global_xxh3, t.global.comp, t.global.usize as usize);
-            if let Err(f) = checked_payload(stored, xxh3, comp, usize) {
+            let checked = self
+                .global_stored(t)
+                .and_then(|stored| checked_payload(&stored, xxh3, comp, usize).map(drop));
+            if let Err(f) = checked {
                 fails.push(f.describe(&format!("tensor {} global blob", t.name)));
             }
             let bad: Vec<String> = (0..t.n_blocks)
@@ -294,7 +314,7 @@ impl CawsfArchive {
         }
         // Whole sections last: a block failure also fails SHARD_BANK, and the block is
         // the more useful thing to name first.
-        fails.extend(section_failures(&self.map, &self.toc, section_name));
+        fails.extend(section_failures(&self.file, &self.toc, section_name));
         fails
     }
 

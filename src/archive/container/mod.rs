@@ -20,8 +20,9 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
-use crate::model::TensorDesc;
+use crate::model::{ReadError, TensorDesc};
 
+use crate::archive::file::ArchiveFile;
 use crate::archive::{ArchiveError, SectionInfo};
 
 /// Compression applied to each block / section payload.
@@ -268,8 +269,7 @@ pub fn check_toc(
 
 /// A small section's bytes, checked against its TOC checksum, then decompressed.
 /// `rec` lies inside `data` (checked by [`check_toc`]).
-pub fn load_section(data: &[u8], rec: &TocRecord, name: &str) -> Result<Vec<u8>, String> {
-    let stored = &data[rec.offset as usize..(rec.offset + rec.size) as usize];
+pub fn load_section(stored: &[u8], rec: &TocRecord, name: &str) -> Result<Vec<u8>, String> {
     let computed = xxh3_64(stored);
     if computed != rec.xxh3 {
         return Err(format!(
@@ -328,14 +328,21 @@ pub fn section_infos(toc: &[TocRecord], name_of: fn(u32) -> String) -> Vec<Secti
 }
 
 /// One line per section whose bytes fail their TOC checksum (`toc` checked at open).
-pub fn section_failures(data: &[u8], toc: &[TocRecord], name_of: fn(u32) -> String) -> Vec<String> {
+pub fn section_failures(
+    file: &ArchiveFile,
+    toc: &[TocRecord],
+    name_of: fn(u32) -> String,
+) -> Vec<String> {
     toc.iter()
         .filter_map(|r| {
-            let computed = xxh3_64(&data[r.offset as usize..(r.offset + r.size) as usize]);
+            let name = name_of(r.ty);
+            let computed = match hash_range(file, r.offset, r.size) {
+                Ok(h) => h,
+                Err(e) => return Some(format!("section {name} could not be read: {e}")),
+            };
             (computed != r.xxh3).then(|| {
                 format!(
-                    "section {} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
-                    name_of(r.ty),
+                    "section {name} failed its XXH3-64 check (stored {:016x}, computed {computed:016x})",
                     r.xxh3
                 )
             })
@@ -343,14 +350,64 @@ pub fn section_failures(data: &[u8], toc: &[TocRecord], name_of: fn(u32) -> Stri
         .collect()
 }
 
+/// XXH3-64 of `size` bytes at `offset`, read a piece at a time (sections can be most
+/// of a large archive).
+fn hash_range(file: &ArchiveFile, offset: u64, size: u64) -> Result<u64, ReadError> {
+    const PIECE: u64 = 8 << 20;
+    let mut h = Xxh3Default::new();
+    let mut buf = vec![0u8; PIECE.min(size) as usize];
+    let mut at = 0;
+    while at < size {
+        let n = PIECE.min(size - at) as usize;
+        file.read_into(offset + at, &mut buf[..n])?;
+        h.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(h.digest())
+}
+
 /// Why a stored blob or block could not be used.
 #[derive(Clone, Debug)]
 pub enum BlobFault {
-    Checksum { stored: u64, computed: u64 },
+    Checksum {
+        stored: u64,
+        computed: u64,
+    },
     Corrupt(String),
+    /// The bytes could not be read: the file changed since open (`changed`) or an I/O
+    /// error. `msg` names the file.
+    Unread {
+        changed: bool,
+        msg: String,
+    },
+}
+
+impl From<ReadError> for BlobFault {
+    fn from(e: ReadError) -> BlobFault {
+        BlobFault::Unread {
+            changed: matches!(e, ReadError::Changed(_)),
+            msg: match e {
+                ReadError::Changed(m) => m,
+                e => e.to_string(),
+            },
+        }
+    }
 }
 
 impl BlobFault {
+    /// The error a read of `tensor` block `block` reports when `what` has this fault.
+    pub fn into_read_error(self, tensor: &str, block: usize, what: &str) -> ReadError {
+        match self {
+            BlobFault::Unread { changed: true, msg } => ReadError::Changed(msg),
+            BlobFault::Unread { msg, .. } => ReadError::Io(std::io::Error::other(msg)),
+            f => ReadError::Corrupt {
+                tensor: tensor.to_string(),
+                block,
+                reason: f.describe(what),
+            },
+        }
+    }
+
     /// One line naming `what` failed and how.
     pub fn describe(&self, what: &str) -> String {
         match self {
@@ -358,6 +415,7 @@ impl BlobFault {
                 "{what} failed its XXH3-64 check (stored {stored:016x}, computed {computed:016x})"
             ),
             BlobFault::Corrupt(r) => format!("{what} is corrupt: {r}"),
+            BlobFault::Unread { msg, .. } => format!("{what} could not be read: {msg}"),
         }
     }
 }

@@ -1,18 +1,17 @@
-//! Opening a container file: the phases the `.cawsf` and delta readers share (map the
+//! Opening a container file: the phases the `.cawsf` and delta readers share (open the
 //! file, magic and version, the kind's header fields, TOC and its checksum, section
 //! bounds, required sections, META checked, decompressed, parsed and compared with the
 //! TOC), so each kind's `open` only validates its own index and tables. A kind says
 //! what differs through [`ContainerKind`].
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
 use serde::de::DeserializeOwned;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::meta::{model_from_meta, MetaIn};
 use super::*;
+use crate::archive::file::ArchiveFile;
 use crate::archive::ArchiveError;
 use crate::model::ModelDesc;
 
@@ -55,10 +54,10 @@ pub trait ContainerKind {
     }
 }
 
-/// A mapped container whose header, TOC and section bounds are valid.
+/// An opened container whose header, TOC and section bounds are valid.
 pub struct Container {
     pub path: PathBuf,
-    pub map: Mmap,
+    pub file: ArchiveFile,
     pub toc: Vec<TocRecord>,
     by_type: [Option<TocRecord>; 6],
     name_of: fn(u32) -> String,
@@ -87,21 +86,30 @@ impl Container {
     /// Open `path` as a container of kind `K` and read its META.
     pub fn open<K: ContainerKind>(path: &Path) -> Result<Opened<K>, ArchiveError> {
         let bad = |r: String| invalid(path, r);
-        let map = map_container(path, K::HEADER_FIXED + 8, K::NAMES.header)?;
-        let data: &[u8] = &map;
-        check_magic_version(data, &K::MAGIC, &K::NAMES).map_err(bad)?;
+        let file = ArchiveFile::open(path)?;
+        let len = file.len();
+        let min_len = K::HEADER_FIXED + 8;
+        if len < min_len as u64 {
+            let what = K::NAMES.header;
+            return Err(bad(format!(
+                "truncated: file is {len} bytes, too short for a {what} header"
+            )));
+        }
+        // The fixed header and the longest TOC there can be, or the whole file.
+        let head_len = (K::HEADER_FIXED + TOC_RECORD * MAX_SECTIONS + 8).min(len as usize);
+        let data = file.read_head(0, head_len)?;
+        check_magic_version(&data, &K::MAGIC, &K::NAMES).map_err(bad)?;
         let fields = data.get(12..K::HEADER_FIXED - 4).unwrap_or_default();
         let header = K::header(fields).map_err(bad)?;
-        // In the file: `map_container` refused files shorter than the fixed header.
-        let count = u32_at(data, K::HEADER_FIXED - 4).unwrap_or(0);
-        let toc = parse_toc(data, K::HEADER_FIXED, count).map_err(bad)?;
+        // In `data`: files shorter than the fixed header were refused above.
+        let count = u32_at(&data, K::HEADER_FIXED - 4).unwrap_or(0);
+        let toc = parse_toc(&data, K::HEADER_FIXED, count, len).map_err(bad)?;
 
         // Section bounds, alignment, flags, no overlap, the sections the kind needs.
-        let by_type =
-            check_toc(&toc, data.len() as u64, K::RAW_ONLY, K::section_name).map_err(bad)?;
+        let by_type = check_toc(&toc, len, K::RAW_ONLY, K::section_name).map_err(bad)?;
         let c = Container {
             path: path.to_path_buf(),
-            map,
+            file,
             toc,
             by_type,
             name_of: K::section_name,
@@ -145,7 +153,9 @@ impl Container {
 
     /// A small section's bytes, checked against its TOC checksum, then decompressed.
     pub fn load(&self, rec: &TocRecord) -> Result<Vec<u8>, ArchiveError> {
-        load_section(&self.map, rec, &(self.name_of)(rec.ty)).map_err(|r| self.invalid(r))
+        // In the file: `check_toc` bounded every section by its length.
+        let stored = self.file.read_head(rec.offset, rec.size as usize)?;
+        load_section(&stored, rec, &(self.name_of)(rec.ty)).map_err(|r| self.invalid(r))
     }
 
     /// [`Container::load`] of an optional section; empty when it is absent.
@@ -179,24 +189,6 @@ impl Container {
     }
 }
 
-/// Memory-map the container at `path`, refusing files shorter than `min_len` (the fixed
-/// header plus its checksum) so the caller may read the fixed header directly.
-fn map_container(path: &Path, min_len: usize, what: &str) -> Result<Mmap, ArchiveError> {
-    let io = |e| io_error(path, e);
-    let file = File::open(path).map_err(io)?;
-    let len = file.metadata().map_err(io)?.len();
-    if len < min_len as u64 {
-        return Err(invalid(
-            path,
-            format!("truncated: file is {len} bytes, too short for a {what} header"),
-        ));
-    }
-    // SAFETY: the archive is opened read-only and treated as immutable; every access is
-    // bounds-checked against the mapping's length. (Another process truncating the file
-    // while mapped could still fault, as with any mmap.)
-    unsafe { Mmap::map(&file) }.map_err(io)
-}
-
 /// The first 12 bytes of a container: `magic`, then a version this reader knows.
 fn check_magic_version(data: &[u8], magic: &[u8; 8], names: &Names) -> Result<(), String> {
     if data.first_chunk::<8>() != Some(magic) {
@@ -209,10 +201,15 @@ fn check_magic_version(data: &[u8], magic: &[u8; 8], names: &Names) -> Result<()
     Ok(())
 }
 
-/// The TOC of a container whose fixed header is `header_fixed` bytes and says it has
-/// `n` sections: the count bounded, the records and the header checksum inside `data`,
-/// the checksum right.
-fn parse_toc(data: &[u8], header_fixed: usize, n: u32) -> Result<Vec<TocRecord>, String> {
+/// The TOC of a container of `file_len` bytes whose fixed header is `header_fixed`
+/// bytes and says it has `n` sections: the count bounded, the records and the header
+/// checksum inside `data` (the file's first bytes), the checksum right.
+fn parse_toc(
+    data: &[u8],
+    header_fixed: usize,
+    n: u32,
+    file_len: u64,
+) -> Result<Vec<TocRecord>, String> {
     let n = n as usize;
     if n == 0 || n > MAX_SECTIONS {
         return Err(format!(
@@ -222,9 +219,8 @@ fn parse_toc(data: &[u8], header_fixed: usize, n: u32) -> Result<Vec<TocRecord>,
     let toc_end = header_fixed + TOC_RECORD * n;
     let (Some(stored), Some(head)) = (u64_at(data, toc_end), data.get(..toc_end)) else {
         return Err(format!(
-            "truncated: TOC of {n} sections needs {} bytes but file is {} bytes",
+            "truncated: TOC of {n} sections needs {} bytes but file is {file_len} bytes",
             toc_end + 8,
-            data.len()
         ));
     };
     let computed = xxh3_64(head);

@@ -71,7 +71,7 @@ impl DeltaArchive {
                 bytes: 0,
             }),
             counters: ReadCounters::default(),
-            map: c.map,
+            file: c.file,
         })
     }
 }

@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use faer::{Accum, MatMut, MatRef, Par};
-use memmap2::Mmap;
 use rayon::prelude::*;
 
 use super::format::*;
+use crate::archive::file::ArchiveFile;
 use crate::archive::SectionInfo;
 use crate::archive::{
     check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
@@ -67,7 +67,7 @@ pub(super) struct SharedCache {
 /// An opened delta archive.
 pub struct DeltaArchive {
     pub(super) path: PathBuf,
-    pub(super) map: Mmap,
+    pub(super) file: ArchiveFile,
     pub(super) toc: Vec<TocRecord>,
     pub(super) model: ModelDesc,
     pub(super) extra: serde_json::Value,
@@ -91,17 +91,19 @@ pub fn has_magic(path: &Path) -> bool {
 }
 
 impl DeltaArchive {
-    fn stored(&self, blob: usize) -> &[u8] {
-        let e = &self.index[blob];
-        let start = (self.data_offset + e.offset) as usize;
-        &self.map[start..start + e.csize as usize]
-    }
-
     /// Checksum, then decompression of one blob (index valid, checked at open).
-    fn blob(&self, blob: usize) -> Result<Cow<'_, [u8]>, BlobFault> {
+    fn blob(&self, blob: usize) -> Result<Vec<u8>, BlobFault> {
         let e = &self.index[blob];
+        let stored = self
+            .file
+            .read_at(self.data_offset + e.offset, e.csize as usize)?;
         self.counters.record(e.csize as u64, e.usize as u64);
-        checked_payload(self.stored(blob), e.xxh3, e.comp, e.usize as usize)
+        Ok(
+            match checked_payload(&stored, e.xxh3, e.comp, e.usize as usize)? {
+                Cow::Owned(v) => v,
+                Cow::Borrowed(_) => stored,
+            },
+        )
     }
 
     /// A decoded shared blob (base block or Vᵀ) through the bounded cache.
@@ -149,11 +151,8 @@ impl DeltaArchive {
                 block,
                 reason,
             },
-            (Some(part), f) => ReadError::Corrupt {
-                tensor: t.name.clone(),
-                block,
-                reason: f.describe(&format!("its {part}")),
-            },
+            (None, f) => f.into_read_error(&t.name, block, "the block"),
+            (Some(part), f) => f.into_read_error(&t.name, block, &format!("its {part}")),
         }
     }
 
@@ -264,7 +263,7 @@ impl DeltaArchive {
             .into_par_iter()
             .filter_map(|i| self.blob(i).err().map(|f| f.describe(&describe(i))))
             .collect();
-        fails.extend(section_failures(&self.map, &self.toc, section_name));
+        fails.extend(section_failures(&self.file, &self.toc, section_name));
         fails
     }
 }

@@ -1,20 +1,20 @@
 //! One data file of a tensor ([`DataFile`]): opened and validated whole at open (npy
-//! header, dtype, exact length, zstd frames), then read by row block. Plain `.npy` files
-//! are memory-mapped, cawsfs-framed `.npy.zst` decompress one frame per block, and a
-//! foreign `.npy.zst` is decompressed whole into a small LRU shared by the directory.
+//! header, dtype, exact length, zstd frames), then read by row block with `pread`
+//! ([`ArchiveFile`]: a file truncated or rewritten under a mount fails reads, never
+//! faults). Plain `.npy` files are read by row range, cawsfs-framed `.npy.zst`
+//! decompress one frame per block, and a foreign `.npy.zst` is decompressed whole into
+//! a small LRU shared by the directory.
 
-use std::borrow::Cow;
-use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
-use memmap2::Mmap;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::frames::{walk_frames, zst_header, Frame};
 use super::npy::{self, Dtype};
 use super::{NpyDir, TENSOR_DIR};
-use crate::archive::container::{invalid, io_error as io_err};
+use crate::archive::container::{invalid, BlobFault};
+use crate::archive::file::ArchiveFile;
 use crate::archive::ArchiveError;
 
 /// Decompressed foreign `.npy.zst` files kept in memory (NPYDIR.md §4).
@@ -23,15 +23,15 @@ const WHOLE_LRU_BYTES: usize = 256 << 20;
 const ZSTD_MAX_RATIO: u64 = 32768;
 
 pub(super) enum Storage {
-    /// Plain `.npy`, memory-mapped; data at `header.data_offset`.
-    Plain(Mmap),
+    /// Plain `.npy`; data at `header.data_offset`.
+    Plain(ArchiveFile),
     /// cawsfs-framed `.npy.zst`: `frames[b]` = (offset, len) of row block `b`'s frame.
     Framed {
-        map: Mmap,
-        frames: Vec<(usize, usize)>,
+        file: ArchiveFile,
+        frames: Vec<(u64, usize)>,
     },
     /// Foreign `.npy.zst`, decompressed whole on demand; `id` keys the LRU.
-    Whole { map: Mmap, id: usize },
+    Whole { file: ArchiveFile, id: usize },
 }
 
 pub(super) struct DataFile {
@@ -82,22 +82,20 @@ impl Opener<'_> {
     ) -> Result<DataFile, ArchiveError> {
         let rel = format!("{TENSOR_DIR}/{name}");
         let path = self.dir.join(&rel);
-        let f = File::open(&path).map_err(|e| io_err(&path, e))?;
-        let file_len = f.metadata().map_err(|e| io_err(&path, e))?.len();
+        let file = ArchiveFile::open(&path)?;
+        let file_len = file.len();
         if file_len == 0 {
             return Err(invalid(&path, "empty file"));
         }
-        // SAFETY: the file is only read; every range is validated against its length
-        // below. Another process truncating it while mounted is outside what we defend.
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| io_err(&path, e))?;
         let zst = name.ends_with(".zst");
         let (header, storage) = if !zst {
-            let hl = npy::header_len(&map[..map.len().min(12)]).map_err(|e| invalid(&path, e))?;
-            let header =
-                npy::parse(&map[..map.len().min(hl as usize)]).map_err(|e| invalid(&path, e))?;
-            (header, Storage::Plain(map))
+            let head = file.read_head(0, file_len.min(12) as usize)?;
+            let hl = npy::header_len(&head).map_err(|e| invalid(&path, e))?;
+            let head = file.read_head(0, file_len.min(hl) as usize)?;
+            let header = npy::parse(&head).map_err(|e| invalid(&path, e))?;
+            (header, Storage::Plain(file))
         } else {
-            self.open_zst(&path, map, file_len, framed)?
+            self.open_zst(&path, file, framed)?
         };
         if !dtypes.contains(&header.dtype) {
             return Err(invalid(
@@ -142,12 +140,14 @@ impl Opener<'_> {
     fn open_zst(
         &mut self,
         path: &Path,
-        map: Mmap,
-        file_len: u64,
+        file: ArchiveFile,
         framed: Option<&[u64]>,
     ) -> Result<(npy::Header, Storage), ArchiveError> {
-        let frames = walk_frames(&map).map_err(|e| invalid(path, e))?;
-        let header = zst_header(&map).map_err(|e| invalid(path, e))?;
+        let file_len = file.len();
+        let frames = walk_frames(&file)?;
+        // The header frame, or the first MiB of a foreign single-frame stream.
+        let first = frames.first().map_or(0, |f| f.len).min(1 << 20);
+        let header = zst_header(&file.read_head(0, first)?).map_err(|e| invalid(path, e))?;
         let expect = header.data_offset + header.data_len();
         if expect
             > file_len
@@ -171,12 +171,12 @@ impl Opener<'_> {
             }
         }
         let storage = match framed {
-            Some(lens) => framed_storage(path, map, &frames, &header, lens)?,
+            Some(lens) => framed_storage(path, file, &frames, &header, lens)?,
             None => {
                 check_whole(path, &frames, expect)?;
                 self.next_whole += 1;
                 Storage::Whole {
-                    map,
+                    file,
                     id: self.next_whole,
                 }
             }
@@ -188,7 +188,7 @@ impl Opener<'_> {
 /// A cawsfs-framed file: one header frame, then one frame per row block of `lens` bytes.
 fn framed_storage(
     path: &Path,
-    map: Mmap,
+    file: ArchiveFile,
     frames: &[Frame],
     header: &npy::Header,
     lens: &[u64],
@@ -209,7 +209,7 @@ fn framed_storage(
         ));
     }
     let frames = frames[1..].iter().map(|f| (f.offset, f.len)).collect();
-    Ok(Storage::Framed { map, frames })
+    Ok(Storage::Framed { file, frames })
 }
 
 /// A foreign stream is decompressed into memory on read: its size must be known and
@@ -250,7 +250,7 @@ pub(super) fn read_shape_file(
             ),
         ));
     }
-    let bytes = whole_bytes(&f).map_err(|e| invalid(&path, e))?;
+    let bytes = whole_bytes(&f).map_err(|e| invalid(&path, e.describe("the file")))?;
     let data = &bytes[f.header.data_offset as usize..];
     let size = f.header.dtype.size() as usize;
     let mut shape = Vec::new();
@@ -276,16 +276,21 @@ pub(super) fn read_shape_file(
 }
 
 /// The whole decompressed npy file (header + data) of a small file.
-fn whole_bytes(f: &DataFile) -> Result<Cow<'_, [u8]>, String> {
+fn whole_bytes(f: &DataFile) -> Result<Vec<u8>, BlobFault> {
     match &f.storage {
-        Storage::Plain(m) => Ok(Cow::Borrowed(&m[..])),
-        Storage::Framed { map, .. } | Storage::Whole { map, .. } => {
+        Storage::Plain(file) => Ok(file.read_at(0, f.file_len as usize)?),
+        Storage::Framed { file, .. } | Storage::Whole { file, .. } => {
             let n = (f.header.data_offset + f.header.data_len()) as usize;
-            let v = zstd::bulk::decompress(map, n).map_err(|e| format!("zstd: {e}"))?;
+            let stored = file.read_at(0, f.file_len as usize)?;
+            let v = zstd::bulk::decompress(&stored, n)
+                .map_err(|e| BlobFault::Corrupt(format!("zstd: {e}")))?;
             if v.len() != n {
-                return Err(format!("decompresses to {} bytes, expected {n}", v.len()));
+                let got = v.len();
+                return Err(BlobFault::Corrupt(format!(
+                    "decompresses to {got} bytes, expected {n}"
+                )));
             }
-            Ok(Cow::Owned(v))
+            Ok(v)
         }
     }
 }
@@ -293,11 +298,16 @@ fn whole_bytes(f: &DataFile) -> Result<Cow<'_, [u8]>, String> {
 /// The npy header bytes of a data file (decompressing frame 0 of a framed file).
 pub(super) fn header_bytes(f: &DataFile) -> Result<Vec<u8>, String> {
     let n = f.header.data_offset as usize;
+    let read = |file: &ArchiveFile, len: u64| {
+        file.read_at(0, len as usize)
+            .map_err(|e| BlobFault::from(e).describe("the header"))
+    };
     match &f.storage {
-        Storage::Plain(m) => Ok(m[..n].to_vec()),
-        Storage::Framed { map, frames } => {
-            let end = frames.first().map_or(map.len(), |f| f.0);
-            let v = zstd::bulk::decompress(&map[..end], n).map_err(|e| format!("zstd: {e}"))?;
+        Storage::Plain(file) => read(file, n as u64),
+        Storage::Framed { file, frames } => {
+            let end = frames.first().map_or(f.file_len, |f| f.0);
+            let v =
+                zstd::bulk::decompress(&read(file, end)?, n).map_err(|e| format!("zstd: {e}"))?;
             if v.len() != n {
                 return Err("zstd header frame has the wrong length".into());
             }
@@ -309,39 +319,33 @@ pub(super) fn header_bytes(f: &DataFile) -> Result<Vec<u8>, String> {
 
 impl NpyDir {
     /// The data bytes `lo..hi` of file `f`, which lie in row block `b`.
-    pub(super) fn data_slice<'a>(
-        &'a self,
-        f: &'a DataFile,
+    pub(super) fn data_slice(
+        &self,
+        f: &DataFile,
         b: usize,
         (lo, hi): (u64, u64),
-    ) -> Result<Cow<'a, [u8]>, String> {
-        let (stored, bytes): (u64, Cow<[u8]>) = match &f.storage {
-            Storage::Plain(m) => {
-                let off = f.header.data_offset;
-                (
-                    hi - lo,
-                    Cow::Borrowed(&m[(off + lo) as usize..(off + hi) as usize]),
-                )
-            }
-            Storage::Framed { map, frames } => {
+    ) -> Result<Vec<u8>, BlobFault> {
+        let off = f.header.data_offset;
+        let (stored, bytes) = match &f.storage {
+            Storage::Plain(file) => (hi - lo, file.read_at(off + lo, (hi - lo) as usize)?),
+            Storage::Framed { file, frames } => {
                 let (o, n) = frames[b];
                 let want = (hi - lo) as usize;
-                let v = zstd::bulk::decompress(&map[o..o + n], want)
-                    .map_err(|e| format!("zstd frame of row block {b}: {e}"))?;
+                let v = zstd::bulk::decompress(&file.read_at(o, n)?, want)
+                    .map_err(|e| BlobFault::Corrupt(format!("zstd frame of row block {b}: {e}")))?;
                 if v.len() != want {
-                    return Err(format!(
+                    return Err(BlobFault::Corrupt(format!(
                         "zstd frame of row block {b} decompresses to {} bytes, expected {want}",
                         v.len()
-                    ));
+                    )));
                 }
-                (n as u64, Cow::Owned(v))
+                (n as u64, v)
             }
             Storage::Whole { id, .. } => {
                 let all = self.whole_file(f, *id)?;
-                let off = f.header.data_offset;
                 (
                     hi - lo,
-                    Cow::Owned(all[(off + lo) as usize..(off + hi) as usize].to_vec()),
+                    all[(off + lo) as usize..(off + hi) as usize].to_vec(),
                 )
             }
         };
@@ -350,13 +354,13 @@ impl NpyDir {
     }
 
     /// A foreign `.npy.zst`, decompressed whole (through the LRU).
-    fn whole_file(&self, f: &DataFile, id: usize) -> Result<Arc<Vec<u8>>, String> {
-        let poisoned = |_| "cache lock poisoned".to_string();
+    fn whole_file(&self, f: &DataFile, id: usize) -> Result<Arc<Vec<u8>>, BlobFault> {
+        let poisoned = |_| BlobFault::Corrupt("cache lock poisoned".to_string());
         if let Some(v) = self.whole.lock().map_err(poisoned)?.lru.get(&id) {
             return Ok(v.clone());
         }
         // Decompressed outside the lock; two readers of one cold file may both do it.
-        let v = Arc::new(whole_bytes(f)?.into_owned());
+        let v = Arc::new(whole_bytes(f)?);
         let mut c = self.whole.lock().map_err(poisoned)?;
         if v.len() <= WHOLE_LRU_BYTES {
             while c.bytes + v.len() > WHOLE_LRU_BYTES {

@@ -60,7 +60,12 @@ const MAX_FILES: usize = 1 << 20;
 
 /// A JSON or side file, refused above [`MAX_SMALL_FILE`].
 fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
-    let len = std::fs::metadata(path).map_err(|e| io_err(path, e))?.len();
+    let meta = std::fs::metadata(path).map_err(|e| io_err(path, e))?;
+    if !meta.is_file() {
+        // A FIFO would block the read forever.
+        return Err(invalid(path, "not a regular file"));
+    }
+    let len = meta.len();
     if len > MAX_SMALL_FILE {
         return Err(invalid(
             path,
@@ -217,13 +222,9 @@ impl NpyDir {
                 file: f.rel.clone(),
                 err,
             };
-            let bytes = self.data_slice(f, b, r).map_err(|reason| {
-                fail(ReadError::Corrupt {
-                    tensor: name.clone(),
-                    block: b,
-                    reason: format!("{}: {reason}", f.rel),
-                })
-            })?;
+            let bytes = self
+                .data_slice(f, b, r)
+                .map_err(|fault| fail(fault.into_read_error(name, b, &f.rel)))?;
             if let Some(sums) = &f.sums {
                 let computed = xxh3_64(&bytes);
                 if computed != sums[b] {
@@ -282,7 +283,10 @@ impl RowSource for NpyDir {
         let (e0, e1) = (r0 * g.cols, r1 * g.cols);
         for b in r0 / g.rows_per_block..=(r1 - 1) / g.rows_per_block {
             let (vals, start) = self.decode_block(tensor, b as usize).map_err(|be| {
-                tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+                // A changed file has logged itself once; a line per read would bury it.
+                if !matches!(be.err, ReadError::Changed(_)) {
+                    tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+                }
                 be.err
             })?;
             let lo = e0.max(start);
