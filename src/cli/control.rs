@@ -32,7 +32,16 @@ pub fn cmd_stat(
         let mut client = control::ControlClient::connect(&sock, timeout)?;
         control::watch(
             std::time::Duration::from_secs_f64(interval),
-            || Ok(client.call_as::<StatReply>(&Request::Stat)?),
+            || match client.call_as::<StatReply>(&Request::Stat) {
+                Ok(r) => Ok(r),
+                Err(e @ control::ControlError::Daemon(_)) => Err(e.into()),
+                // The daemon closes connections idle for long (an interval over its
+                // idle timeout) or to make room: one fresh connection, then give up.
+                Err(_) => {
+                    client = control::ControlClient::connect(&sock, timeout)?;
+                    Ok(client.call_as::<StatReply>(&Request::Stat)?)
+                }
+            },
             &mut std::io::stdout(),
         )?;
         return Ok(());

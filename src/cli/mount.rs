@@ -3,8 +3,10 @@
 //! answers on its control socket.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use procfs::process::Process;
 
 use super::args::{float_of, gguf_type_of, Eviction, MountArgs};
 
@@ -125,7 +127,23 @@ pub fn cmd_umount(mp: &Path) -> Result<()> {
     if !cawsfs::mount::is_mounted(mp) {
         bail!("{}: not a cawsfs mount", mp.display());
     }
+    // The daemon to wait for, asked before the unmount takes its socket away. None
+    // after a crash (nothing answers), which leaves only the dead mount to clean up.
     let sock = cawsfs::control::find_socket(mp);
+    let daemon = match cawsfs::control::daemon_pid(&sock, Duration::from_secs(2)) {
+        Ok(pid) => Process::new(pid as i32)
+            .and_then(|p| p.stat())
+            .ok()
+            .map(|st| (pid, st.starttime)),
+        Err(cawsfs::control::ControlError::NoDaemon { .. }) => None,
+        Err(e) => {
+            tracing::warn!(
+                "{e}; not waiting for the daemon of {} to exit",
+                mp.display()
+            );
+            None
+        }
+    };
     let status = std::process::Command::new("fusermount3")
         .arg("-u")
         .arg(mp)
@@ -138,18 +156,31 @@ pub fn cmd_umount(mp: &Path) -> Result<()> {
             mp.display()
         );
     }
-    // The daemon notices and exits; wait for its socket to go away.
-    for _ in 0..100 {
-        let alive = cawsfs::control::request(
-            &sock,
-            &cawsfs::control::Request::Ping,
-            std::time::Duration::from_millis(200),
-        );
-        if alive.is_err() {
-            break;
+    if let Some((pid, start)) = daemon {
+        let deadline = Instant::now() + UMOUNT_WAIT;
+        while running(pid, start) {
+            if Instant::now() > deadline {
+                bail!(
+                    "{}: unmounted, but its daemon (pid {pid}) is still running after {} s",
+                    mp.display(),
+                    UMOUNT_WAIT.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
     }
     println!("unmounted {}", mp.display());
     Ok(())
+}
+
+/// How long `cawsfs umount` waits for the daemon to exit after the unmount.
+const UMOUNT_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether process `pid`, started at `start` (clock ticks after boot, so a reused
+/// pid is not mistaken for it), is still running. A zombie has exited: only its
+/// parent has not collected it yet.
+fn running(pid: u32, start: u64) -> bool {
+    Process::new(pid as i32)
+        .and_then(|p| p.stat())
+        .is_ok_and(|st| st.starttime == start && st.state != 'Z')
 }

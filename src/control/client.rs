@@ -3,17 +3,22 @@
 //! Every failure becomes a [`ControlError`] whose message tells the user what to do
 //! ("no cawsfs daemon at … (is it mounted?)"); a reply is read up to a generous cap
 //! so a broken daemon cannot make the client allocate without bound.
+//!
+//! The server is checked as the server checks its clients: with `--socket` in a
+//! directory others can write, another user could put their own server at the path,
+//! so only a server running as our uid or as root is talked to (`SO_PEERCRED`).
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::protocol::{Request, Response};
-use super::ControlError;
+use super::{current_uid, ControlError};
 
 /// Longest reply line the client accepts (a stat reply with thousands of files fits).
 pub const MAX_REPLY_LINE: usize = 64 * 1024 * 1024;
@@ -47,16 +52,33 @@ pub fn decode<T: DeserializeOwned>(
     })
 }
 
+/// Whether a client running as `own_uid` may trust a server running as `server_uid`:
+/// the same rule the server applies to its peers.
+pub fn trusted_server(server_uid: u32, own_uid: u32) -> bool {
+    server_uid == own_uid || server_uid == 0
+}
+
+/// The pid of the daemon answering at `socket` (its `SO_PEERCRED`), once it has
+/// answered a ping: what `cawsfs umount` waits for.
+pub fn daemon_pid(socket: &Path, timeout: Duration) -> Result<u32, ControlError> {
+    let mut c = ControlClient::connect(socket, timeout)?;
+    c.call(&Request::Ping)?;
+    Ok(c.server_pid())
+}
+
 /// A connection that can carry many requests (`cawsfs stat --watch` keeps one).
 pub struct ControlClient {
     path: PathBuf,
+    /// The server's pid, from `SO_PEERCRED` (the process that listens).
+    server_pid: u32,
     timeout: Duration,
     reader: BufReader<UnixStream>,
     writer: UnixStream,
 }
 
 impl ControlClient {
-    /// Connects; `timeout` bounds each later send and reply.
+    /// Connects to a server of our uid or root; `timeout` bounds each later send and
+    /// reply.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<ControlClient, ControlError> {
         let path = socket.to_path_buf();
         let stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
@@ -68,6 +90,17 @@ impl ControlClient {
             }
             _ => ControlError::io("cannot connect to", socket, e),
         })?;
+        let cred = getsockopt(&stream, PeerCredentials).map_err(|e| {
+            ControlError::io("cannot read the server's credentials on", socket, e.into())
+        })?;
+        let own = current_uid();
+        if !trusted_server(cred.uid(), own) {
+            return Err(ControlError::UntrustedServer {
+                path,
+                uid: cred.uid(),
+                own,
+            });
+        }
         // A zero timeout means "none" to us but is an error to std.
         let t = (!timeout.is_zero()).then_some(timeout);
         let setup = |s: &UnixStream| -> io::Result<UnixStream> {
@@ -78,10 +111,16 @@ impl ControlClient {
         let writer = setup(&stream).map_err(|e| ControlError::io("cannot set up", socket, e))?;
         Ok(ControlClient {
             path,
+            server_pid: u32::try_from(cred.pid()).unwrap_or(0),
             timeout,
             reader: BufReader::new(stream),
             writer,
         })
+    }
+
+    /// The pid of the server process (`SO_PEERCRED`).
+    pub fn server_pid(&self) -> u32 {
+        self.server_pid
     }
 
     fn map_io(&self, e: io::Error) -> ControlError {
@@ -146,6 +185,22 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn trusted_server_rule() {
+        assert!(trusted_server(1000, 1000));
+        assert!(trusted_server(0, 1000));
+        assert!(trusted_server(0, 0));
+        assert!(!trusted_server(1001, 1000));
+        assert!(!trusted_server(65534, 0));
+    }
+
+    #[test]
+    fn a_server_of_our_own_uid_is_trusted_and_its_pid_known() {
+        let (_t, p, h) = fake(b"{\"ok\":true,\"pong\":true}\n");
+        assert_eq!(daemon_pid(&p, T).unwrap(), std::process::id());
+        h.join().unwrap();
+    }
 
     #[test]
     fn missing_socket_is_a_clear_error() {

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-pub use client::{decode, request, request_as, ControlClient};
+pub use client::{daemon_pid, decode, request, request_as, trusted_server, ControlClient};
 pub use protocol::{Request, Response, Target, MAX_REQUEST_LINE};
 pub use render::{render_prometheus, render_rates, render_stat, watch};
 pub use reply::{
@@ -65,6 +65,8 @@ pub enum ControlError {
     PathTooLong { path: PathBuf, len: usize },
     #[error("insecure control directory {}: {why}", .path.display())]
     InsecureDir { path: PathBuf, why: String },
+    #[error("refusing the control socket {}: its server runs as uid {uid}, not as us (uid {own}) or root", .path.display())]
+    UntrustedServer { path: PathBuf, uid: u32, own: u32 },
     #[error("{what} {}: {source}", .path.display())]
     Io {
         what: &'static str,

@@ -1,8 +1,9 @@
 //! The mount daemon: opens an archive, serves its virtual files over FUSE, answers the
-//! control socket, and unmounts cleanly on SIGINT/SIGTERM or an external unmount.
+//! control socket, and unmounts cleanly on SIGINT/SIGTERM (lazily when a file is
+//! still open, so the mount point is never left dead) or an external unmount.
 //!
 //! * [`run`], here: the daemon's life, from opening the archive to unmounting.
-//! * `session`: mounting the FUSE session (options, access, read-ahead).
+//! * `session`: mounting the FUSE session (options, access, read-ahead) and ending it.
 //! * `signals`: the signals that end the daemon, waited for with a timeout.
 //! * `handler`: what each control request does to the mount's cache.
 //! * `stat`: the `stat` reply, from the cache's, archive's and files' figures.
@@ -68,6 +69,10 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     if !mountpoint.is_dir() {
         return Err(mount_err("not a directory".into()));
     }
+    // The path fuser mounts at, and so the one to unmount.
+    let canon = mountpoint
+        .canonicalize()
+        .map_err(|e| mount_err(format!("cannot resolve: {e}")))?;
     // Scratch buffers of a few MiB (decoded rows, chunks) come and go on every miss;
     // glibc's adaptive mmap threshold would move them into arenas that keep the memory
     // after free, and the daemon's resident size would drift far above its budget.
@@ -92,7 +97,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         match handler.pin_infra(n, opts.pin_prompt.as_deref()) {
             Ok(bytes) => tracing::info!("--pin-infra: pinned {bytes} bytes"),
             Err(e) => {
-                drop(session);
+                finish(session, &canon, false);
                 return Err(mount_err(format!("--pin-infra: {e}")));
             }
         }
@@ -100,7 +105,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     let mut server = match ControlServer::for_mount(mountpoint, opts.socket.as_deref(), handler) {
         Ok(s) => s,
         Err(e) => {
-            drop(session);
+            finish(session, &canon, false);
             return Err(e.into());
         }
     };
@@ -110,19 +115,39 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         mountpoint.display(),
         server.path().display()
     );
-    loop {
+    let unmounted = loop {
         if let Some(sig) = sigs.wait(Duration::from_millis(200)) {
             tracing::info!("signal {sig}: unmounting {}", mountpoint.display());
-            break;
+            break false;
         }
         if session.guard.is_finished() {
+            // The request loop also ends on an error, leaving the mount in place.
+            if is_mounted(&canon) {
+                tracing::error!(
+                    "{}: the FUSE session ended; unmounting",
+                    mountpoint.display()
+                );
+                break false;
+            }
             tracing::info!("{} was unmounted", mountpoint.display());
-            break;
+            break true;
         }
-    }
+    };
     server.shutdown();
-    drop(session);
+    finish(session, &canon, unmounted);
     Ok(())
+}
+
+/// Ends the session (see [`session::end`]) and logs what could not be done cleanly.
+fn finish(session: fuser::BackgroundSession, mountpoint: &Path, unmounted: bool) {
+    match session::end(session, mountpoint, unmounted) {
+        Ok(session::Ended::Already | session::Ended::Unmounted) => {}
+        Ok(session::Ended::Detached) => tracing::warn!(
+            "{}: busy (a file is still open), detached it lazily",
+            mountpoint.display()
+        ),
+        Err(e) => tracing::error!("{}: {e}", mountpoint.display()),
+    }
 }
 
 /// Parse a human size: `2GiB`, `512MiB`, `1.5G`, `100M`, `4096`, `64KiB`, `1T`.

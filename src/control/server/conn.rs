@@ -1,10 +1,12 @@
-//! One connection: the peer-uid check, bounded request lines, and one reply line per
-//! request with handler panics turned into error replies.
+//! One connection: the peer-uid check, bounded request lines read within the idle
+//! timeout, and one reply line per request with handler panics turned into error
+//! replies.
 
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
@@ -29,9 +31,10 @@ pub(super) fn refuse(mut stream: &UnixStream, msg: &str) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Serves one accepted connection until the peer closes it, a write fails, or a
-/// line is over the cap.
-pub(super) fn serve(stream: &UnixStream, shared: &Shared) {
+/// Serves one accepted connection (`id` in `shared.conns`) until the peer closes it,
+/// a write fails, a line is over the cap, or no complete line comes within the idle
+/// timeout.
+pub(super) fn serve(stream: &UnixStream, shared: &Shared, id: u64) {
     match peer_uid(stream) {
         Ok(uid) if allowed_peer(uid, shared.daemon_uid) => {}
         Ok(uid) => {
@@ -51,11 +54,8 @@ pub(super) fn serve(stream: &UnixStream, shared: &Shared) {
     let mut buf = Vec::new();
     loop {
         buf.clear();
-        // `take` bounds what one line may cost: max bytes plus its newline.
-        match (&mut reader)
-            .take(max as u64 + 1)
-            .read_until(b'\n', &mut buf)
-        {
+        let deadline = Instant::now() + shared.opts.idle_timeout;
+        match read_line_before(&mut reader, max, deadline, &mut buf) {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
@@ -67,9 +67,51 @@ pub(super) fn serve(stream: &UnixStream, shared: &Shared) {
             // The last line before EOF, without a newline: still a request.
             None => &buf[..],
         };
+        shared.set_idle(id, false);
         let resp = answer(line, shared.handler.as_ref());
         if writer.write_all(resp.to_line().as_bytes()).is_err() {
             return;
+        }
+        shared.set_idle(id, true);
+    }
+}
+
+/// Reads one line (through its `\n`, at most `max + 1` bytes: a longer line is cut
+/// there) into `buf`, failing with `TimedOut` at `deadline` however the bytes trickle
+/// in: a socket read timeout alone would restart with every byte. Returns the bytes
+/// read, 0 at end of file.
+fn read_line_before(
+    reader: &mut BufReader<&UnixStream>,
+    max: usize,
+    deadline: Instant,
+    buf: &mut Vec<u8>,
+) -> io::Result<usize> {
+    let cap = max + 1;
+    loop {
+        if reader.buffer().is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            reader.get_ref().set_read_timeout(Some(left))?;
+        }
+        let avail = match reader.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(buf.len());
+        }
+        let room = &avail[..avail.len().min(cap - buf.len())];
+        let (used, done) = match room.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (room.len(), buf.len() + room.len() >= cap),
+        };
+        buf.extend_from_slice(&room[..used]);
+        reader.consume(used);
+        if done {
+            return Ok(buf.len());
         }
     }
 }

@@ -8,7 +8,10 @@
 //!   the umask instead would race with every other thread of the daemon);
 //! * peers are checked with `SO_PEERCRED`: only the daemon's uid and root are served;
 //! * a request line is never buffered beyond the cap, whatever the client sends;
-//! * a panicking [`Handler`] costs one error reply, not the server.
+//! * a panicking [`Handler`] costs one error reply, not the server;
+//! * idle clients cannot lock others out: a connection idle for
+//!   [`ServerOptions::idle_timeout`] is closed, and at the connection cap the longest
+//!   idle one is closed to admit a new client.
 //!
 //! Here: [`ControlServer`]'s life (bind, accept loop, connection limit, shutdown).
 //! `bind`: placing the socket file safely. `conn`: one connection (peer check,
@@ -27,10 +30,10 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket;
 
@@ -51,13 +54,18 @@ pub trait Handler: Send + Sync {
 /// Limits of a [`ControlServer`]; the defaults are the documented protocol limits.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Connections served at once; more are answered with an error and closed.
+    /// Connections served at once. A client beyond that is admitted by closing the
+    /// connection idle the longest; when every one is handling a request it is
+    /// answered with an error and closed.
     pub max_connections: usize,
     /// Longest request line in bytes, without its newline.
     pub max_line: usize,
     /// How long a reply may wait for a client that does not read before the
     /// connection is dropped (so a stuck client cannot hold a thread forever).
     pub write_timeout: Duration,
+    /// How long a connection may take to send its next complete request line before
+    /// it is closed (however slowly its bytes trickle in).
+    pub idle_timeout: Duration,
 }
 
 impl Default for ServerOptions {
@@ -66,6 +74,7 @@ impl Default for ServerOptions {
             max_connections: 64,
             max_line: MAX_REQUEST_LINE,
             write_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -74,11 +83,29 @@ struct Shared {
     handler: Arc<dyn Handler>,
     opts: ServerOptions,
     stopping: AtomicBool,
-    active: AtomicUsize,
     next_id: AtomicU64,
-    /// A clone of every open connection, so shutdown can close them.
-    conns: Mutex<HashMap<u64, UnixStream>>,
+    /// Every connection being served, so that shutdown and the cap can close them;
+    /// its length is the number served (a connection closed to make room may take a
+    /// moment more to end its thread).
+    conns: Mutex<HashMap<u64, Conn>>,
     daemon_uid: u32,
+}
+
+/// One served connection, as the accept thread sees it.
+struct Conn {
+    /// A clone of the connection's stream, to close it from outside.
+    stream: UnixStream,
+    /// Since when it has been waiting for a request; `None` while one is handled.
+    idle_since: Option<Instant>,
+}
+
+impl Shared {
+    /// Marks connection `id` as waiting for a request (`idle`) or handling one.
+    fn set_idle(&self, id: u64, idle: bool) {
+        if let Some(c) = lock(&self.conns).get_mut(&id) {
+            c.idle_since = idle.then(Instant::now);
+        }
+    }
 }
 
 /// A listening control socket. Dropping it (or [`ControlServer::shutdown`]) stops
@@ -116,7 +143,6 @@ impl ControlServer {
             handler,
             opts,
             stopping: AtomicBool::new(false),
-            active: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
             daemon_uid: current_uid(),
@@ -173,7 +199,7 @@ impl ControlServer {
 
     /// Connections being served now.
     pub fn active_connections(&self) -> usize {
-        self.shared.active.load(Ordering::SeqCst)
+        lock(&self.shared.conns).len()
     }
 
     /// Stops accepting, closes open connections (a request being handled finishes
@@ -196,8 +222,8 @@ impl ControlServer {
             }
         }
         let conns = std::mem::take(&mut *lock(&self.shared.conns));
-        for s in conns.values() {
-            let _ = s.shutdown(Shutdown::Both);
+        for c in conns.values() {
+            let _ = c.stream.shutdown(Shutdown::Both);
         }
         if let Ok(md) = fs::symlink_metadata(&self.path) {
             if (md.dev(), md.ino()) == self.id {
@@ -235,36 +261,61 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
 
 fn start_connection(stream: UnixStream, shared: &Arc<Shared>) {
     let _ = stream.set_write_timeout(Some(shared.opts.write_timeout));
+    let clone = match stream.try_clone() {
+        Ok(c) => c,
+        Err(e) => return refuse(&stream, &format!("cannot serve the connection: {e}")),
+    };
     let max = shared.opts.max_connections;
-    if shared.active.fetch_add(1, Ordering::SeqCst) >= max {
-        shared.active.fetch_sub(1, Ordering::SeqCst);
-        refuse(
-            &stream,
-            &format!("too many control connections ({max} open)"),
-        );
-        return;
-    }
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let clone = stream.try_clone();
+    {
+        let mut conns = lock(&shared.conns);
+        if conns.len() >= max {
+            // Room for the newcomer: the connection idle the longest goes (its client
+            // sees the connection closed, as after an idle timeout).
+            let oldest = conns
+                .iter()
+                .filter_map(|(k, c)| c.idle_since.map(|t| (t, *k)))
+                .min()
+                .map(|(_, k)| k);
+            match oldest.and_then(|k| conns.remove(&k)) {
+                Some(c) => {
+                    let _ = c.stream.shutdown(Shutdown::Both);
+                }
+                None => {
+                    drop(conns);
+                    return refuse(
+                        &stream,
+                        &format!("too many control connections ({max} open, none idle)"),
+                    );
+                }
+            }
+        }
+        conns.insert(
+            id,
+            Conn {
+                stream: clone,
+                idle_since: Some(Instant::now()),
+            },
+        );
+    }
     let s = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("cawsfs-ctl-conn".into())
         .spawn(move || {
             let _guard = ConnGuard { shared: &s, id };
-            if let Ok(c) = clone {
-                lock(&s.conns).insert(id, c);
-            }
-            // Shutdown may have swept the map just before we registered.
+            // Shutdown has begun (and closed, or will close, this stream).
             if s.stopping.load(Ordering::SeqCst) {
                 return;
             }
-            serve(&stream, &s);
+            serve(&stream, &s, id);
         });
     if spawned.is_err() {
-        shared.active.fetch_sub(1, Ordering::SeqCst);
+        lock(&shared.conns).remove(&id);
     }
 }
 
+/// Takes a connection out of the map when its thread ends (unless the cap or shutdown
+/// already did).
 struct ConnGuard<'a> {
     shared: &'a Shared,
     id: u64,
@@ -273,6 +324,5 @@ struct ConnGuard<'a> {
 impl Drop for ConnGuard<'_> {
     fn drop(&mut self) {
         lock(&self.shared.conns).remove(&self.id);
-        self.shared.active.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -315,7 +315,7 @@ fn concurrent_clients() {
 }
 
 #[test]
-fn connection_limit() {
+fn at_the_cap_the_longest_idle_connection_makes_room() {
     let t = tempfile::tempdir().unwrap();
     let p = t.path().join("c.sock");
     let opts = ServerOptions {
@@ -327,14 +327,116 @@ fn connection_limit() {
     let mut b = Raw::new(&p);
     assert_eq!(a.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
     assert_eq!(b.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    // `a` has been idle longest: it is closed and `c` served.
     let mut c = Raw::new(&p);
-    assert_eq!(err_of(&c.recv()), "too many control connections (2 open)");
-    drop((a, b));
+    assert_eq!(c.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    let mut l = String::new();
+    assert_eq!(a.r.read_line(&mut l).unwrap_or(0), 0, "a closed");
+    assert_eq!(b.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    assert_eq!(srv.active_connections(), 2);
+}
+
+#[test]
+fn cap_many_idle_connections_do_not_lock_out_a_new_client() {
+    let t = tempfile::tempdir().unwrap();
+    let (srv, p) = server(t.path());
+    let max = ServerOptions::default().max_connections;
+    // Connected and silent: not even a first request.
+    let idle: Vec<Raw> = (0..max).map(|_| Raw::new(&p)).collect();
+    let t0 = Instant::now();
+    while srv.active_connections() < max && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(srv.active_connections(), max);
+    for _ in 0..3 {
+        assert_eq!(request(&p, &Request::Ping, T).unwrap()["pong"], true);
+    }
+    drop(idle);
+}
+
+/// Answers `prefetch` of layer 1 after a pause (a request in progress), else pongs.
+struct Slow;
+impl Handler for Slow {
+    fn handle(&self, req: Request) -> Result<Reply, String> {
+        if let Request::Prefetch(crate::control::Target::Layer(1)) = req {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        Ok(crate::control::reply::PingReply { pong: true }.into())
+    }
+}
+
+#[test]
+fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let p = t.path().join("c.sock");
+    let opts = ServerOptions {
+        max_connections: 2,
+        ..Default::default()
+    };
+    let srv = ControlServer::bind_with(&p, Arc::new(Slow), opts).unwrap();
+    let mut busy: Vec<Raw> = (0..2).map(|_| Raw::new(&p)).collect();
+    for c in &mut busy {
+        c.w.write_all(b"{\"verb\":\"prefetch\",\"layer\":1}\n")
+            .unwrap();
+    }
+    // Both requests are being handled before the third client arrives.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut c = Raw::new(&p);
+    assert_eq!(
+        err_of(&c.recv()),
+        "too many control connections (2 open, none idle)"
+    );
+    for c in &mut busy {
+        assert_eq!(c.recv()["ok"], true);
+    }
+    drop(busy);
     let t0 = Instant::now();
     while srv.active_connections() > 0 && t0.elapsed() < T {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(request(&p, &Request::Ping, T).is_ok());
+}
+
+#[test]
+fn idle_connections_are_closed_after_the_timeout() {
+    let t = tempfile::tempdir().unwrap();
+    let p = t.path().join("c.sock");
+    let opts = ServerOptions {
+        idle_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let srv = ControlServer::bind_with(&p, Arc::new(Mock), opts).unwrap();
+    let mut quiet = Raw::new(&p);
+    assert_eq!(quiet.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    // A client trickling one byte at a time is timed on its whole line.
+    let mut slow = Raw::new(&p);
+    let t0 = Instant::now();
+    let mut closed = false;
+    for b in b"{\"verb\":\"ping\"" {
+        if slow.w.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        closed,
+        "a trickling client was served for {:?}",
+        t0.elapsed()
+    );
+    let mut l = String::new();
+    assert_eq!(quiet.r.read_line(&mut l).unwrap_or(0), 0, "quiet closed");
+    let t0 = Instant::now();
+    while srv.active_connections() > 0 && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(srv.active_connections(), 0);
+    // A client that keeps talking is not cut off.
+    let mut c = Raw::new(&p);
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(c.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    }
 }
 
 /// Connects to `sock` as uid 65534 (nobody) from a forked child and returns
