@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests and the demo need on a fresh machine, skipping what is
 # already there: Debian packages (cmake, fuse3, zstd), Python packages (numpy, gguf,
-# safetensors, torch, transformers, pytest, zstandard), the test model and the llama.cpp build.
+# safetensors, torch, transformers, pytest, zstandard, xxhash), the test model and the llama.cpp build.
 # Heavy downloads and builds are cached under ~/.cache/cawsfs, outside the repo.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,9 +18,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >&2
 fi
 
-if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard" 2>/dev/null; then
-  echo "setup: pip install numpy gguf safetensors torch transformers pytest zstandard" >&2
-  python3 -m pip install --quiet --disable-pip-version-check numpy gguf safetensors torch transformers pytest zstandard >&2
+if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard, xxhash" 2>/dev/null; then
+  echo "setup: pip install numpy gguf safetensors torch transformers pytest zstandard xxhash" >&2
+  python3 -m pip install --quiet --disable-pip-version-check numpy gguf safetensors torch transformers pytest zstandard xxhash >&2
 fi
 
 "$here/fetch-test-model.sh" >/dev/null

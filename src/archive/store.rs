@@ -94,6 +94,11 @@ pub trait Store: RowSource {
     fn parts(&self) -> Vec<SectionInfo>;
     /// Every integrity failure, one line each. Empty = archive intact.
     fn verify_all(&self) -> Vec<String>;
+    /// Whether [`Store::verify_all`] already decodes every block (then
+    /// [`decode_failures`] has nothing to add).
+    fn verify_decodes(&self) -> bool {
+        false
+    }
     fn read_counters(&self) -> ReadCounterSnapshot;
     /// Conversion report and other free-form metadata (JSON null when none).
     fn extra(&self) -> serde_json::Value {
@@ -142,4 +147,29 @@ pub fn check_read(
         )));
     }
     Ok(())
+}
+
+/// Every row block of every tensor decoded as a read would (codec parameters, global
+/// blobs, shared bases), one line per failure: what `verify` adds to the checksums,
+/// since an archive whose checksums match can still hold parameters no read can use.
+pub fn decode_failures(store: &dyn Store) -> Vec<String> {
+    use rayon::prelude::*;
+    let model = store.model();
+    let jobs: Vec<(usize, u64, u64)> = (0..model.tensors.len())
+        .flat_map(|t| {
+            let rows = model.tensors[t].rows();
+            let rpb = store.tensor_summary(t).rows_per_block.max(1);
+            (0..rows.div_ceil(rpb)).map(move |b| (t, b * rpb, ((b + 1) * rpb).min(rows)))
+        })
+        .collect();
+    jobs.par_iter()
+        .filter_map(|&(t, r0, r1)| {
+            let cols = model.tensors[t].cols();
+            let mut out = vec![0f32; ((r1 - r0) * cols) as usize];
+            store
+                .read_rows(t, r0, r1, &mut out)
+                .err()
+                .map(|e| e.to_string())
+        })
+        .collect()
 }

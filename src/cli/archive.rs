@@ -96,9 +96,29 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn cmd_verify(path: &Path) -> Result<()> {
+pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
     let ar = cawsfs::archive::open(path)?;
-    let fails = ar.verify_all();
+    let mut fails = ar.verify_all();
+    // Past the checksums: what a mount builds at start, then every block decoded.
+    if fails.is_empty() && !quick {
+        let m = ar.model();
+        let files = [
+            layout::safetensors_file(m, None).map(drop),
+            layout::gguf_file(m, layout::GgufOutType::F16).map(drop),
+            layout::hf_metadata_files(m).map(drop),
+        ];
+        fails.extend(
+            files
+                .into_iter()
+                .filter_map(|r| r.err().map(|e| e.to_string())),
+        );
+        if let Err(e) = cawsfs::router::Router::open(m, ar.routing_bytes()) {
+            fails.push(e);
+        }
+        if !ar.verify_decodes() {
+            fails.extend(cawsfs::archive::decode_failures(ar.as_ref()));
+        }
+    }
     if let Some(first) = fails.first() {
         // One line: the first failure names the block; the count says how much more.
         match fails.len() - 1 {
@@ -109,8 +129,13 @@ pub fn cmd_verify(path: &Path) -> Result<()> {
     let blocks: usize = (0..ar.model().tensors.len())
         .map(|i| ar.tensor_summary(i).n_blocks)
         .sum();
+    let how = if quick {
+        "checksums verified; --quick: not decoded"
+    } else {
+        "verified and decoded"
+    };
     println!(
-        "{}: ok ({}, {} parts, {} tensors, {} blocks verified)",
+        "{}: ok ({}, {} parts, {} tensors, {} blocks {how})",
         path.display(),
         ar.kind().name(),
         ar.parts().len(),

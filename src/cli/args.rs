@@ -34,8 +34,16 @@ pub enum Cmd {
         #[arg(long)]
         blocks: bool,
     },
-    /// Check every checksum in an archive; exits non-zero naming the first bad one.
-    Verify { archive: PathBuf },
+    /// Check an archive whole: every checksum, then every block decoded, the ROUTING
+    /// section and the virtual files' headers, as a mount would use them; exits
+    /// non-zero naming the first problem.
+    Verify {
+        archive: PathBuf,
+        /// Checksums only (no decoding): much faster, catches corruption but not
+        /// parameters that no read can use.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Write a virtual file (or a Hugging Face directory) out of an archive.
     Export(ExportArgs),
     /// Mount an archive: a read-only directory of model files reconstructed on read.

@@ -22,7 +22,7 @@ pub fn run(cli: Cli) -> Result<()> {
             json,
             blocks,
         } => archive::cmd_inspect(&archive, json, blocks),
-        Cmd::Verify { archive } => archive::cmd_verify(&archive),
+        Cmd::Verify { archive, quick } => archive::cmd_verify(&archive, quick),
         Cmd::Export(a) => archive::cmd_export(a),
         Cmd::Mount(a) => mount::cmd_mount(a),
         Cmd::Umount { mountpoint } => mount::cmd_umount(&mountpoint),

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -291,3 +292,65 @@ def test_bad_sources_give_one_line_errors(cawsfs, model_gguf, work):
         err = p.stderr.strip()
         assert len(err.splitlines()) == 1 and needle in err and "panicked" not in err, (what, err)
         assert not (work / f"{what}.cawsf").exists(), what
+
+
+def test_verify_decodes_what_checksums_cannot_judge(cawsfs, archives, work):
+    """Archives whose every checksum is right but whose codec parameters or ROUTING no
+    read can use: `verify` fails them (one line, naming the problem) where `--quick`,
+    which checks checksums only, passes; an edit `verify` passes changes nothing
+    served. (Seven such codec edits and 18 ROUTING edits used to pass `verify`.)"""
+    from container_edit import ROUTING, reseal
+
+    src, _ = archives["default"]
+    ref = work / "verify-ref"
+    run([cawsfs, "export", src, "--format", "hf-dir", "-o", ref])
+    same = work / "resealed.cawsf"
+    reseal(src, same, lambda m, s: None)
+    run([cawsfs, "verify", same])
+
+    meta = json.loads(run([cawsfs, "inspect", src, "--json"]).stdout)
+    ndsq = next(i for i, t in enumerate(meta["tensors"]) if t["codec"].startswith("ndsq"))
+
+    def codec_edit(field, f):
+        def edit(m, s):
+            c = m["tensors"][ndsq]["codec"]
+            c[field] = f(c[field])
+        return edit
+
+    def routing_edit(at, value):
+        def edit(m, s):
+            b = bytearray(s[ROUTING])
+            struct.pack_into("<Q" if at >= 16 else "<I", b, 32 + at, value)
+            s[ROUTING] = bytes(b)
+        return edit
+
+    cases = {
+        "rank+1": codec_edit("rank", lambda v: v + 1),
+        "rank0": codec_edit("rank", lambda v: 0),
+        "pq_dim*2": codec_edit("pq_dim", lambda v: v * 2),
+        "pq_dim1": codec_edit("pq_dim", lambda v: 1),
+        "pq_k/2": codec_edit("pq_k", lambda v: v // 2),
+        "pq_k1": codec_edit("pq_k", lambda v: 1),
+        "outlier_q": codec_edit("outlier_q", lambda v: 0.5),
+        "routing tensor": routing_edit(0, 1 << 20),
+        "routing row1": routing_edit(24, 1 << 40),
+    }
+    caught_only_by_decoding = []
+    for name, edit in cases.items():
+        slug = "".join(c if c.isalnum() else "-" for c in name)
+        bad = work / f"verify-{slug}.cawsf"
+        reseal(src, bad, edit)
+        quick = run_status([cawsfs, "verify", "--quick", bad])
+        full = run_status([cawsfs, "verify", bad])
+        if full.returncode == 0:
+            # Nothing served may have changed.
+            out = work / f"verify-out-{slug}"
+            run([cawsfs, "export", bad, "--format", "hf-dir", "-o", out])
+            assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes(), name
+            continue
+        lines = full.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(bad) in lines[0], (name, full.stderr)
+        if quick.returncode == 0:
+            caught_only_by_decoding.append(name)
+    assert "routing tensor" in caught_only_by_decoding and "routing row1" in caught_only_by_decoding
+    assert len(caught_only_by_decoding) >= 5, caught_only_by_decoding
