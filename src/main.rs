@@ -30,8 +30,25 @@ fn main() -> ExitCode {
     match cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("cawsfs: error: {e:#}");
+            eprintln!("cawsfs: error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes joined with ": ", leaving out a cause whose text is
+/// already there (many errors show their source in their own message; `{:#}` would
+/// print it twice: "x: No such file (os error 2): No such file (os error 2)").
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }

@@ -72,7 +72,7 @@ pub struct EncodedTensor {
 pub enum CodecError {
     #[error("invalid codec parameters: {0}")]
     Params(String),
-    #[error("corrupt payload: {0}")]
+    #[error("{0}")] // its callers say "is corrupt"
     Corrupt(String),
 }
 

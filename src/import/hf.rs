@@ -78,6 +78,7 @@ impl HfSource {
         }
         let config: Value = serde_json::from_slice(&hf_files["config.json"])
             .map_err(|e| invalid(&cfg_path, format!("not valid JSON: {e}")))?;
+        model_type_of(&cfg_path, &config)?;
 
         let shard_paths = shard_paths(dir)?;
         let mut shards = Vec::new();
@@ -201,11 +202,10 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
     ))
 }
 
-pub(crate) fn arch_from_config(
-    path: &Path,
-    c: &Value,
-    tensors: &[TensorDesc],
-) -> Result<ArchConfig, ImportError> {
+/// `model_type` of a config and the GGUF architecture it maps to; an architecture this
+/// build cannot serve is refused here, before any tensor is looked at, so that is the
+/// error the user sees (not a dtype of some tensor of that model).
+fn model_type_of(path: &Path, c: &Value) -> Result<(String, String), ImportError> {
     let model_type = c
         .get("model_type")
         .and_then(Value::as_str)
@@ -222,6 +222,15 @@ pub(crate) fn arch_from_config(
         }
     }
     .to_string();
+    Ok((model_type, gguf_arch))
+}
+
+pub(crate) fn arch_from_config(
+    path: &Path,
+    c: &Value,
+    tensors: &[TensorDesc],
+) -> Result<ArchConfig, ImportError> {
+    let (model_type, gguf_arch) = model_type_of(path, c)?;
     let u = |key: &str| -> Result<u32, ImportError> {
         c.get(key)
             .and_then(Value::as_u64)

@@ -44,8 +44,9 @@ pub struct MountOptions {
 pub enum MountError {
     #[error(transparent)]
     Archive(#[from] ArchiveError),
-    #[error("{0}")]
-    Setup(#[from] SetupError),
+    /// The archive opened but its files cannot be served (e.g. its tokenizer metadata).
+    #[error("{archive}: {err}")]
+    Setup { archive: String, err: SetupError },
     #[error("control socket: {0}")]
     Control(#[from] ControlError),
     #[error("{mountpoint}: {reason}")]
@@ -88,7 +89,12 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     let sigs = signals::StopSignals::block()
         .map_err(|e| mount_err(format!("cannot block stop signals: {e}")))?;
     let archive = crate::archive::open(archive_path)?;
-    let fs = Arc::new(MountFs::new(archive, &opts.fs)?);
+    let fs = Arc::new(
+        MountFs::new(archive, &opts.fs).map_err(|err| MountError::Setup {
+            archive: archive_path.display().to_string(),
+            err,
+        })?,
+    );
     let session = session::mount(fs.clone(), archive_path, mountpoint, opts)
         .map_err(|e| mount_err(format!("mount failed: {e}")))?;
 
