@@ -13,94 +13,22 @@ use rand::{RngExt, SeedableRng};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
+mod common;
+
 const HIDDEN: usize = 64;
 const FFN: usize = 160;
-const VOCAB: usize = 300;
-const LAYERS: usize = 2;
 
-/// A tiny llama-shaped model with random (seeded) weights, written as a HF directory.
+/// The tiny model of these tests.
 fn write_tiny_hf(dir: &Path) {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, rng: &mut rand_chacha::ChaCha8Rng| {
-        let n: usize = shape.iter().product();
-        let vals: Vec<u8> = (0..n)
-            .flat_map(|_| half::f16::from_f32(rng.random_range(-0.1f32..0.1)).to_le_bytes())
-            .collect();
-        tensors.push((name, shape, vals));
-    };
-    add(
-        "model.embed_tokens.weight".into(),
-        vec![VOCAB, HIDDEN],
-        &mut rng,
+    common::write_tiny_hf(
+        dir,
+        common::Dims {
+            hidden: HIDDEN,
+            ffn: FFN,
+            vocab: 300,
+            layers: 2,
+        },
     );
-    add("model.norm.weight".into(), vec![HIDDEN], &mut rng);
-    for l in 0..LAYERS {
-        let p = format!("model.layers.{l}.");
-        add(format!("{p}input_layernorm.weight"), vec![HIDDEN], &mut rng);
-        add(
-            format!("{p}post_attention_layernorm.weight"),
-            vec![HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}self_attn.q_proj.weight"),
-            vec![HIDDEN, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}self_attn.k_proj.weight"),
-            vec![HIDDEN / 2, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}self_attn.v_proj.weight"),
-            vec![HIDDEN / 2, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}self_attn.o_proj.weight"),
-            vec![HIDDEN, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}mlp.gate_proj.weight"),
-            vec![FFN, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}mlp.up_proj.weight"),
-            vec![FFN, HIDDEN],
-            &mut rng,
-        );
-        add(
-            format!("{p}mlp.down_proj.weight"),
-            vec![HIDDEN, FFN],
-            &mut rng,
-        );
-    }
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, s, d)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F16, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
-    });
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_vec(&config).unwrap(),
-    )
-    .unwrap();
 }
 
 fn converted(dir: &Path, opts: &ConvertOptions) -> std::path::PathBuf {
