@@ -94,6 +94,10 @@ pub fn load_tokenizer(model: &ModelDesc) -> Result<Tokenizer, String> {
             .map(|(_, b)| b)
             .ok_or("the model has no tokenizer.json")?,
     };
+    // tokenizers 0.22 panics ("Helper") on a JSON syntax error inside "decoder" rather
+    // than returning it (found by fuzzing, tests/fuzz_regressions.rs): check the JSON first.
+    serde_json::from_slice::<serde_json::Value>(&bytes)
+        .map_err(|e| format!("tokenizer.json does not load: not valid JSON: {e}"))?;
     Tokenizer::from_bytes(&bytes).map_err(|e| format!("tokenizer.json does not load: {e}"))
 }
 

@@ -1,0 +1,53 @@
+//! Inputs the fuzz targets (fuzz/, scripts/fuzz.sh, docs/RELIABILITY.md) found to crash,
+//! minimized, each kept as a test that the crash stays fixed.
+
+use std::collections::BTreeMap;
+
+use cawsfs::model::{ArchConfig, ModelDesc};
+
+fn model_with_tokenizer(tokenizer_json: &[u8]) -> ModelDesc {
+    ModelDesc {
+        arch: ArchConfig {
+            model_type: "llama".into(),
+            gguf_arch: "llama".into(),
+            n_layers: 1,
+            hidden_size: 4,
+            intermediate_size: 8,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+            vocab_size: 10,
+            context_length: 64,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            bos_token_id: None,
+            eos_token_id: None,
+            pad_token_id: None,
+        },
+        tensors: Vec::new(),
+        hf_files: BTreeMap::from([("tokenizer.json".to_string(), tokenizer_json.to_vec())]),
+        gguf_meta: Vec::new(),
+    }
+}
+
+/// hf_json target: a JSON syntax error inside tokenizer.json's "decoder" made tokenizers
+/// 0.22 panic (`expect("Helper")` in its decoder deserializer) instead of returning an
+/// error — a panic of `convert` (routing keys) and of the daemon's `route`, from any
+/// archive or source whose tokenizer.json is malformed there. Found as a stray comma,
+/// a control character, and an invalid UTF-8 byte in the decoder of the seed tokenizer.
+#[test]
+fn malformed_decoder_in_tokenizer_json_is_an_error_not_a_panic() {
+    for input in [
+        &b"{\"decoder\":{\"type\":\"ByteLevel\",}}"[..],
+        b"{\"decoder\":{\"type\":\"Byte\x01Level\"}}",
+        b"{\"decoder\":{\"type\":\"Byte\xffLevel\"}}",
+        b"{\"decoder\":{\"type\":",
+    ] {
+        let Err(err) = cawsfs::router::load_tokenizer(&model_with_tokenizer(input)) else {
+            panic!("a malformed tokenizer.json loaded");
+        };
+        assert!(err.contains("tokenizer.json"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+}
