@@ -40,6 +40,17 @@ pub struct MountOptions {
     pub pin_prompt: Option<String>,
 }
 
+/// How often the daemon returns freed heap pages to the system.
+const TRIM_EVERY: Duration = Duration::from_secs(2);
+
+/// Return the allocator's free pages to the system (glibc keeps them otherwise).
+fn trim_heap() {
+    // SAFETY: malloc_trim only releases free memory; it takes the allocator's own locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error(transparent)]
@@ -115,6 +126,10 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
             return Err(e.into());
         }
     };
+    // Building the layouts leaves the heap fragmented with what it freed (META's JSON,
+    // the tokenizer's intermediate forms): hand those pages back before serving.
+    trim_heap();
+    let mut last_trim = std::time::Instant::now();
     tracing::info!(
         "serving {} at {} (control socket {})",
         archive_path.display(),
@@ -122,6 +137,12 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         server.path().display()
     );
     let unmounted = loop {
+        // Freed chunks and decode buffers come back to the allocator, not the system;
+        // trimming now and then keeps resident memory near what the cache holds.
+        if last_trim.elapsed() >= TRIM_EVERY {
+            trim_heap();
+            last_trim = std::time::Instant::now();
+        }
         if let Some(sig) = sigs.wait(Duration::from_millis(200)) {
             tracing::info!("signal {sig}: unmounting {}", mountpoint.display());
             break false;

@@ -159,6 +159,15 @@ def test_small_budget_serves_everything_within_budget(cawsfs, archives, work, ex
     anonymous resident memory stays under budget + a fixed overhead."""
     budget = 16 << 20
     m = Mount(cawsfs, archives["default"][0], work / "mnt-small", "--cache-size", "16MiB")
+    # Before any read: the fixed part (model description, layout headers, tokenizer.json)
+    # once the heap the setup fragmented is trimmed (it was 38 MiB untrimmed).
+    for _ in range(30):  # the daemon trims right after it starts serving
+        status = open(f"/proc/{m.pid}/status").read()
+        idle = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) << 10
+        if idle < 24 << 20:
+            break
+        time.sleep(0.1)
+    assert idle < 24 << 20, f"idle RssAnon {idle / 2**20:.1f} MiB"
     stop, peak = threading.Event(), {}
     sampler = threading.Thread(target=rss_sampler, args=(m.pid, stop, peak))
     sampler.start()
@@ -174,7 +183,9 @@ def test_small_budget_serves_everything_within_budget(cawsfs, archives, work, ex
         m.close()
     overhead = peak["anon"] - budget
     print(f"peak RssAnon {peak['anon'] / 2**20:.1f} MiB with a 16 MiB budget: overhead {overhead / 2**20:.1f} MiB")
-    assert overhead < 64 << 20, peak
+    # Measured 36 MiB here (4 request threads and 2 prefetch workers each decoding a
+    # chunk); the reliability issue's target is 24 MiB.
+    assert overhead < 48 << 20, peak
 
 
 def test_corrupt_block_gives_eio_only_there(cawsfs, archives, work, exported):
