@@ -74,7 +74,9 @@ mod sync;
 mod trace;
 
 // The unit tests use real threads and time, which shuttle's primitives refuse outside
-// a shuttle execution.
+// a shuttle execution; with the feature on, only the schedule-exploring tests run.
+#[cfg(all(test, feature = "shuttle"))]
+mod shuttle_tests;
 #[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
