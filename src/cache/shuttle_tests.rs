@@ -22,9 +22,9 @@ const CS: u64 = 8;
 const SIZE: u64 = 30;
 const CHUNKS: u64 = 4;
 
-/// Schedules per scheduler and scenario: about 1 s for all of them per 1000 on two
-/// cores. `CAWSFS_SHUTTLE_ITERATIONS` sets another number for a longer run.
-const DEFAULT_ITERATIONS: usize = 5000;
+/// Schedules per scheduler and scenario: all of them take 5-8 s on two cores.
+/// `CAWSFS_SHUTTLE_ITERATIONS` sets another number for a longer run.
+const DEFAULT_ITERATIONS: usize = 10_000;
 const PCT_DEPTH: usize = 3;
 
 /// Run `f` under many random schedules, then as many PCT ones.
@@ -335,5 +335,67 @@ fn dropping_the_cache_stops_busy_prefetchers() {
         for i in 0..CHUNKS {
             assert_eq!(src.running[i as usize].load(SeqCst), 0, "chunk {i} loading");
         }
+    });
+}
+
+#[test]
+fn random_operations_keep_the_bytes_pins_and_budget() {
+    use shuttle::rand::{thread_rng, Rng};
+    explore(|| {
+        // Two and a half chunks: pins can be refused, and every miss evicts.
+        let mut cfg = CacheConfig::new(2 * CS + CS / 2, CS);
+        cfg.readahead_chunks = 1;
+        let c = Arc::new(ChunkCache::with_config(cfg).unwrap());
+        let src = Source::new(Faults::Sometimes);
+        c.register_file(FILE, src.loader());
+        c.start_prefetcher(1);
+        let threads: Vec<_> = (0..3)
+            .map(|_| {
+                let (c, src) = (c.clone(), src.clone());
+                thread::spawn(move || {
+                    // Shuttle's generator: the choices are part of the schedule, so a
+                    // failure replays.
+                    let mut rng = thread_rng();
+                    for _ in 0..5 {
+                        let index = rng.gen_range(0..CHUNKS);
+                        match rng.gen_range(0..6) {
+                            0 | 1 => {
+                                let off = rng.gen_range(0..SIZE);
+                                let len = rng.gen_range(1..=2 * CS as usize);
+                                read_until_ok(&c, &src, off, len);
+                            }
+                            2 => match c.pin(key(index), SIZE) {
+                                Ok(()) => {
+                                    read_until_ok(&c, &src, index * CS, 1);
+                                    assert!(c.contains(key(index)), "pinned chunk {index}");
+                                    c.unpin(key(index)).unwrap();
+                                }
+                                Err(CacheError::PinOverBudget { .. }) => {}
+                                Err(e) => panic!("{e}"),
+                            },
+                            3 => {
+                                c.evict([key(index)]);
+                            }
+                            4 => {
+                                c.set_hints([key(index), key((index + 1) % CHUNKS)]);
+                            }
+                            _ => {
+                                c.prefetch_registered(FILE, SIZE, index..CHUNKS);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        check(&c);
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(c.wait_prefetch_idle(Duration::from_secs(60)));
+        check(&c);
+        let s = c.stats();
+        assert_eq!((s.pinned_bytes, s.loads_in_flight), (0, 0));
+        assert_eq!(s.loads, src.all_loads());
+        assert_eq!(s.load_errors, src.failed.load(SeqCst));
     });
 }
