@@ -5,10 +5,11 @@
 
 use super::lru::Entry;
 use super::stats::{add, bump};
+use super::sync::{AtomicBool, AtomicU64, Condvar, Mutex};
 use super::{io_err, lock, ChunkKey, LoadFn, Outcome, Shared};
 use crate::model::ReadError;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, PoisonError};
 
 type FlightResult = Result<Arc<[u8]>, ReadError>;
 

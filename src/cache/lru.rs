@@ -282,3 +282,56 @@ impl ChunkCache {
         lock(&self.shared.state).hints.len()
     }
 }
+
+#[cfg(test)]
+impl State {
+    /// Panics unless the byte accounting matches the entries and the budget holds: true
+    /// whenever the state lock is free, so a test may check it at any moment.
+    pub(super) fn assert_consistent(&self, budget: u64) {
+        let unpinned: u64 = self
+            .lru
+            .iter()
+            .chain(self.hinted.iter())
+            .map(|(_, e)| e.data.len() as u64)
+            .sum();
+        assert_eq!(unpinned, self.unpinned_bytes, "unpinned bytes");
+        let reserved: u64 = self.pinned.values().map(|s| s.len).sum();
+        assert_eq!(reserved, self.pinned_reserved, "pinned reserved bytes");
+        let resident: u64 = self
+            .pinned
+            .values()
+            .filter(|s| s.entry.is_some())
+            .map(|s| s.len)
+            .sum();
+        assert_eq!(resident, self.pinned_resident, "pinned resident bytes");
+        for (k, s) in &self.pinned {
+            assert!(s.count > 0, "pin slot {k:?} with no pins");
+            if let Some(e) = &s.entry {
+                assert_eq!(e.data.len() as u64, s.len, "pinned chunk {k:?} length");
+            }
+            assert!(
+                !self.lru.contains(k) && !self.hinted.contains(k),
+                "pinned chunk {k:?} also in an LRU"
+            );
+        }
+        for (k, _) in self.lru.iter() {
+            assert!(!self.hinted.contains(k), "chunk {k:?} in both LRUs");
+            assert!(
+                !self.hints.contains(k),
+                "hinted chunk {k:?} in the ordinary LRU"
+            );
+        }
+        for (k, _) in self.hinted.iter() {
+            assert!(
+                self.hints.contains(k),
+                "unhinted chunk {k:?} in the hinted LRU"
+            );
+        }
+        assert!(
+            self.unpinned_bytes + self.pinned_reserved <= budget,
+            "{} unpinned + {} pinned bytes over the budget of {budget}",
+            self.unpinned_bytes,
+            self.pinned_reserved
+        );
+    }
+}

@@ -70,9 +70,14 @@ mod flight;
 mod lru;
 mod prefetch;
 mod stats;
+mod sync;
 mod trace;
 
-#[cfg(test)]
+// The unit tests use real threads and time, which shuttle's primitives refuse outside
+// a shuttle execution; with the feature on, only the schedule-exploring tests run.
+#[cfg(all(test, feature = "shuttle"))]
+mod shuttle_tests;
+#[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
 pub use stats::{CacheStats, FileStats, LatencyStats};
@@ -84,10 +89,11 @@ use crate::model::ReadError;
 use prefetch::Queue;
 use stats::{add, bump, Counters, FileCounters, Histogram};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
+use sync::thread::JoinHandle;
+use sync::{AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, RwLock};
 use trace::Trace;
 
 /// Default chunk size: 256 KiB (two default FUSE read requests).
@@ -397,7 +403,7 @@ impl ChunkCache {
         // blocked rayon worker can starve the rayon jobs that the archive's decoder
         // (running in a prefetch worker) is waiting for — a deadlock seen on a mount.
         let loaded: Vec<Result<Arc<[u8]>, ReadError>> = if missing.len() > 1 {
-            std::thread::scope(|s| {
+            sync::thread::scope(|s| {
                 let handles: Vec<_> = missing
                     .iter()
                     .map(|&i| (i, s.spawn(move || fetch_one(i))))

@@ -4,6 +4,7 @@
 //! the workers load through the same single-flight path as demand reads.
 
 use super::stats::{add, bump};
+use super::sync::{backoff, thread};
 use super::{
     lock, ChunkCache, ChunkKey, ChunkLoader, FileState, Outcome, Shared, PREFETCH_BACKOFF,
 };
@@ -84,7 +85,7 @@ impl Shared {
             };
             // Demand first: don't start a prefetch load while a reader waits on one.
             while self.demand_waiting.load(Relaxed) > 0 && !self.shutdown.load(Relaxed) {
-                std::thread::sleep(PREFETCH_BACKOFF);
+                backoff(PREFETCH_BACKOFF);
             }
             let present = lock(&self.state).is_present(&job.key);
             if present {
@@ -138,7 +139,7 @@ impl ChunkCache {
         let mut handles = lock(&self.workers);
         for i in 0..threads {
             let sh = self.shared.clone();
-            let h = std::thread::Builder::new()
+            let h = thread::Builder::new()
                 .name(format!("cawsfs-prefetch-{i}"))
                 .spawn(move || sh.worker())
                 .expect("spawn prefetch worker");

@@ -499,6 +499,7 @@ fn hammer_keeps_the_budget_and_the_bytes() {
     assert!(c.contains(key(2, 3)) || s.pinned_resident_bytes == 0);
     assert_eq!(s.reads, 8 * 1500);
     assert_eq!(s.load_errors, 0);
+    lock(&c.shared.state).assert_consistent(budget);
 }
 
 #[test]

@@ -2,9 +2,9 @@
 //! replaying and comparing access patterns. Separate because it is a side channel:
 //! nothing on the read path depends on it beyond one relaxed flag check.
 
+use super::sync::{AtomicBool, Mutex};
 use super::{lock, ChunkCache, Outcome, TRACE_CAP};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 /// How a traced demand chunk lookup was satisfied.

@@ -1,0 +1,39 @@
+//! The cache's synchronization primitives and threads, in one place so that the
+//! `shuttle` feature can swap them: std's normally, shuttle's under the feature, where
+//! the schedule-exploring tests (`shuttle_tests.rs`) then control every lock, wait,
+//! atomic and thread of the cache. Statistics counters (`stats.rs`) stay std atomics:
+//! they never decide anything, and as scheduling points they would only slow the search.
+//!
+//! With the feature on, the cache works only inside a shuttle test (`shuttle::check_*`):
+//! the feature is for `cargo test --features shuttle --lib cache::`, never for a build.
+
+#[cfg(not(feature = "shuttle"))]
+pub(super) use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64},
+        Condvar, Mutex, MutexGuard, RwLock,
+    },
+    thread,
+};
+
+#[cfg(feature = "shuttle")]
+pub(super) use shuttle::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64},
+        Condvar, Mutex, MutexGuard, RwLock,
+    },
+    thread,
+};
+
+/// A prefetch worker's pause while demand loads are waiting.
+pub(super) fn backoff(d: std::time::Duration) {
+    #[cfg(not(feature = "shuttle"))]
+    std::thread::sleep(d);
+    // Shuttle has no time: its `sleep` is a bare context switch, which the PCT scheduler
+    // may keep giving back to this spinning worker; `yield_now` tells it to run others.
+    #[cfg(feature = "shuttle")]
+    {
+        let _ = d;
+        shuttle::thread::yield_now();
+    }
+}
