@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 "scripts/setup.sh"
 cargo build --release --locked 2>&1 | tail -n 3
 cargo test --release --locked
+# The cache's concurrency tests under shuttle's schedulers (docs/RELIABILITY.md).
+cargo test --release --locked --features shuttle --lib cache::
 # Every fuzz target briefly from generated seeds (docs/RELIABILITY.md, "Fuzzing").
 scripts/fuzz.sh --ci
 cargo bench --locked --no-run
