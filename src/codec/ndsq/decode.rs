@@ -2,7 +2,6 @@
 //! payload validated whole before any row is read ([`BlockView`]), then rows decoded
 //! (`U·Σ·Vᵀ + R̂ + D + S`) or multiplied by a vector without forming them.
 
-use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 
 use super::{check_shape_params, diag_rows, idx_width, read_idx, MAGIC};
@@ -184,15 +183,21 @@ impl<'a> BlockView<'a> {
             return;
         }
         debug_assert!(r1 <= self.n && out.len() == nr * cols);
+        // U·(ΣVᵀ) as rank axpys per row: the rank is small (a handful to a few dozen),
+        // where a plain loop vectorizes as well as a GEMM and, unlike faer's, keeps no
+        // per-thread packing buffer (tens of MiB of virtual memory per decoding thread,
+        // partly resident for the thread's life).
+        out.fill(0.0);
         if g.rank > 0 {
             let mut u = vec![0f32; nr * g.rank];
             le::f16s_to_f32(&self.u[r0 * g.rank * 2..r1 * g.rank * 2], &mut u);
-            let um = MatRef::from_row_major_slice(&u, nr, g.rank);
-            let svt = MatRef::from_row_major_slice(&g.svt, g.rank, cols);
-            let dst = MatMut::from_row_major_slice_mut(out, nr, cols);
-            faer::linalg::matmul::matmul(dst, Accum::Replace, um, svt, 1.0f32, Par::Seq);
-        } else {
-            out.fill(0.0);
+            for (row, ui) in out.chunks_exact_mut(cols).zip(u.chunks_exact(g.rank)) {
+                for (&uk, vk) in ui.iter().zip(g.svt.chunks_exact(cols)) {
+                    for (o, &v) in row.iter_mut().zip(vk) {
+                        *o += uk * v;
+                    }
+                }
+            }
         }
         for (li, row) in out.chunks_exact_mut(cols).enumerate() {
             let i = r0 + li;
