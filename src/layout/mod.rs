@@ -13,11 +13,11 @@ use std::sync::Arc;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::codec::le::push_le;
 use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
 
 mod gguf;
 mod hfmeta;
+mod packed;
 mod safetensors;
 mod tokenizer;
 
@@ -74,7 +74,7 @@ struct TensorPiece {
 
 #[derive(Clone, Debug)]
 enum PieceKind {
-    Bytes(Vec<u8>),
+    Bytes(packed::Packed),
     Zeros,
     Tensor(TensorPiece),
 }
@@ -107,6 +107,7 @@ impl Builder {
         Ok(())
     }
     fn bytes(&mut self, b: Vec<u8>) -> Result<(), LayoutError> {
+        let b = packed::Packed::new(b);
         self.push(b.len() as u64, PieceKind::Bytes(b))
     }
     fn zeros(&mut self, len: u64) -> Result<(), LayoutError> {
@@ -201,6 +202,18 @@ impl VirtualFile {
         self.inner.ranges.clone()
     }
 
+    /// Memory a read of this file may hold while it decodes, per byte read: the output
+    /// plus the f32 rows it is encoded from (`read_at` decodes whole rows into f32
+    /// before converting them), so 3 for a 16-bit view and 2 for f32. The mount's cache
+    /// counts this against its budget for every load in flight.
+    pub fn load_work_factor(&self) -> u64 {
+        let widest = self.inner.pieces.iter().filter_map(|p| match &p.kind {
+            PieceKind::Tensor(t) => Some(4u64.div_ceil(t.dtype.size() as u64)),
+            _ => None,
+        });
+        1 + widest.max().unwrap_or(0)
+    }
+
     /// Fill `buf` with the bytes at `offset` (short only at end of file); returns the
     /// number of bytes written. Decodes only the rows overlapping the range.
     pub fn read_at(
@@ -224,7 +237,7 @@ impl VirtualFile {
             let take = (p.len - rel).min((n - done) as u64) as usize;
             let out = &mut buf[done..done + take];
             match &p.kind {
-                PieceKind::Bytes(b) => out.copy_from_slice(&b[rel as usize..rel as usize + take]),
+                PieceKind::Bytes(b) => b.read(rel as usize, out),
                 PieceKind::Zeros => out.fill(0),
                 PieceKind::Tensor(t) => read_tensor(src, t, rel, out)?,
             }
@@ -235,21 +248,48 @@ impl VirtualFile {
     }
 }
 
-/// Append `vals` encoded as `dtype` (little-endian) to `out`. `half` rounds to nearest
+/// Values converted per step of [`encode_window`] (a 4 KiB stack buffer for f32).
+const ENCODE_STEP: usize = 1024;
+
+/// Write bytes `[skip, skip + out.len())` of `vals` encoded as `dtype` (little-endian)
+/// into `out`, converting only the values that overlap the window, through a small
+/// stack buffer rather than an encoded copy of the whole run. `half` rounds to nearest
 /// even, as torch and numpy do.
-fn encode(vals: &[f32], dtype: FloatType, out: &mut Vec<u8>) {
-    match dtype {
-        FloatType::F32 => push_le(vals, out),
-        FloatType::F16 => {
-            let mut h = vec![f16::ZERO; vals.len()];
-            h.convert_from_f32_slice(vals);
-            push_le(&h, out);
+fn encode_window(vals: &[f32], dtype: FloatType, skip: usize, out: &mut [u8]) {
+    let es = dtype.size();
+    let end = skip + out.len();
+    debug_assert!(end <= vals.len() * es);
+    let mut buf = [0u8; ENCODE_STEP * 4];
+    let mut e = skip / es;
+    while e * es < end {
+        let n = ENCODE_STEP.min(vals.len() - e);
+        let step = &vals[e..e + n];
+        let bytes = &mut buf[..n * es];
+        match dtype {
+            FloatType::F32 => {
+                for (b, v) in bytes.chunks_exact_mut(4).zip(step) {
+                    b.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            FloatType::F16 => {
+                let mut h = [f16::ZERO; ENCODE_STEP];
+                h[..n].convert_from_f32_slice(step);
+                for (b, v) in bytes.chunks_exact_mut(2).zip(&h[..n]) {
+                    b.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            FloatType::BF16 => {
+                let mut h = [bf16::ZERO; ENCODE_STEP];
+                h[..n].convert_from_f32_slice(step);
+                for (b, v) in bytes.chunks_exact_mut(2).zip(&h[..n]) {
+                    b.copy_from_slice(&v.to_le_bytes());
+                }
+            }
         }
-        FloatType::BF16 => {
-            let mut h = vec![bf16::ZERO; vals.len()];
-            h.convert_from_f32_slice(vals);
-            push_le(&h, out);
-        }
+        // Intersect this step's bytes [e*es, (e+n)*es) with the window.
+        let (a, b) = ((e * es).max(skip), ((e + n) * es).min(end));
+        out[a - skip..b - skip].copy_from_slice(&bytes[a - e * es..b - e * es]);
+        e += n;
     }
 }
 
@@ -263,7 +303,6 @@ fn read_tensor(
 ) -> Result<(), ReadError> {
     let esize = t.dtype.size() as u64;
     let end = rel + out.len() as u64;
-    let mut encoded = Vec::new();
 
     // A permuted 1-D tensor: one small row whose elements are reordered.
     if let (Some(heads), 1) = (t.permute, t.rows) {
@@ -272,8 +311,7 @@ fn read_tensor(
         let perm: Vec<f32> = (0..t.cols)
             .map(|g| vals[crate::model::names::gguf_row_to_hf(g, t.cols, heads) as usize])
             .collect();
-        encode(&perm, t.dtype, &mut encoded);
-        out.copy_from_slice(&encoded[rel as usize..end as usize]);
+        encode_window(&perm, t.dtype, rel as usize, out);
         return Ok(());
     }
 
@@ -290,6 +328,15 @@ fn read_tensor(
     let units_per_run = (SCRATCH_F32_BYTES / (row_f32 * unit)).max(1);
     let mut scratch: Vec<f32> = Vec::new();
     let mut r = first;
+    // Bytes [a, b) of the tensor's data, encoded from `vals` (which start at byte
+    // `from`), into their place in `out`.
+    let mut place = |vals: &[f32], from: u64, to: u64| {
+        let (a, b) = (rel.max(from), end.min(to));
+        if a < b {
+            let dst = &mut out[(a - rel) as usize..(b - rel) as usize];
+            encode_window(vals, t.dtype, (a - from) as usize, dst);
+        }
+    };
     while r < last {
         // GGUF (output) rows r..r_end, source rows s0..s1.
         let (r_end, s0, s1) = match t.permute {
@@ -307,23 +354,16 @@ fn read_tensor(
         scratch.clear();
         scratch.resize(((s1 - s0) * t.cols) as usize, 0.0);
         src.read_rows(t.tensor, s0, s1, &mut scratch)?;
-        encoded.clear();
         match t.permute {
-            None => encode(&scratch, t.dtype, &mut encoded),
+            None => place(&scratch, r * row_bytes, r_end * row_bytes),
             Some(heads) => {
                 for g in r..r_end {
                     let s = crate::model::names::gguf_row_to_hf(g, t.rows, heads) - s0;
                     let row = &scratch[(s * t.cols) as usize..((s + 1) * t.cols) as usize];
-                    encode(row, t.dtype, &mut encoded);
+                    place(row, g * row_bytes, (g + 1) * row_bytes);
                 }
             }
         }
-        // Intersect this run's bytes with the requested range.
-        let run_start = r * row_bytes;
-        let a = rel.max(run_start);
-        let b = end.min(r_end * row_bytes);
-        out[(a - rel) as usize..(b - rel) as usize]
-            .copy_from_slice(&encoded[(a - run_start) as usize..(b - run_start) as usize]);
         r = r_end;
     }
     Ok(())
