@@ -110,6 +110,11 @@ impl MountFs {
         let mut cfg = CacheConfig::new(opts.cache_bytes, opts.chunk_size);
         cfg.readahead_chunks = opts.readahead_chunks;
         cfg.router_eviction = opts.router_eviction;
+        cfg.load_work_factor = files
+            .iter()
+            .map(|f| f.load_work_factor())
+            .max()
+            .unwrap_or(1);
         let cache = Arc::new(ChunkCache::with_config(cfg)?);
         let entries: Vec<Entry> = files
             .into_iter()

@@ -98,12 +98,17 @@ struct FlightGuard<'a> {
     key: ChunkKey,
     flight: Arc<Flight>,
     armed: bool,
+    /// Bytes this load counts against the budget while it runs (`State::working`).
+    work: u64,
 }
 
 impl Drop for FlightGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
-            lock(&self.shared.state).inflight.remove(&self.key);
+            let mut st = lock(&self.shared.state);
+            st.inflight.remove(&self.key);
+            st.working -= self.work;
+            drop(st);
             bump(&self.shared.counters.load_errors);
             self.flight.publish(Err(io_err(
                 std::io::ErrorKind::Other,
@@ -160,6 +165,7 @@ impl Shared {
         load: &LoadFn<'_>,
         demand: bool,
     ) -> Result<(Arc<[u8]>, Outcome), ReadError> {
+        let work = len.saturating_mul(self.cfg.load_work_factor);
         let flight = {
             let mut st = lock(&self.state);
             if let Some(found) = st.lookup(&key, demand) {
@@ -181,6 +187,11 @@ impl Shared {
                 demand_joined: AtomicBool::new(false),
             });
             st.inflight.insert(key, f.clone());
+            // The load's buffers count against the budget while it runs: resident
+            // chunks make room for them now, so memory stays within the budget however
+            // many loads run at once (as long as pins leave room).
+            st.working += work;
+            st.make_room(self.cfg.budget_bytes, 0, &self.counters);
             f
         };
         let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
@@ -189,6 +200,7 @@ impl Shared {
             key,
             flight: flight.clone(),
             armed: true,
+            work,
         };
         bump(&self.counters.loads);
         let result = self.run_loader(key, len, load);
@@ -196,6 +208,7 @@ impl Shared {
         {
             let mut st = lock(&self.state);
             st.inflight.remove(&key);
+            st.working -= work;
             match &result {
                 Ok(data) => {
                     add(&self.counters.bytes_loaded, data.len() as u64);

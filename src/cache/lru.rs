@@ -33,6 +33,9 @@ pub(super) struct State {
     pub(super) pinned_reserved: u64,
     pub(super) pinned_resident: u64,
     pub(super) inflight: HashMap<ChunkKey, Arc<Flight>>,
+    /// Bytes the loads in flight count against the budget (each its chunk's length
+    /// times `CacheConfig::load_work_factor`).
+    pub(super) working: u64,
 }
 
 impl State {
@@ -46,6 +49,7 @@ impl State {
             pinned_reserved: 0,
             pinned_resident: 0,
             inflight: HashMap::new(),
+            working: 0,
         }
     }
 
@@ -81,9 +85,10 @@ impl State {
             || self.pinned.get(key).is_some_and(|s| s.entry.is_some())
     }
 
-    /// Evict LRU unpinned chunks until `unpinned_bytes + extra` fits beside the pins.
-    fn make_room(&mut self, budget: u64, extra: u64, counters: &Counters) {
-        let room = budget.saturating_sub(self.pinned_reserved);
+    /// Evict LRU unpinned chunks until `unpinned_bytes + extra` fits beside the pins
+    /// and the loads in flight.
+    pub(super) fn make_room(&mut self, budget: u64, extra: u64, counters: &Counters) {
+        let room = budget.saturating_sub(self.pinned_reserved.saturating_add(self.working));
         while self.unpinned_bytes.saturating_add(extra) > room {
             match self.lru.pop_lru().or_else(|| self.hinted.pop_lru()) {
                 Some((_, e)) => {

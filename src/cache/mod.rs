@@ -23,11 +23,13 @@
 //!   unpinned room is returned to its reader but not retained. Pinned chunks live
 //!   outside the LRU, so eviction never walks past them. Bookkeeping per entry (LRU node,
 //!   hash slot, `Arc` header, key) is outside the budget: about
-//!   [`ENTRY_OVERHEAD_BYTES`] per chunk, 0.06% at 256 KiB chunks. Also outside it:
-//!   chunks still referenced by readers copying out of them after eviction, and the
-//!   buffers of loads in flight (at most one per concurrent reader or prefetch
-//!   worker, each at most one chunk) — so resident memory is bounded by
-//!   `budget + (readers + workers) * chunk_size + entries * overhead`.
+//!   [`ENTRY_OVERHEAD_BYTES`] per chunk, 0.06% at 256 KiB chunks. A load in flight
+//!   counts against the budget too, as its chunk's length times
+//!   [`CacheConfig::load_work_factor`] (the chunk plus the loader's working memory):
+//!   resident chunks are evicted to make room for it when it starts, however many
+//!   loads run at once. Outside the budget: chunks still referenced by readers
+//!   copying out of them after eviction, and loads in flight beyond what pins leave
+//!   room for.
 //! - **Single-flight** (`flight.rs`). A miss registers a flight for its key and loads
 //!   *without* the global lock; concurrent misses on the same key wait on the flight's
 //!   condvar and get the same `Arc` (or a copy of the same error). Errors are never
@@ -154,6 +156,10 @@ pub struct CacheConfig {
     pub prefetch_queue_cap: usize,
     /// Evict chunks named by route hints after all other unpinned chunks.
     pub router_eviction: bool,
+    /// What a load in flight may hold, as a multiple of its chunk's length: the
+    /// chunk itself plus the loader's working memory (1: the chunk only). Counted
+    /// against the budget while the load runs, so resident chunks make room for it.
+    pub load_work_factor: u64,
 }
 
 impl CacheConfig {
@@ -164,6 +170,7 @@ impl CacheConfig {
             readahead_chunks: DEFAULT_READAHEAD_CHUNKS,
             prefetch_queue_cap: DEFAULT_PREFETCH_QUEUE_CAP,
             router_eviction: true,
+            load_work_factor: 1,
         }
     }
 }

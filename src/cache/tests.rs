@@ -672,3 +672,41 @@ fn trace_records_demand_lookups_in_order() {
     read_vec(&c, 0, size, 6 * cs, 1, &*l);
     assert!(c.trace_stop().0.is_empty());
 }
+
+#[test]
+fn loads_in_flight_count_against_the_budget() {
+    // Budget of 8 chunks, each load may hold 3 chunks' worth while it runs.
+    let cs = 64u64;
+    let size = 64 * cs;
+    let mut cfg = CacheConfig::new(8 * cs, cs);
+    cfg.readahead_chunks = 0;
+    cfg.load_work_factor = 3;
+    let c = ChunkCache::with_config(cfg).unwrap();
+    let calls = AtomicU64::new(0);
+    let plain = loader(0, size, cs, &calls);
+    // Loading one chunk at a time, each load makes room for its work first: of the
+    // 8 chunks read, 6 stay (5 beside a load's 3, then the loaded one).
+    for i in 0..8 {
+        read_vec(&c, 0, size, i * cs, cs as usize, &plain);
+    }
+    assert_eq!(c.bytes_used(), 6 * cs);
+    // While the 9th chunk loads, resident chunks leave room for its 3 chunks of work.
+    let seen = AtomicU64::new(u64::MAX);
+    let watching = |index: u64, buf: &mut [u8]| {
+        seen.store(c.bytes_used(), Relaxed);
+        plain(index, buf)
+    };
+    read_vec(&c, 0, size, 8 * cs, cs as usize, &watching);
+    assert_eq!(seen.load(Relaxed), 5 * cs, "resident bytes during the load");
+    // Afterwards the work is released: the new chunk joins the 5 others.
+    assert_eq!(c.bytes_used(), 6 * cs);
+    assert_eq!(lock(&c.shared.state).working, 0);
+    lock(&c.shared.state).assert_consistent(8 * cs);
+    // A failing load releases its work too.
+    let failing = |_: u64, _: &mut [u8]| -> Result<usize, ReadError> {
+        Err(ReadError::Io(std::io::Error::other("no")))
+    };
+    let mut buf = vec![0u8; cs as usize];
+    assert!(c.read(0, size, 20 * cs, &mut buf, &failing).is_err());
+    assert_eq!(lock(&c.shared.state).working, 0);
+}
