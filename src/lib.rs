@@ -3,7 +3,7 @@
 //! The data path runs one way, and every import points down it (docs/ARCHITECTURE.md;
 //! `tests/layering.rs` checks it):
 //! ```text
-//! error (FileError) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
+//! error (FileError), mem (allocation counts) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
 //!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► import (HF dir, GGUF)
 //!   ─► archive: error ◄ store (the Store trait) ◄ container ◄ cawsf | delta | npydir ◄ open
 //!   ─► layout (virtual safetensors / GGUF / HF metadata) ─► router ─► export
@@ -24,8 +24,13 @@ pub mod fuse;
 pub mod gguf;
 pub mod import;
 pub mod layout;
+pub mod mem;
 pub mod model;
 pub mod mount;
 pub mod router;
 #[cfg(test)]
 pub(crate) mod test_support;
+
+// Counts live bytes per thread (`mem::retained`); allocation is the system's.
+#[global_allocator]
+static ALLOC: mem::Counting = mem::Counting;

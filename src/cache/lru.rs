@@ -36,6 +36,8 @@ pub(super) struct State {
     /// Bytes the loads in flight count against the budget (each its chunk's length
     /// times `CacheConfig::load_work_factor`).
     pub(super) working: u64,
+    /// Bytes held outside the cache on its budget's account ([`ChunkCache::charge`]).
+    pub(super) charged: u64,
 }
 
 impl State {
@@ -50,6 +52,7 @@ impl State {
             pinned_resident: 0,
             inflight: HashMap::new(),
             working: 0,
+            charged: 0,
         }
     }
 
@@ -88,7 +91,7 @@ impl State {
     /// Evict LRU unpinned chunks until `unpinned_bytes + extra` fits beside the pins
     /// and the loads in flight.
     pub(super) fn make_room(&mut self, budget: u64, extra: u64, counters: &Counters) {
-        let room = budget.saturating_sub(self.pinned_reserved.saturating_add(self.working));
+        let room = budget.saturating_sub(self.reserved().saturating_add(self.working));
         while self.unpinned_bytes.saturating_add(extra) > room {
             match self.lru.pop_lru().or_else(|| self.hinted.pop_lru()) {
                 Some((_, e)) => {
@@ -113,13 +116,18 @@ impl State {
         if let Some(old) = self.pop_unpinned(&key) {
             self.unpinned_bytes -= old.data.len() as u64;
         }
-        if len > budget.saturating_sub(self.pinned_reserved) {
+        if len > budget.saturating_sub(self.reserved()) {
             bump(&counters.not_retained);
             return;
         }
         self.make_room(budget, len, counters);
         self.push_unpinned(key, entry);
         self.unpinned_bytes += len;
+    }
+
+    /// Bytes no unpinned chunk may use: pins' and charges'.
+    fn reserved(&self) -> u64 {
+        self.pinned_reserved.saturating_add(self.charged)
     }
 
     /// Remove an unpinned resident chunk from whichever LRU holds it.
@@ -138,6 +146,26 @@ impl State {
 }
 
 impl ChunkCache {
+    /// Count `bytes` the caller holds for the life of the cache (`what`, for the error)
+    /// against the budget, as a pin would: resident chunks make room for them. Fails,
+    /// charging nothing, when pins and earlier charges leave less than that.
+    pub fn charge(&self, what: &str, bytes: u64) -> Result<(), CacheError> {
+        let sh = &*self.shared;
+        let mut st = lock(&sh.state);
+        let budget = sh.cfg.budget_bytes;
+        if st.reserved().saturating_add(bytes) > budget {
+            return Err(CacheError::ChargeOverBudget {
+                what: what.to_string(),
+                needed: bytes,
+                reserved: st.reserved(),
+                budget,
+            });
+        }
+        st.charged += bytes;
+        st.make_room(budget, 0, &sh.counters);
+        Ok(())
+    }
+
     /// Pin chunk `key` of a file of `file_size` bytes: it is never evicted, and its
     /// bytes count against the budget from now on, resident or not (a later read or
     /// prefetch makes it resident). Pins nest. Fails if pinned bytes would exceed the
@@ -157,12 +185,12 @@ impl ChunkCache {
             return Ok(());
         }
         let budget = sh.cfg.budget_bytes;
-        if st.pinned_reserved.saturating_add(len) > budget {
+        if st.reserved().saturating_add(len) > budget {
             return Err(CacheError::PinOverBudget {
                 file: key.file,
                 index: key.index,
                 needed: len,
-                pinned: st.pinned_reserved,
+                pinned: st.reserved(),
                 budget,
             });
         }
@@ -333,10 +361,11 @@ impl State {
             );
         }
         assert!(
-            self.unpinned_bytes + self.pinned_reserved <= budget,
-            "{} unpinned + {} pinned bytes over the budget of {budget}",
+            self.unpinned_bytes + self.reserved() <= budget,
+            "{} unpinned + {} pinned + {} charged bytes over the budget of {budget}",
             self.unpinned_bytes,
-            self.pinned_reserved
+            self.pinned_reserved,
+            self.charged
         );
     }
 }

@@ -131,12 +131,19 @@ pub type LoadFn<'a> = dyn Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Sync 
 pub enum CacheError {
     #[error("chunk size {0} is not a power of two")]
     BadChunkSize(u64),
-    #[error("cannot pin chunk {index} of file {file}: {needed} bytes more would exceed the cache budget ({pinned} of {budget} bytes already pinned)")]
+    #[error("cannot pin chunk {index} of file {file}: {needed} bytes more would exceed the cache budget ({pinned} of {budget} bytes already pinned or charged)")]
     PinOverBudget {
         file: u32,
         index: u64,
         needed: u64,
         pinned: u64,
+        budget: u64,
+    },
+    #[error("{what} needs {needed} bytes of the cache budget ({budget} bytes, {reserved} already pinned or charged)")]
+    ChargeOverBudget {
+        what: String,
+        needed: u64,
+        reserved: u64,
         budget: u64,
     },
     #[error("chunk {index} of file {file} is not pinned")]

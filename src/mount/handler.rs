@@ -33,7 +33,21 @@ impl ControlHandler {
     pub(super) fn new(fs: Arc<MountFs>, mountpoint: PathBuf) -> ControlHandler {
         let router =
             match crate::router::Router::open(fs.archive().model(), fs.archive().routing_bytes()) {
-                Ok(r) => Ok(r),
+                Ok(r) => Ok(r.map(|r| {
+                    // The tokenizer, loaded on the first route, lives as long as the
+                    // mount: its memory comes out of the cache budget.
+                    let cache = fs.cache().clone();
+                    r.with_tokenizer_charge(Box::new(move |bytes| {
+                        cache
+                            .charge("the router's tokenizer", bytes)
+                            .map_err(|e| format!("cannot load the tokenizer for routes: {e}"))?;
+                        tracing::info!(
+                            "router: tokenizer loaded, {} charged to the cache budget",
+                            bytesize::ByteSize::b(bytes)
+                        );
+                        Ok(())
+                    }))
+                })),
                 Err(e) => {
                     tracing::warn!("router unavailable: {e}");
                     Err(e)

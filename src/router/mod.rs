@@ -13,6 +13,7 @@
 //! same tokenizer and ranks the keyed shards by cosine similarity.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_64;
@@ -124,10 +125,16 @@ pub struct Router {
     /// Whether any shard has a key (only then can a prompt be routed).
     keyed: bool,
     /// The model's tokenizer, for prompt keys. Loaded on the first route, not at mount:
-    /// its vocabulary and merges take ~25 MiB of heap that a mount which is never asked
-    /// to route should not carry (the budget test counts every resident byte).
-    tokenizer: std::sync::OnceLock<Result<Tokenizer, String>>,
+    /// its vocabulary and merges take ~10 MiB of heap for a 49 k-token model that a
+    /// mount which is never asked to route should not carry. A load error stays; a
+    /// refused charge does not (pins may be released later).
+    tokenizer: Mutex<Option<Result<Arc<Tokenizer>, String>>>,
+    /// Accepts (or refuses) the heap the loaded tokenizer keeps, in bytes.
+    charge: Option<TokenizerCharge>,
 }
+
+/// Called once with the bytes the loaded tokenizer keeps; an error refuses the load.
+pub type TokenizerCharge = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
 
 impl Router {
     /// `Ok(None)` when the archive has no routes.
@@ -158,8 +165,33 @@ impl Router {
         Ok(Some(Router {
             routing,
             keyed,
-            tokenizer: std::sync::OnceLock::new(),
+            tokenizer: Mutex::new(None),
+            charge: None,
         }))
+    }
+
+    /// Account for the tokenizer's memory through `charge` when it is loaded (the
+    /// mount charges it to its cache budget).
+    pub fn with_tokenizer_charge(mut self, charge: TokenizerCharge) -> Router {
+        self.charge = Some(charge);
+        self
+    }
+
+    fn tokenizer(&self, model: &ModelDesc) -> Result<Arc<Tokenizer>, String> {
+        let mut slot = self
+            .tokenizer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(loaded) = &*slot {
+            return loaded.clone();
+        }
+        let (loaded, bytes) = crate::mem::retained(|| load_tokenizer(model).map(Arc::new));
+        if let (Ok(_), Some(charge)) = (&loaded, &self.charge) {
+            // Refused: dropped here, and tried again on the next route.
+            charge(bytes)?;
+        }
+        *slot = Some(loaded.clone());
+        loaded
     }
 
     /// The prompt's token strings and its key.
@@ -171,12 +203,8 @@ impl Router {
         if !self.keyed {
             return Err("this archive's routes have no keys".into());
         }
-        let tok = self
-            .tokenizer
-            .get_or_init(|| load_tokenizer(model))
-            .as_ref()
-            .map_err(Clone::clone)?;
-        let tokens = tokenize(tok, prompt)?;
+        let tok = self.tokenizer(model)?;
+        let tokens = tokenize(&tok, prompt)?;
         let key = bag_key(tokens.iter().map(String::as_str), self.routing.dim);
         Ok((tokens, key))
     }
