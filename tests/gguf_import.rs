@@ -131,7 +131,7 @@ fn gguf_python_reads_our_header() {
         ("t.f64".into(), GgufValue::F64(0.25)),
         (
             "t.strs".into(),
-            GgufValue::Array(GgufArray::String(vec!["a".into(), "bc".into()])),
+            GgufValue::Array(GgufArray::String(vec!["a".to_string(), "bc".into()].into())),
         ),
         (
             "t.i32s".into(),

@@ -6,9 +6,11 @@ use serde::{Deserialize, Serialize};
 
 pub mod quant;
 pub mod reader;
+mod strlist;
 pub mod writer;
 
 pub use reader::{GgufError, GgufFile, GgufTensorInfo};
+pub use strlist::StrList;
 pub use writer::{GgufHeader, GgufTensorEntry};
 
 /// ggml tensor types, with the numeric ids GGUF stores.
@@ -136,7 +138,7 @@ pub enum GgufArray {
     I32(Vec<i32>),
     F32(Vec<f32>),
     Bool(Vec<bool>),
-    String(Vec<String>),
+    String(StrList),
     U64(Vec<u64>),
     I64(Vec<i64>),
     F64(Vec<f64>),

@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use super::{GgmlType, GgufArray, GgufValue};
+use super::{GgmlType, GgufArray, GgufValue, StrList};
 
 /// Why a GGUF file cannot be read: the file and the problem.
 pub use crate::error::FileError as GgufError;
@@ -205,7 +205,15 @@ impl<'a> Cursor<'a> {
             5 => GgufArray::I32(many(self, n, 4, |c| Ok(i32::from_le_bytes(c.arr()?)))?),
             6 => GgufArray::F32(many(self, n, 4, |c| Ok(f32::from_le_bytes(c.arr()?)))?),
             7 => GgufArray::Bool(many(self, n, 1, |c| c.bool())?),
-            TYPE_STRING => GgufArray::String(many(self, n, 8, |c| c.string())?),
+            TYPE_STRING => {
+                let n = self.fits(n, 8)?;
+                let mut l = StrList::with_capacity(n);
+                for _ in 0..n {
+                    l.push(&self.string()?);
+                }
+                l.shrink_to_fit();
+                GgufArray::String(l)
+            }
             TYPE_ARRAY => return Err(ReadErr::Bad("nested arrays are not supported".into())),
             10 => GgufArray::U64(many(self, n, 8, |c| c.u64())?),
             11 => GgufArray::I64(many(self, n, 8, |c| Ok(i64::from_le_bytes(c.arr()?)))?),
@@ -381,7 +389,9 @@ mod tests {
             ("a.f64".into(), GgufValue::F64(-2.25)),
             (
                 "a.strs".into(),
-                GgufValue::Array(GgufArray::String(vec!["x".into(), "".into(), "yz".into()])),
+                GgufValue::Array(GgufArray::String(
+                    vec!["x".to_string(), "".into(), "yz".into()].into(),
+                )),
             ),
             ("a.empty".into(), GgufValue::Array(GgufArray::F32(vec![]))),
             (

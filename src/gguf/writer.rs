@@ -84,7 +84,13 @@ fn put_array(out: &mut Vec<u8>, a: &GgufArray) {
         GgufArray::I32(v) => each(out, 5, v, |o, x| o.extend_from_slice(&x.to_le_bytes())),
         GgufArray::F32(v) => each(out, 6, v, |o, x| o.extend_from_slice(&x.to_le_bytes())),
         GgufArray::Bool(v) => each(out, 7, v, |o, x| o.push(*x as u8)),
-        GgufArray::String(v) => each(out, 8, v, |o, x| put_str(o, x)),
+        GgufArray::String(v) => {
+            out.extend_from_slice(&8u32.to_le_bytes());
+            out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+            for x in v.iter() {
+                put_str(out, x);
+            }
+        }
         GgufArray::U64(v) => each(out, 10, v, |o, x| o.extend_from_slice(&x.to_le_bytes())),
         GgufArray::I64(v) => each(out, 11, v, |o, x| o.extend_from_slice(&x.to_le_bytes())),
         GgufArray::F64(v) => each(out, 12, v, |o, x| o.extend_from_slice(&x.to_le_bytes())),

@@ -325,7 +325,7 @@ mod tests {
             (k("attention.layer_norm_rms_epsilon"), GgufValue::F32(1e-5)),
             (
                 "tokenizer.ggml.tokens".into(),
-                GgufValue::Array(GgufArray::String(vec!["a".into(); 32])),
+                GgufValue::Array(GgufArray::String(vec!["a".to_string(); 32].into())),
             ),
             ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(2)),
         ]

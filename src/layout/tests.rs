@@ -528,10 +528,10 @@ fn hf_tokenizer_to_gguf_and_back() {
         other => panic!("{other:?}"),
     };
     assert_eq!(tokens.len(), 14);
-    assert_eq!(tokens[0], "<|endoftext|>");
-    assert_eq!(tokens[5], "c");
-    assert_eq!(tokens[12], "<tool>");
-    assert_eq!(tokens[13], "[PAD13]");
+    assert_eq!(&tokens[0], "<|endoftext|>");
+    assert_eq!(&tokens[5], "c");
+    assert_eq!(&tokens[12], "<tool>");
+    assert_eq!(&tokens[13], "[PAD13]");
     assert_eq!(
         get("tokenizer.ggml.token_type"),
         Some(GgufValue::Array(GgufArray::I32(vec![
@@ -540,11 +540,9 @@ fn hf_tokenizer_to_gguf_and_back() {
     );
     assert_eq!(
         get("tokenizer.ggml.merges"),
-        Some(GgufValue::Array(GgufArray::String(vec![
-            "a b".into(),
-            "ab c".into(),
-            "Ġ a".into()
-        ])))
+        Some(GgufValue::Array(GgufArray::String(
+            vec!["a b".to_string(), "ab c".into(), "Ġ a".into()].into()
+        )))
     );
     assert_eq!(get("tokenizer.ggml.bos_token_id"), Some(GgufValue::U32(1)));
     assert_eq!(get("tokenizer.ggml.eos_token_id"), Some(GgufValue::U32(2)));

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use crate::gguf::{meta_get, GgufArray, GgufValue};
+use crate::gguf::{meta_get, GgufArray, GgufValue, StrList};
 use crate::model::ModelDesc;
 
 use super::LayoutError;
@@ -123,7 +123,7 @@ pub(super) fn gguf_tokenizer_meta(
         ),
         (
             "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens)),
+            GgufValue::Array(GgufArray::String(tokens.into())),
         ),
         (
             "tokenizer.ggml.token_type".into(),
@@ -131,7 +131,7 @@ pub(super) fn gguf_tokenizer_meta(
         ),
         (
             "tokenizer.ggml.merges".into(),
-            GgufValue::Array(GgufArray::String(merges)),
+            GgufValue::Array(GgufArray::String(merges.into())),
         ),
     ];
     out.extend(special_token_ids(model, config, &tc, &entries, n));
@@ -378,7 +378,7 @@ pub(super) struct HfTokenizer {
     pub tokenizer_config: Value,
 }
 
-fn meta_strings<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a [String]> {
+fn meta_strings<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a StrList> {
     match meta_get(meta, key) {
         Some(GgufValue::Array(GgufArray::String(v))) => Some(v),
         _ => None,
@@ -416,7 +416,8 @@ pub(super) fn hf_tokenizer(
     let tokens = meta_strings(meta, "tokenizer.ggml.tokens")
         .ok_or_else(|| meta_err("GGUF metadata: tokenizer.ggml.tokens missing".into()))?;
     let types = meta_token_types(meta, tokens.len());
-    let merges = meta_strings(meta, "tokenizer.ggml.merges").unwrap_or(&[]);
+    static NO_MERGES: StrList = StrList::EMPTY;
+    let merges = meta_strings(meta, "tokenizer.ggml.merges").unwrap_or(&NO_MERGES);
     let pre = meta_get(meta, "tokenizer.ggml.pre")
         .and_then(GgufValue::as_str)
         .unwrap_or("default");
@@ -426,7 +427,7 @@ pub(super) fn hf_tokenizer(
     for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
         // Duplicate strings (rare) keep their first id, as a JSON object can only hold one.
         if !vocab.contains_key(tok) {
-            vocab.insert(tok.clone(), json!(id));
+            vocab.insert(tok.to_string(), json!(id));
         }
         if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
             added.push(json!({
@@ -461,7 +462,7 @@ pub(super) fn hf_tokenizer(
                 "single": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                          {"SpecialToken": {"id": bt, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bt.clone(): {"id": bt, "ids": [b], "tokens": [bt]}},
+                "special_tokens": {bt: {"id": bt, "ids": [b], "tokens": [bt]}},
             })
         }
         _ => {
