@@ -327,6 +327,9 @@ fn at_the_cap_the_longest_idle_connection_makes_room() {
     let mut b = Raw::new(&p);
     assert_eq!(a.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
     assert_eq!(b.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    // A connection counts as idle again only after its reply is written: let both
+    // server threads get there (on a loaded machine `a`'s may still be about to).
+    std::thread::sleep(Duration::from_millis(100));
     // `a` has been idle longest: it is closed and `c` served.
     let mut c = Raw::new(&p);
     assert_eq!(c.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
