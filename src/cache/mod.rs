@@ -491,6 +491,10 @@ impl ChunkCache {
     pub fn stats(&self) -> CacheStats {
         let sh = &*self.shared;
         let c = &sh.counters;
+        let (charged, working) = {
+            let st = lock(&sh.state);
+            (st.charged, st.working)
+        };
         let (unpinned, pinned_reserved, pinned_resident, entries, pinned_entries, inflight) = {
             let st = lock(&sh.state);
             let pinned_res = st.pinned.values().filter(|s| s.entry.is_some()).count();
@@ -528,6 +532,8 @@ impl ChunkCache {
             unpinned_bytes: unpinned,
             pinned_bytes: pinned_reserved,
             pinned_resident_bytes: pinned_resident,
+            charged_bytes: charged,
+            working_bytes: working,
             entries,
             pinned_entries,
             entry_overhead_bytes: ENTRY_OVERHEAD_BYTES,

@@ -167,6 +167,10 @@ pub struct CacheStats {
     /// Bytes reserved by pins (resident or not yet loaded); they count against the budget.
     pub pinned_bytes: u64,
     pub pinned_resident_bytes: u64,
+    /// Bytes held outside the cache on its budget's account (the router's tokenizer).
+    pub charged_bytes: u64,
+    /// Bytes the loads in flight count against the budget now.
+    pub working_bytes: u64,
     pub entries: u64,
     pub pinned_entries: u64,
     /// Estimated fixed bookkeeping per resident entry, outside the budget.

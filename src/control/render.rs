@@ -112,6 +112,10 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
         bytes(c.pinned_bytes),
         count(c.evictions),
     );
+    // Other memory on the budget's account, shown only when there is some.
+    if let Some(n) = c.charged_bytes.filter(|&n| n > 0) {
+        let _ = writeln!(out, "         + {} charged (the router's tokenizer)", bytes(Some(n)));
+    }
     let lat = |us: Option<u64>| or_dash(us.map(|us| human_latency_us(us as f64)));
     let l = &c.latency_us;
     let _ = writeln!(
@@ -256,7 +260,7 @@ type FileField = fn(&FileStat) -> Option<u64>;
 pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
-    let simple: [(&str, &str, &str, Option<u64>); 11] = [
+    let simple: [(&str, &str, &str, Option<u64>); 13] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -304,6 +308,18 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "gauge",
             "Bytes held by pinned chunks.",
             c.pinned_bytes,
+        ),
+        (
+            "cawsfs_cache_charged_bytes",
+            "gauge",
+            "Bytes held outside the cache on its budget's account.",
+            c.charged_bytes,
+        ),
+        (
+            "cawsfs_cache_working_bytes",
+            "gauge",
+            "Bytes the loads in flight count against the budget.",
+            c.working_bytes,
         ),
         (
             "cawsfs_cache_budget_bytes",

@@ -67,6 +67,10 @@ pub struct CacheStat {
     pub pinned_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pinned_resident_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]

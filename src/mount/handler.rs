@@ -45,6 +45,9 @@ impl ControlHandler {
                             "router: tokenizer loaded, {} charged to the cache budget",
                             bytesize::ByteSize::b(bytes)
                         );
+                        // Loading it freed twice what it keeps: hand that back now
+                        // rather than at the next periodic trim.
+                        super::trim_heap();
                         Ok(())
                     }))
                 })),

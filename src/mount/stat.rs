@@ -48,6 +48,8 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
             bytes_used: Some(c.bytes_used),
             pinned_bytes: Some(c.pinned_bytes),
             pinned_resident_bytes: Some(c.pinned_resident_bytes),
+            charged_bytes: Some(c.charged_bytes),
+            working_bytes: Some(c.working_bytes),
             budget: Some(c.budget_bytes),
             chunk_size: Some(c.chunk_size),
             entries: Some(c.entries),
