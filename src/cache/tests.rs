@@ -710,3 +710,42 @@ fn loads_in_flight_count_against_the_budget() {
     assert!(c.read(0, size, 20 * cs, &mut buf, &failing).is_err());
     assert_eq!(lock(&c.shared.state).working, 0);
 }
+
+#[test]
+fn charges_take_room_from_chunks_and_pins() {
+    let cs = 64u64;
+    let size = 64 * cs;
+    let mut cfg = CacheConfig::new(8 * cs, cs);
+    cfg.readahead_chunks = 0;
+    let c = ChunkCache::with_config(cfg).unwrap();
+    let calls = AtomicU64::new(0);
+    let load = loader(0, size, cs, &calls);
+    for i in 0..8 {
+        read_vec(&c, 0, size, i * cs, cs as usize, &load);
+    }
+    assert_eq!(c.bytes_used(), 8 * cs);
+    // A charge evicts what it needs at once and stays: later loads keep beside it.
+    c.charge("a tokenizer", 3 * cs).unwrap();
+    assert_eq!(c.bytes_used(), 5 * cs);
+    read_vec(&c, 0, size, 20 * cs, cs as usize, &load);
+    assert_eq!(c.bytes_used(), 5 * cs);
+    assert_eq!(c.stats().charged_bytes, 3 * cs);
+    // Pins share the rest; a charge beyond it is refused whole, naming the holder.
+    c.pin(key(0, 30), size).unwrap();
+    c.pin(key(0, 31), size).unwrap();
+    let e = c.charge("the router's tokenizer", 4 * cs).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("the router's tokenizer") && msg.contains("320 already pinned or charged"),
+        "{msg}"
+    );
+    assert_eq!(c.stats().charged_bytes, 3 * cs);
+    assert!(c.pin(key(0, 32), size).is_ok());
+    assert!(c.pin(key(0, 33), size).is_ok());
+    assert!(c.pin(key(0, 34), size).is_ok());
+    assert!(
+        c.pin(key(0, 35), size).is_err(),
+        "3 charged + 5 pinned fill the budget"
+    );
+    lock(&c.shared.state).assert_consistent(8 * cs);
+}

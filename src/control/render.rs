@@ -114,7 +114,11 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     );
     // Other memory on the budget's account, shown only when there is some.
     if let Some(n) = c.charged_bytes.filter(|&n| n > 0) {
-        let _ = writeln!(out, "         + {} charged (the router's tokenizer)", bytes(Some(n)));
+        let _ = writeln!(
+            out,
+            "         + {} charged (the router's tokenizer)",
+            bytes(Some(n))
+        );
     }
     let lat = |us: Option<u64>| or_dash(us.map(|us| human_latency_us(us as f64)));
     let l = &c.latency_us;

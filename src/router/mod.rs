@@ -126,8 +126,8 @@ pub struct Router {
     keyed: bool,
     /// The model's tokenizer, for prompt keys. Loaded on the first route, not at mount:
     /// its vocabulary and merges take ~10 MiB of heap for a 49 k-token model that a
-    /// mount which is never asked to route should not carry. A load error stays; a
-    /// refused charge does not (pins may be released later).
+    /// mount which is never asked to route should not carry. A load error or a
+    /// refused charge is kept and answered to every later route.
     tokenizer: Mutex<Option<Result<Arc<Tokenizer>, String>>>,
     /// Accepts (or refuses) the heap the loaded tokenizer keeps, in bytes.
     charge: Option<TokenizerCharge>,
@@ -185,10 +185,13 @@ impl Router {
         if let Some(loaded) = &*slot {
             return loaded.clone();
         }
-        let (loaded, bytes) = crate::mem::retained(|| load_tokenizer(model).map(Arc::new));
+        let (mut loaded, bytes) = crate::mem::retained(|| load_tokenizer(model).map(Arc::new));
         if let (Ok(_), Some(charge)) = (&loaded, &self.charge) {
-            // Refused: dropped here, and tried again on the next route.
-            charge(bytes)?;
+            // Refused: dropped, and the refusal kept, so repeated routes do not load
+            // (and briefly hold) it again and again.
+            if let Err(e) = charge(bytes) {
+                loaded = Err(e);
+            }
         }
         *slot = Some(loaded.clone());
         loaded
