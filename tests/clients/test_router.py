@@ -147,9 +147,11 @@ def scan(path):
 @pytest.mark.parametrize("policy", ["router", "lru"])
 def test_route_hints_survive_a_scan_only_with_router_eviction(cawsfs, exact, work, policy):
     """Routed, prefetched blocks outlive a scan of the rest of the file (everything past
-    the token embedding, 15x the budget) with router-aware eviction; under plain LRU the
-    scan evicts them. (Reading a hinted chunk consumes its hint, so the scan skips them.)"""
-    m = Mount(cawsfs, exact, work / f"mnt-evict-{policy}", "--cache-size", "16MiB",
+    the token embedding, 7x the budget) with router-aware eviction; under plain LRU the
+    scan evicts them. (Reading a hinted chunk consumes its hint, so the scan skips them.)
+    32 MiB: the route's tokenizer (~9 MiB) and the scan's loads in flight count against
+    the budget too, and the hinted chunks must fit beside them."""
+    m = Mount(cawsfs, exact, work / f"mnt-evict-{policy}", "--cache-size", "32MiB",
               "--eviction", policy)
     try:
         r = route(cawsfs, m, PROMPTS[0], "--top-k", "4", "--prefetch")
@@ -172,10 +174,13 @@ def test_route_hints_survive_a_scan_only_with_router_eviction(cawsfs, exact, wor
 
 
 def test_pinned_chunks_survive_and_pin_infra(cawsfs, exact, work):
-    m = Mount(cawsfs, exact, work / "mnt-infra", "--cache-size", "32MiB", "--pin-infra",
+    # 48 MiB: up to 28 MiB of pins beside the tokenizer --pin-prompt loads (~9 MiB,
+    # charged to the budget) and room for the scans' loads.
+    m = Mount(cawsfs, exact, work / "mnt-infra", "--cache-size", "48MiB", "--pin-infra",
               "--pin-infra-layers", "1", "--pin-prompt", PROMPTS[0])
     try:
         st = m.stat()["cache"]
+        assert st["charged_bytes"] > 4 << 20, st
         pinned = st["pinned_bytes"]
         # Layer 0 of model.gguf (F16) is ~7 MiB; each of the 61 norms is 2 KiB but takes a
         # whole 256 KiB chunk (they lie between the layers' matrices); the prompt's 4
