@@ -283,6 +283,7 @@ impl RowSource for SourceRows<'_> {
     }
 }
 
+pub mod targets;
 pub mod tiny;
 
 /// The seeds of `target` a generator wrote: every file of `dir/target`.
