@@ -2,6 +2,7 @@
 //! `fuzz_targets/` hand AFL's input to these), so that `bench` can time them over the
 //! seed corpus in a plain loop, without AFL.
 
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use cawsfs::control::{render, reply};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::{open_archive, open_source, scratch, tiny, with_dir, with_file};
+use crate::{fresh_dir, open_archive, open_source, tiny, with_dir, with_dir_defaults, with_file};
 
 /// The body of the target called `name`.
 pub fn by_name(name: &str) -> Option<fn(&[u8])> {
@@ -31,18 +32,22 @@ pub fn by_name(name: &str) -> Option<fn(&[u8])> {
 }
 
 pub fn cawsf(data: &[u8]) {
+    crate::init();
     with_file("input.cawsf", data, open_archive);
 }
 
 pub fn delta(data: &[u8]) {
+    crate::init();
     with_file("input.cawsfd", data, open_archive);
 }
 
 pub fn npydir(data: &[u8]) {
+    crate::init();
     with_dir(data, open_archive);
 }
 
 pub fn npy_header(data: &[u8]) {
+    crate::init();
     let _ = npy::header_len(&data[..data.len().min(12)]);
     if let Ok(h) = npy::parse(data) {
         assert!(h.data_offset <= data.len() as u64);
@@ -52,34 +57,39 @@ pub fn npy_header(data: &[u8]) {
 }
 
 pub fn gguf(data: &[u8]) {
+    crate::init();
     let _ = cawsfs::gguf::reader::parse_header(data);
-    with_file("model.gguf", data, open_source);
+    with_file("model.gguf", data, |p| open_source(p, true));
 }
 
 pub fn safetensors(data: &[u8]) {
-    static JSON: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
-    let json = JSON.get_or_init(tiny::json_files);
-    let dir = scratch();
-    for (name, bytes) in json {
-        std::fs::write(dir.path().join(name), bytes).unwrap();
-    }
-    std::fs::write(dir.path().join("model.safetensors"), data).unwrap();
-    open_source(dir.path());
+    crate::init();
+    // The tiny model's JSON, written once: only `model.safetensors` changes.
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = fresh_dir("safetensors");
+        for (name, bytes) in tiny::json_files() {
+            std::fs::write(dir.join(name), bytes).expect("write the tiny model's JSON");
+        }
+        dir
+    });
+    std::fs::write(dir.join("model.safetensors"), data).expect("write input");
+    // The tokenizer is the tiny model's, the same in every execution: `hf_json` loads
+    // the tokenizers its inputs hold.
+    open_source(dir, false);
 }
 
 pub fn hf_json(data: &[u8]) {
+    crate::init();
     static WEIGHTS: OnceLock<Vec<u8>> = OnceLock::new();
     let weights = WEIGHTS.get_or_init(tiny::safetensors_bytes);
-    with_dir(data, |dir| {
-        let st = dir.join("model.safetensors");
-        if !st.exists() {
-            let _ = std::fs::write(&st, weights);
-        }
-        open_source(dir);
+    with_dir_defaults(data, &[("model.safetensors", weights)], |dir| {
+        open_source(dir, true)
     });
 }
 
 pub fn routing(data: &[u8]) {
+    crate::init();
     if let Ok(r) = parse_routing(data) {
         let once = encode_routing(&r);
         let back = parse_routing(&once).expect("encoded routing parses");
@@ -88,6 +98,7 @@ pub fn routing(data: &[u8]) {
 }
 
 pub fn control(data: &[u8]) {
+    crate::init();
     if let Ok(req) = Request::parse_line(data) {
         let _ = req.verb();
         let back = Request::from_json(&req.to_json()).expect("own wire form parses");
