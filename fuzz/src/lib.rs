@@ -52,7 +52,8 @@ const READ_CHUNK: usize = 64 << 10;
 /// the caller's. The same closures run, in order, with no thread handoff per
 /// `par_iter` (which cost more than the work on these tiny models) and with coverage
 /// that does not depend on the scheduling of worker threads (AFL's stability). Every
-/// target calls this first; later calls do nothing.
+/// target calls this first; later calls do nothing. No fuzzed path starts threads of
+/// its own (rayon called from another thread would wait for this one: a hang).
 pub fn init() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
