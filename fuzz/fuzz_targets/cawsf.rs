@@ -3,7 +3,5 @@
 //! tensor's first block and last row are read, verify runs, and every virtual file's
 //! header and first tensor bytes are read. Seeds: archives the converter wrote.
 fn main() {
-    afl::fuzz!(|data: &[u8]| {
-        cawsfs_fuzz::with_file("input.cawsf", data, cawsfs_fuzz::open_archive);
-    });
+    afl::fuzz!(|data: &[u8]| cawsfs_fuzz::targets::cawsf(data));
 }

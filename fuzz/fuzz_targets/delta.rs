@@ -2,7 +2,5 @@
 //! `cawsfs::archive::open` (by its magic); when it opens, rows, verify and virtual files
 //! are read as for `.cawsf`. Seeds: delta archives the converter wrote.
 fn main() {
-    afl::fuzz!(|data: &[u8]| {
-        cawsfs_fuzz::with_file("input.cawsfd", data, cawsfs_fuzz::open_archive);
-    });
+    afl::fuzz!(|data: &[u8]| cawsfs_fuzz::targets::delta(data));
 }

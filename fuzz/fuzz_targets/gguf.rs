@@ -5,8 +5,5 @@
 //! metadata → tokenizer.json, config.json). Seeds: GGUF files the layout wrote from the
 //! tiny model (F16/F32/BF16) and ones with quantized tensors.
 fn main() {
-    afl::fuzz!(|data: &[u8]| {
-        let _ = cawsfs::gguf::reader::parse_header(data);
-        cawsfs_fuzz::with_file("model.gguf", data, cawsfs_fuzz::open_source);
-    });
+    afl::fuzz!(|data: &[u8]| cawsfs_fuzz::targets::gguf(data));
 }

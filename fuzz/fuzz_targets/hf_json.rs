@@ -5,18 +5,6 @@
 //! `cawsfs::import::open_source`; when it opens, tensors are read, the virtual files
 //! are built (tokenizer.json → GGUF vocabulary and merges, config → GGUF metadata) and
 //! the tokenizer is loaded and run.
-use std::sync::OnceLock;
-
 fn main() {
-    static WEIGHTS: OnceLock<Vec<u8>> = OnceLock::new();
-    let weights = WEIGHTS.get_or_init(cawsfs_fuzz::tiny::safetensors_bytes);
-    afl::fuzz!(|data: &[u8]| {
-        cawsfs_fuzz::with_dir(data, |dir| {
-            let st = dir.join("model.safetensors");
-            if !st.exists() {
-                let _ = std::fs::write(&st, weights);
-            }
-            cawsfs_fuzz::open_source(dir);
-        });
-    });
+    afl::fuzz!(|data: &[u8]| cawsfs_fuzz::targets::hf_json(data));
 }

@@ -5,7 +5,5 @@
 //! when it opens, rows, verify and virtual files are read. Seeds: npy-dirs the converter
 //! wrote (int8, int4, zstd), with and without `cawsfs.json`.
 fn main() {
-    afl::fuzz!(|data: &[u8]| {
-        cawsfs_fuzz::with_dir(data, cawsfs_fuzz::open_archive);
-    });
+    afl::fuzz!(|data: &[u8]| cawsfs_fuzz::targets::npydir(data));
 }
