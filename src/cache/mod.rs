@@ -491,14 +491,21 @@ impl ChunkCache {
     pub fn stats(&self) -> CacheStats {
         let sh = &*self.shared;
         let c = &sh.counters;
-        let (charged, working) = {
-            let st = lock(&sh.state);
-            (st.charged, st.working)
-        };
-        let (unpinned, pinned_reserved, pinned_resident, entries, pinned_entries, inflight) = {
+        let (
+            charged,
+            working,
+            unpinned,
+            pinned_reserved,
+            pinned_resident,
+            entries,
+            pinned_entries,
+            inflight,
+        ) = {
             let st = lock(&sh.state);
             let pinned_res = st.pinned.values().filter(|s| s.entry.is_some()).count();
             (
+                st.charged,
+                st.working,
                 st.unpinned_bytes,
                 st.pinned_reserved,
                 st.pinned_resident,
