@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime};
 
 use crate::archive::Store;
 use crate::cache::{CacheConfig, CacheError, ChunkCache, ChunkLoader};
-use crate::layout::{self, GgufOutType, LayoutError, VirtualFile};
+use crate::layout::{self, GgufView, LayoutError, VirtualFile};
 use crate::model::{FloatType, ReadError};
 
 pub const ROOT_INO: u64 = 1;
@@ -21,7 +21,7 @@ pub const ROOT_INO: u64 = 1;
 pub struct FsOptions {
     pub cache_bytes: u64,
     pub chunk_size: u64,
-    pub gguf_type: GgufOutType,
+    pub gguf_type: GgufView,
     /// dtype of `model.safetensors` (None: the source's float type).
     pub safetensors_dtype: Option<FloatType>,
     pub readahead_chunks: u64,
@@ -35,7 +35,7 @@ impl Default for FsOptions {
         FsOptions {
             cache_bytes: 1 << 30,
             chunk_size: crate::cache::DEFAULT_CHUNK_SIZE,
-            gguf_type: GgufOutType::F16,
+            gguf_type: GgufView::Auto,
             safetensors_dtype: None,
             readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
             prefetch_threads: 2,
@@ -97,9 +97,13 @@ pub struct MountFs {
 impl MountFs {
     pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
         let model = archive.model();
+        let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive));
+        for note in layout::gguf_notes(model, opts.gguf_type, &plan) {
+            tracing::info!("{note}");
+        }
         let mut files = vec![
             layout::safetensors_file(model, opts.safetensors_dtype)?,
-            layout::gguf_file(model, opts.gguf_type)?,
+            layout::gguf_file(model, &plan)?,
         ];
         for (name, bytes) in layout::hf_metadata_files(model)? {
             if name != "model.safetensors" && name != "model.gguf" {

@@ -30,6 +30,7 @@ pub fn errno(e: &FsError) -> Errno {
             ReadError::Checksum { .. }
             | ReadError::Corrupt { .. }
             | ReadError::Io(_)
+            | ReadError::NotRaw(_)
             | ReadError::Changed(_),
         ) => Errno::EIO,
     }

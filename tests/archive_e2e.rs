@@ -230,7 +230,8 @@ fn sharded_hf_directory_imports_like_a_single_file() {
 #[test]
 fn mountfs_random_reads_equal_export() {
     use cawsfs::fs::{FsError, FsOptions, MountFs, ROOT_INO};
-    use cawsfs::layout::{gguf_file, safetensors_file, GgufOutType};
+    use cawsfs::gguf::GgmlType;
+    use cawsfs::layout::{gguf_file, gguf_plan, safetensors_file, GgufView};
     use std::sync::Arc;
 
     let tmp = tempfile::tempdir().unwrap();
@@ -246,7 +247,11 @@ fn mountfs_random_reads_equal_export() {
     let mut refs = HashMap::new();
     for vf in [
         safetensors_file(ar.model(), None).unwrap(),
-        gguf_file(ar.model(), GgufOutType::F16).unwrap(),
+        gguf_file(
+            ar.model(),
+            &gguf_plan(ar.model(), GgufView::Type(GgmlType::F16), &[]),
+        )
+        .unwrap(),
     ] {
         let mut all = vec![0u8; vf.size as usize];
         assert_eq!(vf.read_at(ar.as_ref(), 0, &mut all).unwrap(), all.len());

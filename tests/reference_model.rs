@@ -24,7 +24,8 @@ use cawsfs::archive::Store;
 use cawsfs::cache::{CacheStats, ChunkKey, TraceEvent};
 use cawsfs::convert::{delta, npydir, ConvertOptions};
 use cawsfs::fs::{file_id, FsOptions, MountFs, ROOT_INO};
-use cawsfs::layout::{self, GgufOutType};
+use cawsfs::gguf::GgmlType;
+use cawsfs::layout::{self, GgufView};
 use cawsfs::model::{FloatType, RowSource};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -116,7 +117,7 @@ fn fixture(kind: Kind) -> &'static Fixture {
 impl Fixture {
     /// What `cawsfs export` writes, by served name: GGUF and safetensors streamed to
     /// files by `export_file`, the metadata files as the HF-directory export writes them.
-    fn reference(&self, gguf: GgufOutType, st: Option<FloatType>) -> Arc<Refs> {
+    fn reference(&self, gguf: GgufView, st: Option<FloatType>) -> Arc<Refs> {
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
         refs.entry(format!("{gguf:?} {st:?}"))
             .or_insert_with(|| {
@@ -127,7 +128,11 @@ impl Fixture {
                     out.insert(name, bytes);
                 }
                 for vf in [
-                    layout::gguf_file(model, gguf).unwrap(),
+                    layout::gguf_file(
+                        model,
+                        &layout::gguf_plan(model, gguf, &layout::held_of(&*self.store)),
+                    )
+                    .unwrap(),
                     layout::safetensors_file(model, st).unwrap(),
                 ] {
                     let p = dir.path().join(&vf.name);
@@ -151,7 +156,7 @@ struct Setup {
     readahead: u64,
     threads: usize,
     router_eviction: bool,
-    gguf: GgufOutType,
+    gguf: GgufView,
     st: Option<FloatType>,
 }
 
@@ -179,9 +184,12 @@ fn setup_strategy() -> impl Strategy<Value = Setup> {
         0usize..=2,
         any::<bool>(),
         prop_oneof![
-            Just(GgufOutType::F16),
-            Just(GgufOutType::BF16),
-            Just(GgufOutType::F32)
+            Just(GgufView::Type(GgmlType::F16)),
+            Just(GgufView::Type(GgmlType::BF16)),
+            Just(GgufView::Type(GgmlType::F32)),
+            Just(GgufView::Type(GgmlType::Q8_0)),
+            Just(GgufView::Auto),
+            Just(GgufView::Source),
         ],
         proptest::option::of(float),
     )

@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use cawsfs::layout::{gguf_file, safetensors_file, GgufOutType};
+use cawsfs::gguf::GgmlType;
+use cawsfs::layout::{gguf_file, gguf_plan, safetensors_file, GgufView};
 use cawsfs::model::{
     ArchConfig, FloatType, ModelDesc, ReadError, RowSource, SourceType, TensorDesc,
 };
@@ -78,7 +79,11 @@ pub fn export_throughput() {
     let src = Mem::new(&model, 9);
     for f in [
         safetensors_file(&model, Some(FloatType::F16)).unwrap(),
-        gguf_file(&model, GgufOutType::F16).unwrap(),
+        gguf_file(
+            &model,
+            &gguf_plan(&model, GgufView::Type(GgmlType::F16), &[]),
+        )
+        .unwrap(),
     ] {
         let mut buf = vec![0u8; 8 << 20];
         let t = std::time::Instant::now();

@@ -30,6 +30,6 @@ pub use container::Compression;
 pub use error::ArchiveError;
 pub use open::open;
 pub use store::{
-    check_read, decode_failures, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, SectionInfo,
-    Store, TensorSummary,
+    block_jobs, check_read, decode_failures, rel_err_of, BlockJob, Kind, ReadCounterSnapshot,
+    ReadCounters, SectionInfo, Store, TensorSummary,
 };

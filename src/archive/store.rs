@@ -149,6 +149,34 @@ pub fn check_read(
     Ok(())
 }
 
+/// One row block's share of a read: (block, its first row, its row count, rows
+/// `lo..hi` relative to the block, the slice of the output they fill).
+pub type BlockJob<'a, T> = (usize, u64, u64, u64, u64, &'a mut [T]);
+
+/// Split a read of rows `r0..r1` (`r0 < r1 ≤ rows`, checked) of a tensor cut into
+/// `rpb`-row blocks into one job per overlapping block; each row is `unit` items of
+/// `out`.
+pub fn block_jobs<T>(
+    (rows, rpb): (u64, u64),
+    (r0, r1): (u64, u64),
+    unit: usize,
+    out: &mut [T],
+) -> Vec<BlockJob<'_, T>> {
+    let b0 = (r0 / rpb) as usize;
+    let b1 = ((r1 - 1) / rpb) as usize;
+    let mut jobs = Vec::with_capacity(b1 - b0 + 1);
+    let mut rest = out;
+    for b in b0..=b1 {
+        let first = b as u64 * rpb;
+        let last = (first + rpb).min(rows);
+        let (lo, hi) = (r0.max(first), r1.min(last));
+        let (mine, tail) = rest.split_at_mut((hi - lo) as usize * unit);
+        rest = tail;
+        jobs.push((b, first, last - first, lo - first, hi - first, mine));
+    }
+    jobs
+}
+
 /// Every row block of every tensor decoded as a read would (codec parameters, global
 /// blobs, shared bases), one line per failure: what `verify` adds to the checksums,
 /// since an archive whose checksums match can still hold parameters no read can use.

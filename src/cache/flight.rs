@@ -72,6 +72,7 @@ fn clone_read_error(e: &ReadError) -> ReadError {
             r1: *r1,
         },
         ReadError::Changed(m) => ReadError::Changed(m.clone()),
+        ReadError::NotRaw(m) => ReadError::NotRaw(m.clone()),
         ReadError::Io(io) => ReadError::Io(std::io::Error::new(io.kind(), io.to_string())),
     }
 }

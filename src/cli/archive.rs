@@ -9,7 +9,7 @@ use cawsfs::archive::cawsf::CawsfArchive;
 use cawsfs::layout;
 use cawsfs::model::RowSource;
 
-use super::args::{float_of, gguf_type_of, ExportArgs, Format};
+use super::args::{float_of, ExportArgs, Format};
 use super::{bar, init_threads};
 
 pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
@@ -104,7 +104,11 @@ pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
         let m = ar.model();
         let files = [
             layout::safetensors_file(m, None).map(drop),
-            layout::gguf_file(m, layout::GgufOutType::F16).map(drop),
+            layout::gguf_file(
+                m,
+                &layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar)),
+            )
+            .map(drop),
             layout::hf_metadata_files(m).map(drop),
         ];
         fails.extend(
@@ -166,10 +170,13 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
         Ok(())
     };
     match a.format {
-        Format::Gguf => export(
-            &layout::gguf_file(model, gguf_type_of(a.gguf_type))?,
-            &a.output,
-        ),
+        Format::Gguf => {
+            let plan = layout::gguf_plan(model, a.gguf_type, &layout::held_of(&*ar));
+            for note in layout::gguf_notes(model, a.gguf_type, &plan) {
+                eprintln!("{note}");
+            }
+            export(&layout::gguf_file(model, &plan)?, &a.output)
+        }
         Format::Safetensors => export(
             &layout::safetensors_file(model, a.dtype.map(float_of))?,
             &a.output,

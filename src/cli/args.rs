@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use cawsfs::convert::ConvertOptions;
-use cawsfs::layout::GgufOutType;
+use cawsfs::layout::GgufView;
 use cawsfs::model::FloatType;
 
 #[derive(Parser)]
@@ -223,9 +223,10 @@ pub struct MountArgs {
     /// Background prefetch / read-ahead threads.
     #[arg(long, default_value_t = 2)]
     pub prefetch_threads: usize,
-    /// Tensor type of 2-D weights in model.gguf.
-    #[arg(long, value_enum, default_value_t = Dtype::F16)]
-    pub gguf_type: Dtype,
+    /// What model.gguf serves: auto, source, or one type (f16, q8_0, q6_k, q5_k, q4_k,
+    /// q5_0, q4_0 ...); docs/MOUNT.md lists them.
+    #[arg(long, default_value = "auto", value_parser = GgufView::parse)]
+    pub gguf_type: GgufView,
     /// Tensor dtype of model.safetensors (default: the source's float type).
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
@@ -367,9 +368,10 @@ pub struct ExportArgs {
     /// Tensor dtype of model.safetensors (default: the source's float type, f16 for quantized sources).
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
-    /// Tensor type of 2-D weights in model.gguf.
-    #[arg(long, value_enum, default_value_t = Dtype::F16)]
-    pub gguf_type: Dtype,
+    /// What model.gguf serves: auto, source, or one type (f16, q8_0, q6_k, q5_k, q4_k,
+    /// q5_0, q4_0 ...); docs/MOUNT.md lists them.
+    #[arg(long, default_value = "auto", value_parser = GgufView::parse)]
+    pub gguf_type: GgufView,
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -380,15 +382,6 @@ pub fn float_of(d: Dtype) -> FloatType {
         Dtype::F32 => FloatType::F32,
         Dtype::F16 => FloatType::F16,
         Dtype::Bf16 => FloatType::BF16,
-    }
-}
-
-/// The library's GGUF tensor type for a `--gguf-type` value.
-pub fn gguf_type_of(d: Dtype) -> GgufOutType {
-    match d {
-        Dtype::F32 => GgufOutType::F32,
-        Dtype::F16 => GgufOutType::F16,
-        Dtype::Bf16 => GgufOutType::BF16,
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use procfs::process::Process;
 
-use super::args::{float_of, gguf_type_of, Eviction, MountArgs};
+use super::args::{float_of, Eviction, MountArgs};
 
 pub fn cmd_mount(a: MountArgs) -> Result<()> {
     if a.foreground {
@@ -32,7 +32,7 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
             cache_bytes: a
                 .cache_size
                 .unwrap_or_else(cawsfs::mount::default_cache_bytes),
-            gguf_type: gguf_type_of(a.gguf_type),
+            gguf_type: a.gguf_type,
             safetensors_dtype: a.dtype.map(float_of),
             prefetch_threads: a.prefetch_threads,
             readahead_chunks: a.readahead_chunks,

@@ -177,6 +177,31 @@ pub fn decode_block_rows(
     }
 }
 
+/// Rows `r0..r1` (relative to the block) of a passthrough block as the source's own
+/// bytes, for views that serve them unchanged. Any other codec is refused.
+pub fn raw_block_rows<'a>(
+    codec: &TensorCodec,
+    payload: &'a [u8],
+    block_rows: u64,
+    cols: u64,
+    r0: u64,
+    r1: u64,
+) -> Result<&'a [u8], CodecError> {
+    let TensorCodec::Passthrough { format } = codec else {
+        return Err(CodecError::Params(
+            "only passthrough blocks hold source bytes".into(),
+        ));
+    };
+    if r0 > r1 || r1 > block_rows {
+        return Err(CodecError::Params(format!(
+            "rows {r0}..{r1} out of range for a block of {block_rows} rows"
+        )));
+    }
+    let cols =
+        usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))?;
+    passthrough::raw_rows(*format, payload, block_rows, cols, r0, r1)
+}
+
 /// y[block rows] = Ŵ[block rows] · x computed from the components without forming Ŵ.
 #[allow(clippy::too_many_arguments)]
 pub fn apply_block(

@@ -53,15 +53,16 @@ pub(super) fn encode(
     })
 }
 
-pub(super) fn decode_rows(
+/// The source bytes of rows `r0..r1` of a block of `block_rows` rows (`r0 ≤ r1 ≤
+/// block_rows`, checked by the caller).
+pub(super) fn raw_rows(
     format: SourceType,
     payload: &[u8],
     block_rows: u64,
     cols: usize,
     r0: u64,
     r1: u64,
-    out: &mut [f32],
-) -> Result<(), CodecError> {
+) -> Result<&[u8], CodecError> {
     let rb = row_bytes(format, cols as u64)?;
     let need = rb.checked_mul(block_rows);
     if need != Some(payload.len() as u64) {
@@ -72,7 +73,20 @@ pub(super) fn decode_rows(
         )));
     }
     // r0 ≤ r1 ≤ block_rows was checked, and the payload holds block_rows rows.
-    let bytes = &payload[(r0 * rb) as usize..(r1 * rb) as usize];
+    Ok(&payload[(r0 * rb) as usize..(r1 * rb) as usize])
+}
+
+pub(super) fn decode_rows(
+    format: SourceType,
+    payload: &[u8],
+    block_rows: u64,
+    cols: usize,
+    r0: u64,
+    r1: u64,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    let bytes = raw_rows(format, payload, block_rows, cols, r0, r1)?;
+    let rb = row_bytes(format, cols as u64)?;
     match format {
         SourceType::F32 => le::f32s_from_le(bytes, out),
         SourceType::F16 => le::f16s_to_f32(bytes, out),

@@ -1,14 +1,15 @@
 //! `model.gguf` layout: GGUF v3 with llama.cpp tensor names, in llama.cpp's order
-//! (token_embd, blocks in layer order, output_norm, output), 2-D weights in the asked
-//! type and 1-D tensors in F32 (llama.cpp expects F32 norms), Q/K rows permuted for
-//! llama's rotary layout. Metadata is kept from a GGUF source (file type updated) or
+//! (token_embd, blocks in layer order, output_norm, output), each 2-D weight in the type
+//! its view chose (`view.rs`) and 1-D tensors in F32 (llama.cpp expects F32 norms), Q/K
+//! rows permuted for llama's rotary layout (whole rows, so ggml blocks stay intact). Metadata is kept from a GGUF source (file type updated) or
 //! derived from `ArchConfig` and the Hugging Face side files.
 
 use crate::gguf::{GgmlType, GgufHeader, GgufValue};
 use crate::model::names;
-use crate::model::{FloatType, ModelDesc};
+use crate::model::ModelDesc;
 
-use super::{tokenizer, Builder, GgufOutType, LayoutError, VirtualFile};
+use super::view::{self, TensorView};
+use super::{tokenizer, Builder, LayoutError, VirtualFile};
 
 /// Data alignment of the virtual GGUF (llama.cpp's default).
 pub const ALIGNMENT: u64 = 32;
@@ -43,25 +44,8 @@ pub(super) fn header_with_writer(
     })
 }
 
-fn ggml_type(t: FloatType) -> GgmlType {
-    match t {
-        FloatType::F32 => GgmlType::F32,
-        FloatType::F16 => GgmlType::F16,
-        FloatType::BF16 => GgmlType::BF16,
-    }
-}
-
-/// llama.cpp `llama_ftype` of an all-`ty` file.
-fn file_type(ty: GgufOutType) -> u32 {
-    match ty {
-        GgufOutType::F32 => 0,
-        GgufOutType::F16 => 1,
-        GgufOutType::BF16 => 32,
-    }
-}
-
 /// Tensors that have a GGUF name, in llama.cpp's order: (model index, GGUF name).
-fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
+pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
     let mut v: Vec<(u32, u32, &str, usize, String)> = model
         .tensors
         .iter()
@@ -83,53 +67,33 @@ fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
 
 pub(super) fn build(
     model: &ModelDesc,
-    ty: GgufOutType,
+    tensors: &[TensorView],
     header: &HeaderFn<'_>,
 ) -> Result<VirtualFile, LayoutError> {
+    let ft = view::file_type(tensors, model);
     let meta = if model.gguf_meta.is_empty() {
-        derive_meta(model, ty)?
+        derive_meta(model, ft)?
     } else {
-        kept_meta(model, ty)
+        kept_meta(model, ft)
     };
 
-    struct Plan {
-        index: usize,
-        rows: u64,
-        cols: u64,
-        ft: FloatType,
-        permute: Option<u32>,
+    let mut meta = meta;
+    if tensors.iter().any(|tv| tv.ty.block().0 > 1) {
+        // What llama-quantize writes (GGML_QNT_VERSION) beside block-quantized data.
+        meta.push(("general.quantization_version".into(), GgufValue::U32(2)));
     }
-    let mut plans = Vec::new();
     let mut infos = Vec::new();
-    for (i, gname) in gguf_order(model) {
-        let t = &model.tensors[i];
-        let ft = if t.shape.len() >= 2 {
-            ty.float_type()
-        } else {
-            FloatType::F32
-        };
-        let permute = names::rope_permute_heads(
-            &model.arch.gguf_arch,
-            &t.name,
-            model.arch.n_heads,
-            model.arch.n_kv_heads,
-        );
+    for tv in tensors {
+        let t = &model.tensors[tv.index];
         infos.push((
-            gname,
+            tv.gguf_name.clone(),
             t.shape.iter().rev().copied().collect(),
-            ggml_type(ft),
+            tv.ty,
         ));
-        plans.push(Plan {
-            index: i,
-            rows: t.rows(),
-            cols: t.cols(),
-            ft,
-            permute,
-        });
     }
     let out = header(meta, infos, ALIGNMENT)
         .map_err(|e| LayoutError::Unsupported(format!("model.gguf header: {e}")))?;
-    if out.entries.len() != plans.len() {
+    if out.entries.len() != tensors.len() {
         return Err(LayoutError::Metadata(
             "GGUF header lists a different number of tensors than asked".into(),
         ));
@@ -138,15 +102,22 @@ pub(super) fn build(
     let mut b = Builder::default();
     b.bytes(out.bytes)?;
     let mut pos = 0u64;
-    for (p, &(offset, n_bytes)) in plans.iter().zip(&out.entries) {
-        let name = &model.tensors[p.index].name;
+    for (tv, &(offset, n_bytes)) in tensors.iter().zip(&out.entries) {
+        let t = &model.tensors[tv.index];
+        let name = &t.name;
         if offset < pos {
             return Err(LayoutError::Metadata(format!(
                 "GGUF header places tensor {name} at {offset}, overlapping the previous one"
             )));
         }
         b.zeros(offset - pos)?;
-        let len = b.tensor(name, p.index, p.rows, p.cols, p.ft, p.permute)?;
+        let permute = names::rope_permute_heads(
+            &model.arch.gguf_arch,
+            name,
+            model.arch.n_heads,
+            model.arch.n_kv_heads,
+        );
+        let len = b.tensor(name, tv.index, t.rows(), t.cols(), (tv.ty, tv.raw), permute)?;
         if len != n_bytes {
             return Err(LayoutError::Metadata(format!(
                 "GGUF header gives tensor {name} {n_bytes} bytes, its shape needs {len}"
@@ -165,14 +136,14 @@ pub(super) fn build(
 
 /// GGUF source metadata, verbatim but for the file type, the quantization version
 /// (meaningless for float data) and the alignment (the header writer sets it).
-fn kept_meta(model: &ModelDesc, ty: GgufOutType) -> Vec<(String, GgufValue)> {
+fn kept_meta(model: &ModelDesc, file_type: u32) -> Vec<(String, GgufValue)> {
     let mut meta: Vec<(String, GgufValue)> = model
         .gguf_meta
         .iter()
         .filter(|(k, _)| k != "general.quantization_version" && k != "general.alignment")
         .cloned()
         .collect();
-    let ft = GgufValue::U32(file_type(ty));
+    let ft = GgufValue::U32(file_type);
     match meta.iter_mut().find(|(k, _)| k == "general.file_type") {
         Some((_, v)) => *v = ft,
         None => meta.push(("general.file_type".into(), ft)),
@@ -181,10 +152,7 @@ fn kept_meta(model: &ModelDesc, ty: GgufOutType) -> Vec<(String, GgufValue)> {
 }
 
 /// Metadata of a Hugging Face source, as llama.cpp's converter would write it.
-fn derive_meta(
-    model: &ModelDesc,
-    ty: GgufOutType,
-) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufValue)>, LayoutError> {
     let a = &model.arch;
     let arch = a.gguf_arch.clone();
     let config: Option<serde_json::Value> = model
@@ -224,7 +192,7 @@ fn derive_meta(
         m.push((k("attention.key_length"), GgufValue::U32(a.head_dim)));
         m.push((k("attention.value_length"), GgufValue::U32(a.head_dim)));
     }
-    m.push(("general.file_type".into(), GgufValue::U32(file_type(ty))));
+    m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m.push((k("vocab_size"), GgufValue::U32(a.vocab_size)));
     m.push((k("rope.dimension_count"), GgufValue::U32(a.head_dim)));
     m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::gguf::quantize::{can_quantize, quantize};
+use crate::gguf::GgmlType;
 use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
 
 mod gguf;
@@ -20,11 +22,16 @@ mod hfmeta;
 mod packed;
 mod safetensors;
 mod tokenizer;
+mod view;
 
 #[cfg(test)]
 mod tests;
 
 pub use self::gguf::gguf_pre_tokenizer_name;
+pub use self::view::{
+    bits, fallback, held_of, notes as gguf_notes, plan as gguf_plan, summary as gguf_summary,
+    type_name, GgufView, Held, TensorView,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
@@ -32,24 +39,6 @@ pub enum LayoutError {
     Unsupported(String),
     #[error("{0}")]
     Metadata(String),
-}
-
-/// Tensor data type of the virtual GGUF file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GgufOutType {
-    F16,
-    F32,
-    BF16,
-}
-
-impl GgufOutType {
-    pub fn float_type(self) -> FloatType {
-        match self {
-            GgufOutType::F16 => FloatType::F16,
-            GgufOutType::F32 => FloatType::F32,
-            GgufOutType::BF16 => FloatType::BF16,
-        }
-    }
 }
 
 /// At most this many bytes of f32 rows are decoded at once by one `read_at` step, so a
@@ -60,13 +49,18 @@ const SCRATCH_F32_BYTES: u64 = 4 << 20;
 /// smallest unit a read decodes, so it bounds the memory of any read.
 const MAX_ROW_F32_BYTES: u64 = 256 << 20;
 
-/// Tensor data of one piece: `rows × cols` values of `tensor`, stored as `dtype`.
+/// Tensor data of one piece: `rows × cols` values of `tensor`, served as `ty` (a float
+/// type or ggml blocks; a row is always a whole number of blocks).
 #[derive(Clone, Debug)]
 struct TensorPiece {
     tensor: usize,
-    dtype: FloatType,
+    ty: GgmlType,
+    /// The archive's stored source bytes, copied as they are (`RowSource::read_raw_rows`)
+    /// rather than encoded from f32 rows.
+    raw: bool,
     rows: u64,
     cols: u64,
+    row_bytes: u64,
     /// llama.cpp rotary permutation with this many heads: output row `g` is source
     /// row `names::gguf_row_to_hf(g, rows, heads)` (elements for a 1-D tensor).
     permute: Option<u32>,
@@ -114,16 +108,27 @@ impl Builder {
         self.push(len, PieceKind::Zeros)
     }
     /// Append a tensor's data; `name` is for error messages.
+    #[allow(clippy::too_many_arguments)]
     fn tensor(
         &mut self,
         name: &str,
         tensor: usize,
         rows: u64,
         cols: u64,
-        dtype: FloatType,
+        (ty, raw): (GgmlType, bool),
         permute: Option<u32>,
     ) -> Result<u64, LayoutError> {
-        let len = tensor_bytes(name, rows, cols, dtype)?;
+        if !raw && !can_quantize(ty) {
+            return Err(LayoutError::Unsupported(format!(
+                "tensor {name}: cannot serve type {ty:?}"
+            )));
+        }
+        let (row_bytes, len) = tensor_bytes(name, rows, cols, ty)?;
+        if raw && rows == 1 && permute.is_some() {
+            return Err(LayoutError::Unsupported(format!(
+                "tensor {name}: a permuted 1-D tensor cannot be served as stored bytes"
+            )));
+        }
         if let Some(h) = permute {
             // A 1-D tensor (a bias) is permuted element-wise.
             let n = if rows == 1 { cols } else { rows };
@@ -138,9 +143,11 @@ impl Builder {
             len,
             PieceKind::Tensor(TensorPiece {
                 tensor,
-                dtype,
+                ty,
+                raw,
                 rows,
                 cols,
+                row_bytes,
                 permute,
             }),
         )?;
@@ -159,16 +166,20 @@ impl Builder {
     }
 }
 
-/// Byte size of a `rows × cols` tensor in `dtype`, refusing absurd shapes.
-fn tensor_bytes(name: &str, rows: u64, cols: u64, dtype: FloatType) -> Result<u64, LayoutError> {
+/// Bytes of one row and of the whole `rows × cols` tensor in `ty`, refusing absurd
+/// shapes and rows that are not a whole number of `ty`'s blocks.
+fn tensor_bytes(name: &str, rows: u64, cols: u64, ty: GgmlType) -> Result<(u64, u64), LayoutError> {
     let bad = || LayoutError::Metadata(format!("tensor {name}: shape {rows}x{cols} too large"));
     let row_f32 = cols.checked_mul(4).ok_or_else(bad)?;
     if row_f32 > MAX_ROW_F32_BYTES {
         return Err(bad());
     }
-    rows.checked_mul(cols)
-        .and_then(|n| n.checked_mul(dtype.size() as u64))
-        .ok_or_else(bad)
+    let row = ty.row_bytes(cols).ok_or_else(|| {
+        LayoutError::Unsupported(format!(
+            "tensor {name}: rows of {cols} values are not a whole number of {ty:?} blocks"
+        ))
+    })?;
+    Ok((row, rows.checked_mul(row).ok_or_else(bad)?))
 }
 
 #[derive(Debug)]
@@ -204,11 +215,16 @@ impl VirtualFile {
 
     /// Memory a read of this file may hold while it decodes, per byte read: the output
     /// plus the f32 rows it is encoded from (`read_at` decodes whole rows into f32
-    /// before converting them), so 3 for a 16-bit view and 2 for f32. The mount's cache
-    /// counts this against its budget for every load in flight.
+    /// before converting them), so 3 for a 16-bit view, 2 for f32, 9 for 4-bit blocks,
+    /// and 2 for stored bytes copied as they are. The mount's cache counts this against
+    /// its budget for every load in flight.
     pub fn load_work_factor(&self) -> u64 {
         let widest = self.inner.pieces.iter().filter_map(|p| match &p.kind {
-            PieceKind::Tensor(t) => Some(4u64.div_ceil(t.dtype.size() as u64)),
+            PieceKind::Tensor(t) if t.raw => Some(1),
+            PieceKind::Tensor(t) => {
+                let (e, b) = t.ty.block();
+                Some((4 * e).div_ceil(b))
+            }
             _ => None,
         });
         1 + widest.max().unwrap_or(0)
@@ -248,48 +264,103 @@ impl VirtualFile {
     }
 }
 
-/// Values converted per step of [`encode_window`] (a 4 KiB stack buffer for f32).
+/// Values converted per step of [`encode_window`] (a 4 KiB stack buffer for f32, four
+/// 256-value K blocks).
 const ENCODE_STEP: usize = 1024;
 
-/// Write bytes `[skip, skip + out.len())` of `vals` encoded as `dtype` (little-endian)
-/// into `out`, converting only the values that overlap the window, through a small
-/// stack buffer rather than an encoded copy of the whole run. `half` rounds to nearest
-/// even, as torch and numpy do.
-fn encode_window(vals: &[f32], dtype: FloatType, skip: usize, out: &mut [u8]) {
-    let es = dtype.size();
+/// Write bytes `[skip, skip + out.len())` of `vals` encoded as `ty` (little-endian
+/// floats or ggml blocks) into `out`, encoding only the values (whole blocks) that
+/// overlap the window, through a small stack buffer rather than an encoded copy of the
+/// whole run. `vals` is a whole number of `ty`'s blocks. `half` rounds to nearest even,
+/// as torch, numpy and ggml do.
+fn encode_window(vals: &[f32], ty: GgmlType, skip: usize, out: &mut [u8]) -> Result<(), ReadError> {
+    let (be, bb) = ty.block();
+    let (be, bb) = (be as usize, bb as usize);
     let end = skip + out.len();
-    debug_assert!(end <= vals.len() * es);
+    debug_assert!(vals.len() % be == 0 && end <= vals.len() / be * bb);
     let mut buf = [0u8; ENCODE_STEP * 4];
-    let mut e = skip / es;
-    while e * es < end {
-        let n = ENCODE_STEP.min(vals.len() - e);
-        let step = &vals[e..e + n];
-        let bytes = &mut buf[..n * es];
-        match dtype {
-            FloatType::F32 => {
-                for (b, v) in bytes.chunks_exact_mut(4).zip(step) {
-                    b.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            FloatType::F16 => {
+    let step_blocks = (ENCODE_STEP / be).max(1);
+    let mut k = skip / bb;
+    while k * bb < end {
+        let n = step_blocks.min(vals.len() / be - k);
+        let step = &vals[k * be..(k + n) * be];
+        let bytes = &mut buf[..n * bb];
+        match ty {
+            GgmlType::F16 => {
                 let mut h = [f16::ZERO; ENCODE_STEP];
                 h[..n].convert_from_f32_slice(step);
                 for (b, v) in bytes.chunks_exact_mut(2).zip(&h[..n]) {
                     b.copy_from_slice(&v.to_le_bytes());
                 }
             }
-            FloatType::BF16 => {
+            GgmlType::BF16 => {
                 let mut h = [bf16::ZERO; ENCODE_STEP];
                 h[..n].convert_from_f32_slice(step);
                 for (b, v) in bytes.chunks_exact_mut(2).zip(&h[..n]) {
                     b.copy_from_slice(&v.to_le_bytes());
                 }
             }
+            _ => quantize(ty, step, bytes).map_err(|e| {
+                ReadError::Io(std::io::Error::other(format!("encoding {ty:?}: {e}")))
+            })?,
         }
-        // Intersect this step's bytes [e*es, (e+n)*es) with the window.
-        let (a, b) = ((e * es).max(skip), ((e + n) * es).min(end));
-        out[a - skip..b - skip].copy_from_slice(&bytes[a - e * es..b - e * es]);
-        e += n;
+        // Intersect this step's bytes [k*bb, (k+n)*bb) with the window.
+        let (a, b) = ((k * bb).max(skip), ((k + n) * bb).min(end));
+        out[a - skip..b - skip].copy_from_slice(&bytes[a - k * bb..b - k * bb]);
+        k += n;
+    }
+    Ok(())
+}
+
+/// Rows of a tensor piece read from the archive: f32 values to encode, or the stored
+/// source bytes to copy.
+enum Rows {
+    Values(Vec<f32>),
+    Raw(Vec<u8>),
+}
+
+impl Rows {
+    /// Rows `s0..s1` of the piece's tensor into this buffer.
+    fn read(
+        &mut self,
+        src: &dyn RowSource,
+        t: &TensorPiece,
+        s0: u64,
+        s1: u64,
+    ) -> Result<(), ReadError> {
+        match self {
+            Rows::Values(v) => {
+                v.clear();
+                v.resize(((s1 - s0) * t.cols) as usize, 0.0);
+                src.read_rows(t.tensor, s0, s1, v)
+            }
+            Rows::Raw(v) => {
+                v.clear();
+                v.resize(((s1 - s0) * t.row_bytes) as usize, 0);
+                src.read_raw_rows(t.tensor, s0, s1, v)
+            }
+        }
+    }
+
+    /// Bytes `[skip, skip + out.len())` of rows `i0..i1` of this buffer, served.
+    fn place(
+        &self,
+        t: &TensorPiece,
+        (i0, i1): (u64, u64),
+        skip: usize,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        match self {
+            Rows::Values(v) => {
+                let rows = &v[(i0 * t.cols) as usize..(i1 * t.cols) as usize];
+                encode_window(rows, t.ty, skip, out)
+            }
+            Rows::Raw(v) => {
+                let at = (i0 * t.row_bytes) as usize + skip;
+                out.copy_from_slice(&v[at..at + out.len()]);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -301,21 +372,24 @@ fn read_tensor(
     rel: u64,
     out: &mut [u8],
 ) -> Result<(), ReadError> {
-    let esize = t.dtype.size() as u64;
     let end = rel + out.len() as u64;
+    let mut rows = if t.raw {
+        Rows::Raw(Vec::new())
+    } else {
+        Rows::Values(Vec::new())
+    };
 
     // A permuted 1-D tensor: one small row whose elements are reordered.
-    if let (Some(heads), 1) = (t.permute, t.rows) {
+    if let (Some(heads), 1, false) = (t.permute, t.rows, t.raw) {
         let mut vals = vec![0f32; t.cols as usize];
         src.read_rows(t.tensor, 0, 1, &mut vals)?;
         let perm: Vec<f32> = (0..t.cols)
             .map(|g| vals[crate::model::names::gguf_row_to_hf(g, t.cols, heads) as usize])
             .collect();
-        encode_window(&perm, t.dtype, rel as usize, out);
-        return Ok(());
+        return encode_window(&perm, t.ty, rel as usize, out);
     }
 
-    let row_bytes = t.cols * esize;
+    let row_bytes = t.row_bytes;
     let first = rel / row_bytes;
     let last = end.div_ceil(row_bytes).min(t.rows);
     // Read granularity: one row, or one whole head of a permuted tensor (its rows are
@@ -326,16 +400,16 @@ fn read_tensor(
     };
     let row_f32 = t.cols * 4;
     let units_per_run = (SCRATCH_F32_BYTES / (row_f32 * unit)).max(1);
-    let mut scratch: Vec<f32> = Vec::new();
     let mut r = first;
-    // Bytes [a, b) of the tensor's data, encoded from `vals` (which start at byte
-    // `from`), into their place in `out`.
-    let mut place = |vals: &[f32], from: u64, to: u64| {
+    // Rows i0..i1 of the buffer are bytes [from, to) of the tensor's data: the part of
+    // them inside the window goes to its place in `out`.
+    let place = |rows: &Rows, out: &mut [u8], (i0, i1): (u64, u64), from: u64, to: u64| {
         let (a, b) = (rel.max(from), end.min(to));
         if a < b {
             let dst = &mut out[(a - rel) as usize..(b - rel) as usize];
-            encode_window(vals, t.dtype, (a - from) as usize, dst);
+            rows.place(t, (i0, i1), (a - from) as usize, dst)?;
         }
+        Ok::<(), ReadError>(())
     };
     while r < last {
         // GGUF (output) rows r..r_end, source rows s0..s1.
@@ -351,16 +425,13 @@ fn read_tensor(
                 (r_end, h0 * unit, h1 * unit)
             }
         };
-        scratch.clear();
-        scratch.resize(((s1 - s0) * t.cols) as usize, 0.0);
-        src.read_rows(t.tensor, s0, s1, &mut scratch)?;
+        rows.read(src, t, s0, s1)?;
         match t.permute {
-            None => place(&scratch, r * row_bytes, r_end * row_bytes),
+            None => place(&rows, out, (0, s1 - s0), r * row_bytes, r_end * row_bytes)?,
             Some(heads) => {
                 for g in r..r_end {
                     let s = crate::model::names::gguf_row_to_hf(g, t.rows, heads) - s0;
-                    let row = &scratch[(s * t.cols) as usize..((s + 1) * t.cols) as usize];
-                    place(row, g * row_bytes, (g + 1) * row_bytes);
+                    place(&rows, out, (s, s + 1), g * row_bytes, (g + 1) * row_bytes)?;
                 }
             }
         }
@@ -377,9 +448,10 @@ pub fn safetensors_file(
     safetensors::build(model, dtype)
 }
 
-/// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to `general.alignment`.
-pub fn gguf_file(model: &ModelDesc, ty: GgufOutType) -> Result<VirtualFile, LayoutError> {
-    gguf::build(model, ty, &gguf::header_with_writer)
+/// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to
+/// `general.alignment`, each tensor as `plan` (from [`gguf_plan`]) says.
+pub fn gguf_file(model: &ModelDesc, plan: &[TensorView]) -> Result<VirtualFile, LayoutError> {
+    gguf::build(model, plan, &gguf::header_with_writer)
 }
 
 /// Small metadata files (config.json, tokenizer.json, tokenizer_config.json,

@@ -47,7 +47,7 @@ pub(super) fn build(
     let mut offset: u64 = 0;
     for &(i, ft) in &order {
         let t = &model.tensors[i];
-        let n = tensor_bytes(&t.name, t.rows(), t.cols(), ft)?;
+        let (_, n) = tensor_bytes(&t.name, t.rows(), t.cols(), ft.ggml())?;
         let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         if numel != Some(t.rows() * t.cols()) {
             return Err(LayoutError::Metadata(format!(
@@ -94,7 +94,7 @@ pub(super) fn build(
     b.bytes(header)?;
     for &(i, ft) in &order {
         let t = &model.tensors[i];
-        b.tensor(&t.name, i, t.rows(), t.cols(), ft, None)?;
+        b.tensor(&t.name, i, t.rows(), t.cols(), (ft.ggml(), false), None)?;
     }
     Ok(b.finish("model.safetensors"))
 }

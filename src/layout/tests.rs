@@ -307,7 +307,12 @@ fn gguf_layout_names_order_types_and_permutation() {
         let model = test_model(tied);
         let src = Mock::new(&model, 4);
         let seen = Seen::default();
-        let f = g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap();
+        let f = g::build(
+            &model,
+            &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+            &test_header(&seen),
+        )
+        .unwrap();
         let (meta, infos) = seen.lock().unwrap().take().unwrap();
         let names: Vec<&str> = infos.iter().map(|i| i.0.as_str()).collect();
         let mut expect = vec!["token_embd.weight".to_string()];
@@ -416,7 +421,12 @@ fn gguf_permuted_small_read_asks_for_whole_heads_only() {
     let model = test_model(false);
     let src = Mock::new(&model, 5);
     let seen = Seen::default();
-    let f = g::build(&model, GgufOutType::F32, &test_header(&seen)).unwrap();
+    let f = g::build(
+        &model,
+        &view::plan(&model, GgufView::Type(GgmlType::F32), &[]),
+        &test_header(&seen),
+    )
+    .unwrap();
     let q = model
         .tensor_index("model.layers.1.self_attn.q_proj.weight")
         .unwrap();
@@ -445,7 +455,12 @@ fn gguf_source_metadata_is_kept() {
         ("general.quantization_version".into(), GgufValue::U32(2)),
     ];
     let seen = Seen::default();
-    g::build(&model, GgufOutType::BF16, &test_header(&seen)).unwrap();
+    g::build(
+        &model,
+        &view::plan(&model, GgufView::Type(GgmlType::BF16), &[]),
+        &test_header(&seen),
+    )
+    .unwrap();
     let (meta, _) = seen.lock().unwrap().take().unwrap();
     assert_eq!(
         meta,
@@ -508,7 +523,12 @@ fn hf_tokenizer_to_gguf_and_back() {
     model.arch.vocab_size = 14;
     model.hf_files = hf_tokenizer_files();
     let seen = Seen::default();
-    g::build(&model, GgufOutType::F16, &test_header(&seen)).unwrap();
+    g::build(
+        &model,
+        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+        &test_header(&seen),
+    )
+    .unwrap();
     let (meta, _) = seen.lock().unwrap().take().unwrap();
     let get = |k: &str| crate::gguf::meta_get(&meta, k).cloned();
     assert_eq!(
@@ -600,7 +620,11 @@ fn sentencepiece_tokenizer_is_refused() {
         serde_json::to_vec(&tj).unwrap(),
     )]);
     let seen = Seen::default();
-    let r = g::build(&model, GgufOutType::F16, &test_header(&seen));
+    let r = g::build(
+        &model,
+        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+        &test_header(&seen),
+    );
     match r {
         Err(LayoutError::Unsupported(m)) => assert!(m.contains("byte-level BPE"), "{m}"),
         other => panic!("{:?}", other.map(|f| f.size)),
@@ -623,4 +647,265 @@ fn from_bytes_reads_back() {
     assert_eq!(empty.read_at(&src, 0, &mut buf).unwrap(), 0);
     fn is_send_sync<T: Send + Sync + Clone>() {}
     is_send_sync::<VirtualFile>();
+}
+
+/// A model whose rows are multiples of 256 (K-quant blocks) and of 32, with rotary
+/// permuted Q/K, tied embeddings and 1-D norms.
+fn k_model(source: SourceType) -> ModelDesc {
+    let arch = ArchConfig {
+        n_layers: 1,
+        hidden_size: 256,
+        intermediate_size: 512,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 40,
+        context_length: 2048,
+        tie_word_embeddings: true,
+        ..tiny_arch()
+    };
+    let p = "model.layers.0.";
+    let tensors = vec![
+        td("model.embed_tokens.weight", &[40, 256], source),
+        td(&format!("{p}self_attn.q_proj.weight"), &[256, 256], source),
+        td(&format!("{p}self_attn.k_proj.weight"), &[128, 256], source),
+        td(&format!("{p}self_attn.v_proj.weight"), &[128, 256], source),
+        td(&format!("{p}self_attn.o_proj.weight"), &[256, 256], source),
+        td(&format!("{p}mlp.gate_proj.weight"), &[512, 256], source),
+        td(&format!("{p}mlp.up_proj.weight"), &[512, 256], source),
+        td(&format!("{p}mlp.down_proj.weight"), &[256, 512], source),
+        td(
+            &format!("{p}input_layernorm.weight"),
+            &[256],
+            SourceType::F32,
+        ),
+        td(
+            &format!("{p}post_attention_layernorm.weight"),
+            &[256],
+            SourceType::F32,
+        ),
+        td("model.norm.weight", &[256], SourceType::F32),
+    ];
+    ModelDesc {
+        arch,
+        tensors,
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    }
+}
+
+/// Tensor `ti`'s rows in GGUF order (Q/K permuted), as the model serves them.
+fn gguf_rows(model: &ModelDesc, src: &Mock, ti: usize) -> Vec<Vec<f32>> {
+    let t = &model.tensors[ti];
+    let heads = crate::model::names::rope_permute_heads(
+        &model.arch.gguf_arch,
+        &t.name,
+        model.arch.n_heads,
+        model.arch.n_kv_heads,
+    );
+    (0..t.rows())
+        .map(|g| {
+            let s = match heads {
+                Some(h) if t.rows() > 1 => crate::model::names::gguf_row_to_hf(g, t.rows(), h),
+                _ => g,
+            };
+            src.row(ti, s).to_vec()
+        })
+        .collect()
+}
+
+/// Every byte of every tensor of a view, for random windows (1 byte to several rows,
+/// straddling rows and tensors), equals the tensor's GGUF-order rows encoded whole in
+/// the planned type: reads encode only what they overlap and still agree.
+#[test]
+fn quantized_views_match_whole_rows_encoded_for_any_window() {
+    let model = k_model(SourceType::F16);
+    let src = Mock::new(&model, 11);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let types = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::Q5_K,
+        GgmlType::Q5_1,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q4_1,
+        GgmlType::Q4_0,
+    ];
+    for ty in types.into_iter().filter(|t| can_quantize(*t)) {
+        let plan = view::plan(&model, GgufView::Type(ty), &[]);
+        for tv in &plan {
+            let want = if model.tensors[tv.index].shape.len() < 2 {
+                GgmlType::F32
+            } else {
+                ty
+            };
+            assert_eq!((tv.ty, tv.raw, tv.wanted), (want, false, None), "{ty:?}");
+        }
+        let f = gguf_file(&model, &plan).unwrap();
+        // A load may hold its output plus the f32 rows it encodes.
+        let (e, b) = ty.block();
+        assert!(f.load_work_factor() * b >= b + 4 * e, "{ty:?}");
+        for (ti, start, end) in f.tensor_ranges() {
+            let tv = plan.iter().find(|tv| tv.index == ti).unwrap();
+            let mut want = Vec::new();
+            for row in gguf_rows(&model, &src, ti) {
+                let mut b = vec![0u8; tv.ty.row_bytes(row.len() as u64).unwrap() as usize];
+                quantize(tv.ty, &row, &mut b).unwrap();
+                want.extend(b);
+            }
+            assert_eq!(want.len() as u64, end - start, "{ty:?} tensor {ti}");
+            for _ in 0..40 {
+                let a = rng.random_range(0..want.len());
+                let n = rng.random_range(1..=(want.len() - a).min(3000));
+                let mut buf = vec![0xAAu8; n];
+                assert_eq!(f.read_at(&src, start + a as u64, &mut buf).unwrap(), n);
+                assert!(buf == want[a..a + n], "{ty:?} tensor {ti} bytes {a}+{n}");
+            }
+        }
+    }
+}
+
+/// A source holding ggml blocks: `read_rows` dequantizes them, `read_raw_rows` hands
+/// them over as stored, the way a passthrough archive does.
+struct RawMock {
+    model: ModelDesc,
+    rows: Vec<Vec<u8>>,
+}
+
+impl RawMock {
+    fn new(model: ModelDesc, seed: u64) -> RawMock {
+        let vals = Mock::new(&model, seed);
+        let rows = model
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.source {
+                SourceType::Ggml(q) => {
+                    let mut b = vec![0u8; (q.row_bytes(t.cols()).unwrap() * t.rows()) as usize];
+                    quantize(q, &vals.data[i].0, &mut b).unwrap();
+                    b
+                }
+                _ => Vec::new(),
+            })
+            .collect();
+        RawMock { model, rows }
+    }
+}
+
+impl RowSource for RawMock {
+    fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
+        let t = &self.model.tensors[tensor];
+        let SourceType::Ggml(q) = t.source else {
+            out.fill(0.5);
+            return Ok(());
+        };
+        let rb = q.row_bytes(t.cols()).unwrap();
+        let bytes = &self.rows[tensor][(r0 * rb) as usize..(r1 * rb) as usize];
+        crate::gguf::quant::dequantize(q, bytes, out).unwrap();
+        Ok(())
+    }
+    fn raw_format(&self, tensor: usize) -> Option<SourceType> {
+        Some(self.model.tensors[tensor].source).filter(|s| matches!(s, SourceType::Ggml(_)))
+    }
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        r0: u64,
+        r1: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let SourceType::Ggml(q) = self.model.tensors[tensor].source else {
+            return Err(ReadError::NotRaw(tensor.to_string()));
+        };
+        let rb = q.row_bytes(self.model.tensors[tensor].cols()).unwrap();
+        out.copy_from_slice(&self.rows[tensor][(r0 * rb) as usize..(r1 * rb) as usize]);
+        Ok(())
+    }
+}
+
+/// `source` and `auto` serve stored ggml blocks as they are (rows re-permuted for Q/K,
+/// blocks intact), 1-D tensors as F32, and say so in the plan.
+#[test]
+fn source_view_serves_stored_blocks_as_they_are() {
+    let model = k_model(SourceType::Ggml(GgmlType::Q8_0));
+    let src = RawMock::new(model.clone(), 3);
+    let held: Vec<Held> = (0..model.tensors.len())
+        .map(|i| match src.raw_format(i) {
+            Some(f) => Held::Exact(f),
+            None => Held::Lossy(None),
+        })
+        .collect();
+    for view in [GgufView::Source, GgufView::Auto] {
+        let plan = view::plan(&model, view, &held);
+        let f = gguf_file(&model, &plan).unwrap();
+        for (ti, start, end) in f.tensor_ranges() {
+            let t = &model.tensors[ti];
+            let tv = plan.iter().find(|tv| tv.index == ti).unwrap();
+            if t.shape.len() < 2 {
+                assert_eq!((tv.ty, tv.raw), (GgmlType::F32, false));
+                continue;
+            }
+            assert_eq!((tv.ty, tv.raw), (GgmlType::Q8_0, true), "{}", t.name);
+            let rb = GgmlType::Q8_0.row_bytes(t.cols()).unwrap();
+            let heads = crate::model::names::rope_permute_heads(
+                "llama",
+                &t.name,
+                model.arch.n_heads,
+                model.arch.n_kv_heads,
+            );
+            let mut want = Vec::new();
+            for g in 0..t.rows() {
+                let s = heads.map_or(g, |h| crate::model::names::gguf_row_to_hf(g, t.rows(), h));
+                want.extend_from_slice(&src.rows[ti][(s * rb) as usize..((s + 1) * rb) as usize]);
+            }
+            let mut got = vec![0u8; (end - start) as usize];
+            f.read_at(&src, start, &mut got).unwrap();
+            assert!(got == want, "{view} {}", t.name);
+        }
+    }
+    // No stored blocks: source serves floats and says so.
+    let floats = k_model(SourceType::F16);
+    let held = vec![Held::Lossy(Some(0.05)); floats.tensors.len()];
+    let plan = view::plan(&floats, GgufView::Source, &held);
+    assert!(plan.iter().all(|tv| !tv.raw));
+    let notes = view::notes(&floats, GgufView::Source, &plan);
+    assert!(
+        notes.iter().any(|n| n.contains("no ggml blocks")),
+        "{notes:?}"
+    );
+}
+
+/// A type whose blocks do not divide a row falls back per tensor as llama-quantize
+/// does (K → 32-block type, 32-block type → F16), with one note naming the tensor.
+#[test]
+fn views_fall_back_per_tensor_where_rows_do_not_fit() {
+    let model = test_model(false); // rows of 64 and 96 values
+    for (ty, to) in [
+        (GgmlType::Q4_K, GgmlType::Q5_0),
+        (GgmlType::Q5_K, GgmlType::Q5_1),
+        (GgmlType::Q6_K, GgmlType::Q8_0),
+    ] {
+        if !can_quantize(ty) || !can_quantize(to) {
+            continue;
+        }
+        let plan = view::plan(&model, GgufView::Type(ty), &[]);
+        let two_d: Vec<_> = plan
+            .iter()
+            .filter(|tv| model.tensors[tv.index].shape.len() >= 2)
+            .collect();
+        assert!(two_d.iter().all(|tv| tv.ty == to && tv.wanted == Some(ty)));
+        let notes = view::notes(&model, GgufView::Type(ty), &plan);
+        assert_eq!(notes.len(), two_d.len());
+        assert!(notes[0].contains(&two_d[0].gguf_name), "{}", notes[0]);
+        gguf_file(&model, &plan).unwrap();
+    }
+    assert_eq!(view::fallback(GgmlType::Q8_0, 48), GgmlType::F16);
+    assert_eq!(view::fallback(GgmlType::Q4_K, 48), GgmlType::F16);
+    assert!(GgufView::parse("q4_k_x")
+        .unwrap_err()
+        .contains("valid: auto, source"));
 }

@@ -44,6 +44,14 @@ impl FloatType {
             FloatType::F16 | FloatType::BF16 => 2,
         }
     }
+    /// The same type as a ggml type.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            FloatType::F32 => GgmlType::F32,
+            FloatType::F16 => GgmlType::F16,
+            FloatType::BF16 => GgmlType::BF16,
+        }
+    }
 }
 
 impl SourceType {
@@ -163,6 +171,24 @@ impl ModelDesc {
 /// values written into `out`.
 pub trait RowSource: Send + Sync {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError>;
+
+    /// The source format of `tensor` when the archive holds the source's own bytes for it,
+    /// bit-exact (a passthrough); then [`RowSource::read_raw_rows`] serves them.
+    fn raw_format(&self, _tensor: usize) -> Option<SourceType> {
+        None
+    }
+
+    /// Rows `r0..r1` of `tensor` as the source's own bytes (`raw_format`'s row size
+    /// each), checksummed like any read. Only for tensors whose `raw_format` is `Some`.
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        _r0: u64,
+        _r1: u64,
+        _out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        Err(ReadError::NotRaw(format!("#{tensor}")))
+    }
 }
 
 /// Why rows could not be produced. The FUSE adapter maps these to errno (EIO for
@@ -188,6 +214,10 @@ pub enum ReadError {
     /// read from it any more. The message names the file; it has been logged once.
     #[error("{0}")]
     Changed(String),
+    /// A raw read of a tensor the archive does not hold as source bytes (a caller bug:
+    /// layouts ask only for tensors whose `raw_format` is `Some`).
+    #[error("tensor {0} is not stored as its source's bytes")]
+    NotRaw(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

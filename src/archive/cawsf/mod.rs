@@ -21,11 +21,11 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::archive::container::*;
 use crate::archive::file::ArchiveFile;
 use crate::archive::{
-    check_read, parse_routing, rel_err_of, ArchiveError, Kind, ReadCounterSnapshot, ReadCounters,
-    Routing, SectionInfo, Store, TensorSummary,
+    block_jobs, check_read, parse_routing, rel_err_of, ArchiveError, BlockJob, Kind,
+    ReadCounterSnapshot, ReadCounters, Routing, SectionInfo, Store, TensorSummary,
 };
 use crate::codec::{self, DecodedGlobal, TensorCodec};
-use crate::model::{ModelDesc, ReadError, RowSource};
+use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
 
 use format::*;
 pub use writer::CawsfWriter;
@@ -537,25 +537,10 @@ impl RowSource for CawsfArchive {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
         let t = self.tensor(tensor)?;
         check_read(&t.name, (t.rows, t.cols), (r0, r1), out.len())?;
-        let cols = t.cols as usize;
         if r0 == r1 {
             return Ok(());
         }
-        let rpb = t.rows_per_block;
-        let b0 = (r0 / rpb) as usize;
-        let b1 = ((r1 - 1) / rpb) as usize;
-        // Split `out` into one slice per overlapping block.
-        let mut jobs = Vec::with_capacity(b1 - b0 + 1);
-        let mut rest = out;
-        for b in b0..=b1 {
-            let first = b as u64 * rpb;
-            let last = (first + rpb).min(t.rows);
-            let lo = r0.max(first);
-            let hi = r1.min(last);
-            let (mine, tail) = rest.split_at_mut((hi - lo) as usize * cols);
-            rest = tail;
-            jobs.push((b, first, last - first, lo - first, hi - first, mine));
-        }
+        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), t.cols as usize, out);
         let run = |(b, first, n, lo, hi, dst): (usize, u64, u64, u64, u64, &mut [f32])| {
             // The block's own checksum first, then the (cached) global blob.
             let payload = self.payload(tensor, b)?;
@@ -569,6 +554,54 @@ impl RowSource for CawsfArchive {
                     reason: e.to_string(),
                 },
             )
+        };
+        if jobs.len() == 1 {
+            jobs.into_iter().try_for_each(run)
+        } else {
+            jobs.into_par_iter().try_for_each(run)
+        }
+    }
+
+    fn raw_format(&self, tensor: usize) -> Option<SourceType> {
+        match self.tensors.get(tensor)?.codec {
+            TensorCodec::Passthrough { format } => Some(format),
+            TensorCodec::Ndsq { .. } => None,
+        }
+    }
+
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        r0: u64,
+        r1: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let t = self.tensor(tensor)?;
+        let format = self
+            .raw_format(tensor)
+            .ok_or_else(|| ReadError::NotRaw(t.name.clone()))?;
+        let rb = codec::passthrough_row_bytes(format, t.cols).map_err(|e| ReadError::Corrupt {
+            tensor: t.name.clone(),
+            block: 0,
+            reason: e.to_string(),
+        })?;
+        check_read(&t.name, (t.rows, rb), (r0, r1), out.len())?;
+        if r0 == r1 {
+            return Ok(());
+        }
+        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), rb as usize, out);
+        let run = |(b, _first, n, lo, hi, dst): BlockJob<'_, u8>| {
+            let payload = self.payload(tensor, b)?;
+            let raw =
+                codec::raw_block_rows(&t.codec, &payload, n, t.cols, lo, hi).map_err(|e| {
+                    ReadError::Corrupt {
+                        tensor: t.name.clone(),
+                        block: b,
+                        reason: e.to_string(),
+                    }
+                })?;
+            dst.copy_from_slice(raw);
+            Ok(())
         };
         if jobs.len() == 1 {
             jobs.into_iter().try_for_each(run)

@@ -17,7 +17,8 @@ use super::format::*;
 use crate::archive::file::ArchiveFile;
 use crate::archive::SectionInfo;
 use crate::archive::{
-    check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
+    block_jobs, check_read, rel_err_of, BlockJob, Kind, ReadCounterSnapshot, ReadCounters, Store,
+    TensorSummary,
 };
 use crate::codec::delta::{decode_base_block, f16_to_f32};
 use crate::codec::{self, TensorCodec};
@@ -279,23 +280,61 @@ impl RowSource for DeltaArchive {
                 r1,
             })?;
         check_read(&t.name, (t.rows, t.cols), (r0, r1), out.len())?;
-        let cols = t.cols as usize;
         if r0 == r1 {
             return Ok(());
         }
-        let rpb = t.rows_per_block;
-        let mut jobs = Vec::new();
-        let mut rest = out;
-        for b in (r0 / rpb)..=((r1 - 1) / rpb) {
-            let first = b * rpb;
-            let lo = r0.max(first) - first;
-            let hi = r1.min(first + rpb) - first;
-            let (mine, tail) = rest.split_at_mut((hi - lo) as usize * cols);
-            rest = tail;
-            jobs.push((b as usize, lo as usize, hi as usize, mine));
+        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), t.cols as usize, out);
+        let run = |(b, _first, _n, lo, hi, dst): BlockJob<'_, f32>| {
+            self.decode_block(tensor, b, lo as usize, hi as usize, dst)
+        };
+        if jobs.len() == 1 {
+            jobs.into_iter().try_for_each(run)
+        } else {
+            jobs.into_par_iter().try_for_each(run)
         }
-        let run = |(b, lo, hi, dst): (usize, usize, usize, &mut [f32])| {
-            self.decode_block(tensor, b, lo, hi, dst)
+    }
+
+    fn raw_format(&self, tensor: usize) -> Option<SourceType> {
+        match self.tensors.get(tensor)?.kind {
+            TensorKind::Pass { format } => Some(format),
+            TensorKind::Delta { .. } => None,
+        }
+    }
+
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        r0: u64,
+        r1: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let t = self
+            .tensors
+            .get(tensor)
+            .ok_or_else(|| ReadError::NotRaw(format!("#{tensor}")))?;
+        let TensorKind::Pass { format } = t.kind else {
+            return Err(ReadError::NotRaw(t.name.clone()));
+        };
+        let codec = TensorCodec::Passthrough { format };
+        let corrupt = |block: usize, e: codec::CodecError| ReadError::Corrupt {
+            tensor: t.name.clone(),
+            block,
+            reason: e.to_string(),
+        };
+        let rb = codec::passthrough_row_bytes(format, t.cols).map_err(|e| corrupt(0, e))?;
+        check_read(&t.name, (t.rows, rb), (r0, r1), out.len())?;
+        if r0 == r1 {
+            return Ok(());
+        }
+        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), rb as usize, out);
+        let run = |(b, _first, n, lo, hi, dst): BlockJob<'_, u8>| {
+            let payload = self
+                .blob(t.first_blob + b)
+                .map_err(|f| self.fault(tensor, b, None, f))?;
+            let raw = codec::raw_block_rows(&codec, &payload, n, t.cols, lo, hi)
+                .map_err(|e| corrupt(b, e))?;
+            dst.copy_from_slice(raw);
+            Ok(())
         };
         if jobs.len() == 1 {
             jobs.into_iter().try_for_each(run)

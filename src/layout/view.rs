@@ -1,0 +1,343 @@
+//! Which ggml type `model.gguf` serves each tensor in (`--gguf-type`), decided once
+//! when the layout is built. The rules are written down in docs/MOUNT.md ("Views").
+
+use std::fmt;
+
+use crate::archive::Store;
+use crate::gguf::quantize::can_quantize;
+use crate::gguf::GgmlType;
+use crate::model::{ModelDesc, SourceType};
+
+/// What `model.gguf` serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufView {
+    /// Per tensor, the smallest type that adds no noticeable error to what the archive
+    /// holds: the source's own blocks where it holds them bit-exact.
+    Auto,
+    /// Per tensor, the source's own type and bytes where the archive holds them
+    /// bit-exact; the other tensors as F16 (BF16 for a BF16 source).
+    Source,
+    /// Every quantizable tensor in one type, as `llama-quantize --pure` would, falling
+    /// back per tensor where a row is not a whole number of the type's blocks.
+    Type(GgmlType),
+}
+
+/// `--gguf-type` spellings of the single types, in the order `--help` lists them.
+const TYPES: [(&str, GgmlType); 12] = [
+    ("f32", GgmlType::F32),
+    ("f16", GgmlType::F16),
+    ("bf16", GgmlType::BF16),
+    ("q8_0", GgmlType::Q8_0),
+    ("q6_k", GgmlType::Q6_K),
+    ("q5_k", GgmlType::Q5_K),
+    ("q5_1", GgmlType::Q5_1),
+    ("q5_0", GgmlType::Q5_0),
+    ("q4_k", GgmlType::Q4_K),
+    ("q4_1", GgmlType::Q4_1),
+    ("q4_0", GgmlType::Q4_0),
+    ("q3_k", GgmlType::Q3_K),
+];
+
+impl GgufView {
+    /// Every accepted `--gguf-type` value.
+    pub fn names() -> Vec<&'static str> {
+        let mut v = vec!["auto", "source"];
+        v.extend(TYPES.iter().filter(|(_, t)| can_serve(*t)).map(|(n, _)| *n));
+        v
+    }
+
+    /// Parse a `--gguf-type` value; the error lists the valid ones.
+    pub fn parse(s: &str) -> Result<GgufView, String> {
+        let l = s.to_ascii_lowercase();
+        match l.as_str() {
+            "auto" => return Ok(GgufView::Auto),
+            "source" => return Ok(GgufView::Source),
+            _ => {}
+        }
+        if let Some((_, t)) = TYPES.iter().find(|(n, t)| *n == l && can_serve(*t)) {
+            return Ok(GgufView::Type(*t));
+        }
+        Err(format!(
+            "unknown GGUF type {s:?}; valid: {}",
+            GgufView::names().join(", ")
+        ))
+    }
+}
+
+impl fmt::Display for GgufView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GgufView::Auto => f.write_str("auto"),
+            GgufView::Source => f.write_str("source"),
+            GgufView::Type(t) => f.write_str(type_name(*t)),
+        }
+    }
+}
+
+/// ggml's lower-case name of a type ("q4_k").
+pub fn type_name(t: GgmlType) -> &'static str {
+    use GgmlType::*;
+    match t {
+        F32 => "f32",
+        F16 => "f16",
+        BF16 => "bf16",
+        Q4_0 => "q4_0",
+        Q4_1 => "q4_1",
+        Q5_0 => "q5_0",
+        Q5_1 => "q5_1",
+        Q8_0 => "q8_0",
+        Q8_1 => "q8_1",
+        Q2_K => "q2_k",
+        Q3_K => "q3_k",
+        Q4_K => "q4_k",
+        Q5_K => "q5_k",
+        Q6_K => "q6_k",
+        Q8_K => "q8_k",
+    }
+}
+
+/// Whether a view can produce this type from f32 rows.
+fn can_serve(t: GgmlType) -> bool {
+    can_quantize(t)
+}
+
+/// What the archive holds for one tensor, as far as choosing its view is concerned.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Held {
+    /// The source's own bytes, bit-exact (readable with `RowSource::read_raw_rows`).
+    Exact(SourceType),
+    /// A lossy reconstruction with relative error ‖W−Ŵ‖/‖W‖ measured at conversion
+    /// (None: not recorded).
+    Lossy(Option<f64>),
+}
+
+/// What `store` holds for each of its tensors.
+pub fn held_of(store: &dyn Store) -> Vec<Held> {
+    (0..store.model().tensors.len())
+        .map(|i| match store.raw_format(i) {
+            Some(f) => Held::Exact(f),
+            None => Held::Lossy(store.tensor_summary(i).rel_err),
+        })
+        .collect()
+}
+
+/// One tensor of the GGUF view.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorView {
+    /// Index into the model's tensors.
+    pub index: usize,
+    pub gguf_name: String,
+    /// The type served.
+    pub ty: GgmlType,
+    /// Served from the archive's stored source bytes as they are.
+    pub raw: bool,
+    /// The type the view asked for when this tensor could not hold it.
+    pub wanted: Option<GgmlType>,
+}
+
+/// Relative error ‖Q(W)−W‖/‖W‖ a type adds to real weights, measured on the test
+/// model's tensors (docs/MOUNT.md, "Views", gives the command); the auto view compares
+/// it with what the archive already lost. Ordered by size.
+const TYPE_ERR: [(GgmlType, f64); 8] = [
+    (GgmlType::Q4_0, 0.102),
+    (GgmlType::Q4_K, 0.082),
+    (GgmlType::Q4_1, 0.090),
+    (GgmlType::Q5_0, 0.050),
+    (GgmlType::Q5_K, 0.040),
+    (GgmlType::Q5_1, 0.045),
+    (GgmlType::Q6_K, 0.020),
+    (GgmlType::Q8_0, 0.0035),
+];
+
+/// Auto adds a type when its own error is at most this fraction of the archive's:
+/// independent errors add in quadrature, so the total grows by at most 12 %.
+const AUTO_ERR_FRACTION: f64 = 0.5;
+
+/// The auto view's type for a 2-D tensor of `cols` columns held as `held`, and whether
+/// it is served raw.
+fn auto_type(held: Held, cols: u64) -> (GgmlType, bool) {
+    match held {
+        Held::Exact(SourceType::Ggml(t)) => (t, true),
+        Held::Exact(SourceType::BF16) => (GgmlType::BF16, false),
+        Held::Exact(_) => (GgmlType::F16, false),
+        Held::Lossy(err) => {
+            let fits = |t: GgmlType| cols % t.block().0 == 0 && can_quantize(t);
+            let pick = match err {
+                Some(e) => TYPE_ERR
+                    .iter()
+                    .filter(|(t, q)| fits(*t) && *q <= AUTO_ERR_FRACTION * e)
+                    .min_by(|a, b| bits(a.0).total_cmp(&bits(b.0)))
+                    .map(|(t, _)| *t),
+                // Unknown loss: Q8_0 adds a tenth of what any lossy codec here loses.
+                None => Some(GgmlType::Q8_0).filter(|t| fits(*t)),
+            };
+            (pick.unwrap_or(GgmlType::F16), false)
+        }
+    }
+}
+
+/// Bits per weight of a type.
+pub fn bits(t: GgmlType) -> f64 {
+    let (e, b) = t.block();
+    b as f64 * 8.0 / e as f64
+}
+
+/// Whether `llama-quantize` quantizes a tensor of this GGUF name and rank at all
+/// (`tensor_allows_quantization`): 2-D and up, a weight, not a norm, not an MoE
+/// router, not a positional or token-type embedding.
+fn quantizable(gguf_name: &str, dims: usize) -> bool {
+    dims >= 2
+        && gguf_name.ends_with("weight")
+        && !gguf_name.contains("_norm.weight")
+        && !gguf_name.contains("ffn_gate_inp.weight")
+        && gguf_name != "position_embd.weight"
+        && gguf_name != "token_types.weight"
+}
+
+/// `llama-quantize`'s per-tensor fallback for a row of `cols` that is not a whole
+/// number of `t`'s blocks: the 256-block K types step to a 32-block type, and a
+/// 32-block type that still does not fit becomes F16.
+pub fn fallback(t: GgmlType, cols: u64) -> GgmlType {
+    if cols % t.block().0 == 0 {
+        return t;
+    }
+    let next = match t {
+        GgmlType::Q2_K | GgmlType::Q3_K => GgmlType::Q4_0,
+        GgmlType::Q4_K => GgmlType::Q5_0,
+        GgmlType::Q5_K => GgmlType::Q5_1,
+        GgmlType::Q6_K => GgmlType::Q8_0,
+        other => other,
+    };
+    if cols % next.block().0 == 0 {
+        next
+    } else {
+        GgmlType::F16
+    }
+}
+
+/// The view of every tensor that has a GGUF name, in llama.cpp's order.
+pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Vec<TensorView> {
+    super::gguf::gguf_order(model)
+        .into_iter()
+        .map(|(index, gguf_name)| {
+            let t = &model.tensors[index];
+            let cols = t.cols();
+            let h = held.get(index).copied().unwrap_or(Held::Lossy(None));
+            let one_d = t.shape.len() < 2;
+            let (want, raw) = match view {
+                // llama.cpp expects F32 norms and biases.
+                _ if one_d => (GgmlType::F32, false),
+                GgufView::Auto => auto_type(h, cols),
+                GgufView::Source => match h {
+                    Held::Exact(SourceType::Ggml(q)) => (q, true),
+                    Held::Exact(SourceType::F32) => (GgmlType::F32, false),
+                    Held::Exact(SourceType::BF16) => (GgmlType::BF16, false),
+                    _ if t.source == SourceType::BF16 => (GgmlType::BF16, false),
+                    _ => (GgmlType::F16, false),
+                },
+                GgufView::Type(ty) if !quantizable(&gguf_name, t.shape.len()) => {
+                    // llama-quantize copies these in their input's type; a float view
+                    // still converts them.
+                    match ty {
+                        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (ty, false),
+                        _ => (GgmlType::F32, false),
+                    }
+                }
+                GgufView::Type(ty) => (ty, false),
+            };
+            let ty = if raw { want } else { fallback(want, cols) };
+            TensorView {
+                index,
+                gguf_name,
+                ty,
+                raw,
+                wanted: (ty != want).then_some(want),
+            }
+        })
+        .collect()
+}
+
+/// `general.file_type` (llama.cpp's `llama_ftype`) of a view: the type most of the
+/// weights are served in.
+pub fn file_type(tensors: &[TensorView], model: &ModelDesc) -> u32 {
+    let mut count: Vec<(GgmlType, u64)> = Vec::new();
+    for tv in tensors {
+        let n = model.tensors[tv.index].numel();
+        if model.tensors[tv.index].shape.len() < 2 {
+            continue;
+        }
+        match count.iter_mut().find(|(t, _)| *t == tv.ty) {
+            Some((_, c)) => *c += n,
+            None => count.push((tv.ty, n)),
+        }
+    }
+    let main = count
+        .iter()
+        .max_by_key(|(_, c)| *c)
+        .map_or(GgmlType::F16, |(t, _)| *t);
+    ftype_of(main)
+}
+
+/// The `llama_ftype` whose main type is `t` ("mostly Q4_K" is Q4_K_M's id's family).
+fn ftype_of(t: GgmlType) -> u32 {
+    use GgmlType::*;
+    match t {
+        F32 => 0,
+        F16 => 1,
+        Q4_0 => 2,
+        Q4_1 => 3,
+        Q8_0 => 7,
+        Q5_0 => 8,
+        Q5_1 => 9,
+        Q2_K => 10,
+        Q3_K => 12,
+        Q4_K => 15,
+        Q5_K => 17,
+        Q6_K => 18,
+        BF16 => 32,
+        Q8_1 | Q8_K => 1,
+    }
+}
+
+/// One line for each thing a user of `view` should know about `plan`: every tensor
+/// that fell back to another type, and a `source` view with no stored blocks to serve.
+pub fn notes(model: &ModelDesc, view: GgufView, plan: &[TensorView]) -> Vec<String> {
+    let mut v: Vec<String> = plan
+        .iter()
+        .filter_map(|tv| {
+            let want = tv.wanted?;
+            Some(format!(
+                "model.gguf ({view}): {} has rows of {} values, not a whole number of {} blocks; served as {}",
+                tv.gguf_name,
+                model.tensors[tv.index].cols(),
+                type_name(want),
+                type_name(tv.ty)
+            ))
+        })
+        .collect();
+    let two_d = |tv: &&TensorView| model.tensors[tv.index].shape.len() >= 2;
+    if view == GgufView::Source && !plan.iter().filter(two_d).any(|tv| tv.raw) {
+        v.push(
+            "model.gguf (source): the archive holds no ggml blocks of its source; serving floats"
+                .into(),
+        );
+    }
+    v
+}
+
+/// Summary of a plan: (type, raw, tensors, weights) per served type, largest first.
+pub fn summary(model: &ModelDesc, plan: &[TensorView]) -> Vec<(GgmlType, bool, usize, u64)> {
+    let mut v: Vec<(GgmlType, bool, usize, u64)> = Vec::new();
+    for tv in plan {
+        let n = model.tensors[tv.index].numel();
+        match v.iter_mut().find(|e| e.0 == tv.ty && e.1 == tv.raw) {
+            Some(e) => {
+                e.2 += 1;
+                e.3 += n;
+            }
+            None => v.push((tv.ty, tv.raw, 1, n)),
+        }
+    }
+    v.sort_by_key(|e| std::cmp::Reverse(e.3));
+    v
+}
