@@ -12,9 +12,11 @@ use cawsfs::model::RowSource;
 use super::args::{float_of, ExportArgs, Format};
 use super::{bar, init_threads};
 
-pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
+pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView) -> Result<()> {
     let ar = cawsfs::archive::open(path)?;
     let m = ar.model();
+    let plan = layout::gguf_plan(m, view, &layout::held_of(&*ar));
+    let served = |i: usize| plan.iter().find(|tv| tv.index == i);
     if json {
         let tensors: Vec<_> = m
             .tensors
@@ -23,7 +25,14 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
             .map(|(i, t)| {
                 let info = ar.tensor_summary(i);
                 let locations = blocks.then(|| ar.block_locations(i));
+                let gguf = served(i).map(|tv| {
+                    serde_json::json!({
+                        "name": tv.gguf_name, "type": layout::type_name(tv.ty), "stored": tv.raw,
+                        "wanted": tv.wanted.map(layout::type_name),
+                    })
+                });
                 serde_json::json!({
+                    "gguf": gguf,
                     "block_locations": locations,
                     "name": t.name, "shape": t.shape, "source": t.source,
                     "codec": info.codec, "rows_per_block": info.rows_per_block,
@@ -40,6 +49,8 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
         let v = serde_json::json!({
             "kind": ar.kind().name(), "sections": sections, "arch": m.arch,
             "tensors": tensors, "extra": ar.extra(),
+            "gguf_view": view.to_string(),
+            "gguf_notes": layout::gguf_notes(m, view, &plan),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -73,15 +84,33 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
     );
     println!("tensors: {}", m.tensors.len());
     println!(
-        "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9}",
-        "name", "shape", "source", "codec", "blocks", "bytes", "bpw", "rel_err"
+        "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7} {:>9} {:>14}",
+        "name",
+        "shape",
+        "source",
+        "codec",
+        "blocks",
+        "bytes",
+        "bpw",
+        "rel_err",
+        format!("gguf ({view})")
     );
     let mut total = 0;
     for (i, t) in m.tensors.iter().enumerate() {
         let info = ar.tensor_summary(i);
         total += info.stored_bytes;
+        let gguf = served(i).map_or_else(
+            || "-".to_string(),
+            |tv| match (tv.raw, tv.wanted) {
+                (true, _) => format!("{} stored", layout::type_name(tv.ty)),
+                (false, Some(w)) => {
+                    format!("{} (for {})", layout::type_name(tv.ty), layout::type_name(w))
+                }
+                (false, None) => layout::type_name(tv.ty).to_string(),
+            },
+        );
         println!(
-            "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5}",
+            "  {:<52} {:>16} {:>10} {:>24} {:>7} {:>12} {:>7.3} {:>9.5} {:>14}",
             t.name,
             format!("{:?}", t.shape),
             format!("{:?}", t.source).to_lowercase(),
@@ -89,10 +118,35 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool) -> Result<()> {
             info.n_blocks,
             info.stored_bytes,
             info.stored_bytes as f64 * 8.0 / t.numel().max(1) as f64,
-            info.rel_err.unwrap_or(0.0)
+            info.rel_err.unwrap_or(0.0),
+            gguf
         );
     }
     println!("total tensor bytes: {total}");
+    let weights: u64 = plan.iter().map(|tv| m.tensors[tv.index].numel()).sum();
+    let bytes: u64 = plan
+        .iter()
+        .map(|tv| {
+            let t = &m.tensors[tv.index];
+            tv.ty.row_bytes(t.cols()).unwrap_or(0) * t.rows()
+        })
+        .sum();
+    let parts: Vec<String> = layout::gguf_summary(m, &plan)
+        .into_iter()
+        .map(|(ty, raw, n, w)| {
+            let how = if raw { " stored" } else { "" };
+            format!("{}{how} {n} tensors {:.1}M weights", layout::type_name(ty), w as f64 / 1e6)
+        })
+        .collect();
+    println!(
+        "model.gguf ({view}): {} tensor bytes, {:.2} bits/weight: {}",
+        bytes,
+        bytes as f64 * 8.0 / weights.max(1) as f64,
+        parts.join(", ")
+    );
+    for note in layout::gguf_notes(m, view, &plan) {
+        println!("  {note}");
+    }
     Ok(())
 }
 

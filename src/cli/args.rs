@@ -33,6 +33,9 @@ pub enum Cmd {
         /// With --json: list each block's file offset and stored length.
         #[arg(long)]
         blocks: bool,
+        /// Show what model.gguf serves each tensor as under this view.
+        #[arg(long, default_value = "auto", value_parser = GgufView::parse)]
+        gguf_type: GgufView,
     },
     /// Check an archive whole: every checksum, then every block decoded, the ROUTING
     /// section and the virtual files' headers, as a mount would use them; exits

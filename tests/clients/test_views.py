@@ -1,0 +1,98 @@
+"""What `model.gguf` serves (`--gguf-type`): the source's own blocks bit-exact
+(`source`, and `auto` where the archive stores them), single quantized types
+byte-identical to llama.cpp's `llama-quantize`, and `auto`'s per-tensor choice, read by
+llama.cpp through the mount."""
+import json
+import os
+import re
+from pathlib import Path
+
+import gguf
+import pytest
+
+from conftest import TEXT, llama_generate, run, run_status
+from test_mount import Mount
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short Python function that reverses a string:",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def tensors(path):
+    """{name: (ggml type id, data bytes)} of a GGUF file."""
+    r = gguf.GGUFReader(str(path))
+    return {t.name: (int(t.tensor_type), bytes(t.data.tobytes())) for t in r.tensors}
+
+
+def perplexity_lines(llama_bin, path):
+    """llama-perplexity's per-chunk and final lines, the part that depends on the weights."""
+    p = run([llama_bin / "llama-perplexity", "-m", path, "-f", TEXT, "-c", "128", "--chunks", "16",
+             "-t", str(min(4, os.cpu_count() or 1))])
+    out = p.stdout + p.stderr
+    chunks = re.findall(r"\[(\d+)\](\d+\.\d+)", out)
+    final = re.findall(r"Final estimate: PPL = [0-9.]+ \+/- [0-9.]+", out)
+    assert len(chunks) == 16 and len(final) == 1, out[-2000:]
+    return chunks, final
+
+
+def test_source_view_is_the_original_file(cawsfs, archives, model_gguf, llama_bin, work):
+    """The all-passthrough archive mounted with `--gguf-type source`: every tensor has the
+    original file's type and bytes, and llama.cpp produces the same greedy tokens (64, three
+    prompts) and the same perplexity output as on the original file."""
+    m = Mount(cawsfs, archives["exact"][0], work / "mnt-source", "--gguf-type", "source")
+    try:
+        served = m.mp / "model.gguf"
+        orig, view = tensors(model_gguf), tensors(served)
+        assert orig.keys() == view.keys()
+        for name, (ty, data) in orig.items():
+            assert view[name][0] == ty, name
+            assert view[name][1] == data, name
+        for prompt in PROMPTS:
+            want, _ = llama_generate(llama_bin, model_gguf, prompt, n=64)
+            got, _ = llama_generate(llama_bin, served, prompt, n=64)
+            assert got == want, (prompt, got, want)
+        assert perplexity_lines(llama_bin, served) == perplexity_lines(llama_bin, model_gguf)
+    finally:
+        m.close()
+
+
+def test_auto_view_keeps_stored_blocks_and_shrinks_the_rest(cawsfs, archives, model_gguf, llama_bin, work):
+    """The default archive under the default view: the token embedding (stored bit-exact
+    as Q8_0) is served as the original's bytes; NDSQ-coded matrices are served quantized,
+    as `inspect` says; the file is far smaller than the F16 view and llama.cpp answers."""
+    path, _ = archives["default"]
+    plan = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
+    assert plan["gguf_view"] == "auto"
+    by_gguf = {t["gguf"]["name"]: t for t in plan["tensors"] if t["gguf"]}
+    f16 = work / "auto-f16.gguf"
+    run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", "f16", "-o", f16])
+    m = Mount(cawsfs, path, work / "mnt-auto")
+    try:
+        served = m.mp / "model.gguf"
+        view, orig = tensors(served), tensors(model_gguf)
+        assert view["token_embd.weight"] == orig["token_embd.weight"]
+        assert by_gguf["token_embd.weight"]["gguf"]["stored"] is True
+        for name, (ty, _) in view.items():
+            want = by_gguf[name]["gguf"]["type"]
+            assert gguf.GGMLQuantizationType(ty).name.lower() == want, name
+            if by_gguf[name]["codec"].startswith("ndsq"):
+                assert want not in ("f16", "f32", "bf16"), name
+        size = served.stat().st_size
+        assert size < 0.6 * f16.stat().st_size, (size, f16.stat().st_size)
+        text, _ = llama_generate(llama_bin, served, n=24)
+        assert "Paris" in text, text
+    finally:
+        m.close()
+
+
+def test_bad_view_names_are_one_line_errors(cawsfs, archives, work):
+    path, _ = archives["default"]
+    for cmd in (["inspect", path], ["export", path, "--format", "gguf", "-o", work / "x.gguf"],
+                ["mount", path, work]):
+        p = run_status([cawsfs, *cmd, "--gguf-type", "q4_kx"])
+        assert p.returncode != 0
+        first = p.stderr.strip().splitlines()[0]
+        assert "q4_kx" in first and "valid: auto, source" in first and "q8_0" in first, p.stderr
+        assert "panicked" not in p.stderr
