@@ -18,6 +18,7 @@ use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
 mod gguf;
 mod hfmeta;
 mod packed;
+mod preset;
 mod safetensors;
 mod tokenizer;
 
@@ -25,6 +26,7 @@ mod tokenizer;
 mod tests;
 
 pub use self::gguf::gguf_pre_tokenizer_name;
+pub use self::preset::{preset_types, Preset, PresetModel, PresetTensor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
