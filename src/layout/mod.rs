@@ -20,6 +20,7 @@ use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
 mod gguf;
 mod hfmeta;
 mod packed;
+mod preset;
 mod safetensors;
 mod tokenizer;
 mod view;
@@ -28,6 +29,7 @@ mod view;
 mod tests;
 
 pub use self::gguf::gguf_pre_tokenizer_name;
+pub use self::preset::{preset_types, Preset, PresetModel, PresetTensor};
 pub use self::view::{
     bits, fallback, held_of, notes as gguf_notes, plan as gguf_plan, summary as gguf_summary,
     type_name, GgufView, Held, TensorView,
