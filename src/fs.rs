@@ -97,8 +97,8 @@ pub struct MountFs {
 impl MountFs {
     pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
         let model = archive.model();
-        let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive));
-        for note in layout::gguf_notes(model, opts.gguf_type, &plan) {
+        let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive))?;
+        for note in layout::gguf_notes(model, &plan) {
             tracing::info!("{note}");
         }
         let mut files = vec![

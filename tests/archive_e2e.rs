@@ -249,7 +249,7 @@ fn mountfs_random_reads_equal_export() {
         safetensors_file(ar.model(), None).unwrap(),
         gguf_file(
             ar.model(),
-            &gguf_plan(ar.model(), GgufView::Type(GgmlType::F16), &[]),
+            &gguf_plan(ar.model(), GgufView::Type(GgmlType::F16), &[]).unwrap(),
         )
         .unwrap(),
     ] {

@@ -130,7 +130,7 @@ impl Fixture {
                 for vf in [
                     layout::gguf_file(
                         model,
-                        &layout::gguf_plan(model, gguf, &layout::held_of(&*self.store)),
+                        &layout::gguf_plan(model, gguf, &layout::held_of(&*self.store)).unwrap(),
                     )
                     .unwrap(),
                     layout::safetensors_file(model, st).unwrap(),

@@ -81,7 +81,7 @@ pub fn export_throughput() {
         safetensors_file(&model, Some(FloatType::F16)).unwrap(),
         gguf_file(
             &model,
-            &gguf_plan(&model, GgufView::Type(GgmlType::F16), &[]),
+            &gguf_plan(&model, GgufView::Type(GgmlType::F16), &[]).unwrap(),
         )
         .unwrap(),
     ] {

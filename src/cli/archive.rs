@@ -15,8 +15,8 @@ use super::{bar, init_threads};
 pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView) -> Result<()> {
     let ar = cawsfs::archive::open(path)?;
     let m = ar.model();
-    let plan = layout::gguf_plan(m, view, &layout::held_of(&*ar));
-    let served = |i: usize| plan.iter().find(|tv| tv.index == i);
+    let plan = layout::gguf_plan(m, view, &layout::held_of(&*ar))?;
+    let served = |i: usize| plan.tensors.iter().find(|tv| tv.index == i);
     if json {
         let tensors: Vec<_> = m
             .tensors
@@ -50,7 +50,7 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
             "kind": ar.kind().name(), "sections": sections, "arch": m.arch,
             "tensors": tensors, "extra": ar.extra(),
             "gguf_view": view.to_string(),
-            "gguf_notes": layout::gguf_notes(m, view, &plan),
+            "gguf_notes": layout::gguf_notes(m, &plan),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -104,7 +104,11 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
             |tv| match (tv.raw, tv.wanted) {
                 (true, _) => format!("{} stored", layout::type_name(tv.ty)),
                 (false, Some(w)) => {
-                    format!("{} (for {})", layout::type_name(tv.ty), layout::type_name(w))
+                    format!(
+                        "{} (for {})",
+                        layout::type_name(tv.ty),
+                        layout::type_name(w)
+                    )
                 }
                 (false, None) => layout::type_name(tv.ty).to_string(),
             },
@@ -123,8 +127,13 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         );
     }
     println!("total tensor bytes: {total}");
-    let weights: u64 = plan.iter().map(|tv| m.tensors[tv.index].numel()).sum();
+    let weights: u64 = plan
+        .tensors
+        .iter()
+        .map(|tv| m.tensors[tv.index].numel())
+        .sum();
     let bytes: u64 = plan
+        .tensors
         .iter()
         .map(|tv| {
             let t = &m.tensors[tv.index];
@@ -135,7 +144,11 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         .into_iter()
         .map(|(ty, raw, n, w)| {
             let how = if raw { " stored" } else { "" };
-            format!("{}{how} {n} tensors {:.1}M weights", layout::type_name(ty), w as f64 / 1e6)
+            format!(
+                "{}{how} {n} tensors {:.1}M weights",
+                layout::type_name(ty),
+                w as f64 / 1e6
+            )
         })
         .collect();
     println!(
@@ -144,7 +157,7 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         bytes as f64 * 8.0 / weights.max(1) as f64,
         parts.join(", ")
     );
-    for note in layout::gguf_notes(m, view, &plan) {
+    for note in layout::gguf_notes(m, &plan) {
         println!("  {note}");
     }
     Ok(())
@@ -158,11 +171,9 @@ pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
         let m = ar.model();
         let files = [
             layout::safetensors_file(m, None).map(drop),
-            layout::gguf_file(
-                m,
-                &layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar)),
-            )
-            .map(drop),
+            layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar))
+                .and_then(|plan| layout::gguf_file(m, &plan))
+                .map(drop),
             layout::hf_metadata_files(m).map(drop),
         ];
         fails.extend(
@@ -225,8 +236,8 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
     };
     match a.format {
         Format::Gguf => {
-            let plan = layout::gguf_plan(model, a.gguf_type, &layout::held_of(&*ar));
-            for note in layout::gguf_notes(model, a.gguf_type, &plan) {
+            let plan = layout::gguf_plan(model, a.gguf_type, &layout::held_of(&*ar))?;
+            for note in layout::gguf_notes(model, &plan) {
                 eprintln!("{note}");
             }
             export(&layout::gguf_file(model, &plan)?, &a.output)

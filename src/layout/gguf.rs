@@ -8,7 +8,7 @@ use crate::gguf::{GgmlType, GgufHeader, GgufValue};
 use crate::model::names;
 use crate::model::ModelDesc;
 
-use super::view::{self, TensorView};
+use super::view::{self, GgufPlan};
 use super::{tokenizer, Builder, LayoutError, VirtualFile};
 
 /// Data alignment of the virtual GGUF (llama.cpp's default).
@@ -67,10 +67,11 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
 
 pub(super) fn build(
     model: &ModelDesc,
-    tensors: &[TensorView],
+    plan: &GgufPlan,
     header: &HeaderFn<'_>,
 ) -> Result<VirtualFile, LayoutError> {
-    let ft = view::file_type(tensors, model);
+    let ft = view::file_type(plan, model);
+    let tensors = &plan.tensors;
     let meta = if model.gguf_meta.is_empty() {
         derive_meta(model, ft)?
     } else {

@@ -29,10 +29,10 @@ mod view;
 mod tests;
 
 pub use self::gguf::gguf_pre_tokenizer_name;
-pub use self::preset::{preset_types, Preset, PresetModel, PresetTensor};
+pub use self::preset::{fallback, preset_types, Preset, PresetModel, PresetTensor};
 pub use self::view::{
-    bits, fallback, held_of, notes as gguf_notes, plan as gguf_plan, summary as gguf_summary,
-    type_name, GgufView, Held, TensorView,
+    bits, held_of, notes as gguf_notes, plan as gguf_plan, summary as gguf_summary, type_name,
+    GgufPlan, GgufView, Held, TensorView,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -452,7 +452,7 @@ pub fn safetensors_file(
 
 /// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to
 /// `general.alignment`, each tensor as `plan` (from [`gguf_plan`]) says.
-pub fn gguf_file(model: &ModelDesc, plan: &[TensorView]) -> Result<VirtualFile, LayoutError> {
+pub fn gguf_file(model: &ModelDesc, plan: &GgufPlan) -> Result<VirtualFile, LayoutError> {
     gguf::build(model, plan, &gguf::header_with_writer)
 }
 

@@ -289,7 +289,7 @@ fn n_dims(ne: &[u64]) -> usize {
 }
 
 /// `tensor_allows_quantization`.
-fn allows_quantization(arch: &str, t: &PresetTensor<'_>) -> bool {
+pub(super) fn allows_quantization(arch: &str, t: &PresetTensor<'_>) -> bool {
     let name = t.name;
     n_dims(t.ne) >= 2
         && name.ends_with("weight")
@@ -482,7 +482,7 @@ fn adjust(
 
 /// `tensor_type_fallback`: a type whose block does not divide the row length is
 /// replaced by a 32-block type of similar size, or F16 when nothing fits.
-fn fallback(ty: GgmlType, ncols: u64) -> GgmlType {
+pub fn fallback(ty: GgmlType, ncols: u64) -> GgmlType {
     use GgmlType as T;
     if ncols % block_len(ty) == 0 {
         return ty;

@@ -309,7 +309,7 @@ fn gguf_layout_names_order_types_and_permutation() {
         let seen = Seen::default();
         let f = g::build(
             &model,
-            &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+            &view::plan(&model, GgufView::Type(GgmlType::F16), &[]).unwrap(),
             &test_header(&seen),
         )
         .unwrap();
@@ -423,7 +423,7 @@ fn gguf_permuted_small_read_asks_for_whole_heads_only() {
     let seen = Seen::default();
     let f = g::build(
         &model,
-        &view::plan(&model, GgufView::Type(GgmlType::F32), &[]),
+        &view::plan(&model, GgufView::Type(GgmlType::F32), &[]).unwrap(),
         &test_header(&seen),
     )
     .unwrap();
@@ -457,7 +457,7 @@ fn gguf_source_metadata_is_kept() {
     let seen = Seen::default();
     g::build(
         &model,
-        &view::plan(&model, GgufView::Type(GgmlType::BF16), &[]),
+        &view::plan(&model, GgufView::Type(GgmlType::BF16), &[]).unwrap(),
         &test_header(&seen),
     )
     .unwrap();
@@ -525,7 +525,7 @@ fn hf_tokenizer_to_gguf_and_back() {
     let seen = Seen::default();
     g::build(
         &model,
-        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]).unwrap(),
         &test_header(&seen),
     )
     .unwrap();
@@ -622,7 +622,7 @@ fn sentencepiece_tokenizer_is_refused() {
     let seen = Seen::default();
     let r = g::build(
         &model,
-        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]),
+        &view::plan(&model, GgufView::Type(GgmlType::F16), &[]).unwrap(),
         &test_header(&seen),
     );
     match r {
@@ -736,8 +736,8 @@ fn quantized_views_match_whole_rows_encoded_for_any_window() {
         GgmlType::Q4_0,
     ];
     for ty in types.into_iter().filter(|t| can_quantize(*t)) {
-        let plan = view::plan(&model, GgufView::Type(ty), &[]);
-        for tv in &plan {
+        let plan = view::plan(&model, GgufView::Type(ty), &[]).unwrap();
+        for tv in &plan.tensors {
             let want = if model.tensors[tv.index].shape.len() < 2 {
                 GgmlType::F32
             } else {
@@ -750,7 +750,7 @@ fn quantized_views_match_whole_rows_encoded_for_any_window() {
         let (e, b) = ty.block();
         assert!(f.load_work_factor() * b >= b + 4 * e, "{ty:?}");
         for (ti, start, end) in f.tensor_ranges() {
-            let tv = plan.iter().find(|tv| tv.index == ti).unwrap();
+            let tv = plan.tensors.iter().find(|tv| tv.index == ti).unwrap();
             let mut want = Vec::new();
             for row in gguf_rows(&model, &src, ti) {
                 let mut b = vec![0u8; tv.ty.row_bytes(row.len() as u64).unwrap() as usize];
@@ -840,11 +840,11 @@ fn source_view_serves_stored_blocks_as_they_are() {
         })
         .collect();
     for view in [GgufView::Source, GgufView::Auto] {
-        let plan = view::plan(&model, view, &held);
+        let plan = view::plan(&model, view, &held).unwrap();
         let f = gguf_file(&model, &plan).unwrap();
         for (ti, start, end) in f.tensor_ranges() {
             let t = &model.tensors[ti];
-            let tv = plan.iter().find(|tv| tv.index == ti).unwrap();
+            let tv = plan.tensors.iter().find(|tv| tv.index == ti).unwrap();
             if t.shape.len() < 2 {
                 assert_eq!((tv.ty, tv.raw), (GgmlType::F32, false));
                 continue;
@@ -870,9 +870,9 @@ fn source_view_serves_stored_blocks_as_they_are() {
     // No stored blocks: source serves floats and says so.
     let floats = k_model(SourceType::F16);
     let held = vec![Held::Lossy(Some(0.05)); floats.tensors.len()];
-    let plan = view::plan(&floats, GgufView::Source, &held);
-    assert!(plan.iter().all(|tv| !tv.raw));
-    let notes = view::notes(&floats, GgufView::Source, &plan);
+    let plan = view::plan(&floats, GgufView::Source, &held).unwrap();
+    assert!(plan.tensors.iter().all(|tv| !tv.raw));
+    let notes = view::notes(&floats, &plan);
     assert!(
         notes.iter().any(|n| n.contains("no ggml blocks")),
         "{notes:?}"
@@ -892,19 +892,20 @@ fn views_fall_back_per_tensor_where_rows_do_not_fit() {
         if !can_quantize(ty) || !can_quantize(to) {
             continue;
         }
-        let plan = view::plan(&model, GgufView::Type(ty), &[]);
+        let plan = view::plan(&model, GgufView::Type(ty), &[]).unwrap();
         let two_d: Vec<_> = plan
+            .tensors
             .iter()
             .filter(|tv| model.tensors[tv.index].shape.len() >= 2)
             .collect();
         assert!(two_d.iter().all(|tv| tv.ty == to && tv.wanted == Some(ty)));
-        let notes = view::notes(&model, GgufView::Type(ty), &plan);
+        let notes = view::notes(&model, &plan);
         assert_eq!(notes.len(), two_d.len());
         assert!(notes[0].contains(&two_d[0].gguf_name), "{}", notes[0]);
         gguf_file(&model, &plan).unwrap();
     }
-    assert_eq!(view::fallback(GgmlType::Q8_0, 48), GgmlType::F16);
-    assert_eq!(view::fallback(GgmlType::Q4_K, 48), GgmlType::F16);
+    assert_eq!(fallback(GgmlType::Q8_0, 48), GgmlType::F16);
+    assert_eq!(fallback(GgmlType::Q4_K, 48), GgmlType::F16);
     assert!(GgufView::parse("q4_k_x")
         .unwrap_err()
         .contains("valid: auto, source"));

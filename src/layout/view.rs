@@ -3,6 +3,10 @@
 
 use std::fmt;
 
+use super::preset::{
+    allows_quantization, fallback, preset_types, Preset, PresetModel, PresetTensor,
+};
+use super::LayoutError;
 use crate::archive::Store;
 use crate::gguf::quantize::can_quantize;
 use crate::gguf::GgmlType;
@@ -20,6 +24,8 @@ pub enum GgufView {
     /// Every quantizable tensor in one type, as `llama-quantize --pure` would, falling
     /// back per tensor where a row is not a whole number of the type's blocks.
     Type(GgmlType),
+    /// `llama-quantize`'s per-tensor mix for a file type (`q4_k_m` ...).
+    Preset(Preset),
 }
 
 /// `--gguf-type` spellings of the single types, in the order `--help` lists them.
@@ -57,6 +63,9 @@ impl GgufView {
         if let Some((_, t)) = TYPES.iter().find(|(n, t)| *n == l && can_serve(*t)) {
             return Ok(GgufView::Type(*t));
         }
+        if let Some(p) = offered_presets().find(|p| p.name().eq_ignore_ascii_case(s)) {
+            return Ok(GgufView::Preset(p));
+        }
         Err(format!(
             "unknown GGUF type {s:?}; valid: {}",
             GgufView::names().join(", ")
@@ -70,6 +79,7 @@ impl fmt::Display for GgufView {
             GgufView::Auto => f.write_str("auto"),
             GgufView::Source => f.write_str("source"),
             GgufView::Type(t) => f.write_str(type_name(*t)),
+            GgufView::Preset(p) => f.write_str(&p.name().to_ascii_lowercase()),
         }
     }
 }
@@ -99,6 +109,27 @@ pub fn type_name(t: GgmlType) -> &'static str {
 /// Whether a view can produce this type from f32 rows.
 fn can_serve(t: GgmlType) -> bool {
     can_quantize(t)
+}
+
+/// Presets whose every possible type a view can produce (not the float ones: `f16`
+/// and friends name the same views as single types).
+fn offered_presets() -> impl Iterator<Item = Preset> {
+    let mixed = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+    Preset::ALL.iter().copied().filter(move |p| {
+        let low_k = matches!(p.default_type(), GgmlType::Q2_K | GgmlType::Q3_K);
+        !matches!(p, Preset::F32 | Preset::F16 | Preset::BF16)
+            && mixed.iter().all(|t| can_serve(*t))
+            && (!low_k || (can_serve(GgmlType::Q2_K) && can_serve(GgmlType::Q3_K)))
+    })
 }
 
 /// What the archive holds for one tensor, as far as choosing its view is concerned.
@@ -182,48 +213,57 @@ pub fn bits(t: GgmlType) -> f64 {
     b as f64 * 8.0 / e as f64
 }
 
-/// Whether `llama-quantize` quantizes a tensor of this GGUF name and rank at all
-/// (`tensor_allows_quantization`): 2-D and up, a weight, not a norm, not an MoE
-/// router, not a positional or token-type embedding.
-fn quantizable(gguf_name: &str, dims: usize) -> bool {
-    dims >= 2
-        && gguf_name.ends_with("weight")
-        && !gguf_name.contains("_norm.weight")
-        && !gguf_name.contains("ffn_gate_inp.weight")
-        && gguf_name != "position_embd.weight"
-        && gguf_name != "token_types.weight"
+/// What `model.gguf` serves: the view and, in llama.cpp's order, every tensor that has
+/// a GGUF name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufPlan {
+    pub view: GgufView,
+    pub tensors: Vec<TensorView>,
 }
 
-/// `llama-quantize`'s per-tensor fallback for a row of `cols` that is not a whole
-/// number of `t`'s blocks: the 256-block K types step to a 32-block type, and a
-/// 32-block type that still does not fit becomes F16.
-pub fn fallback(t: GgmlType, cols: u64) -> GgmlType {
-    if cols % t.block().0 == 0 {
-        return t;
-    }
-    let next = match t {
-        GgmlType::Q2_K | GgmlType::Q3_K => GgmlType::Q4_0,
-        GgmlType::Q4_K => GgmlType::Q5_0,
-        GgmlType::Q5_K => GgmlType::Q5_1,
-        GgmlType::Q6_K => GgmlType::Q8_0,
-        other => other,
+/// The plan of `view` for `model`, whose tensors the archive holds as `held` (missing
+/// entries count as lossy with unknown error).
+pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan, LayoutError> {
+    let order = super::gguf::gguf_order(model);
+    let ne: Vec<Vec<u64>> = order
+        .iter()
+        .map(|(i, _)| model.tensors[*i].shape.iter().rev().copied().collect())
+        .collect();
+    let arch = &model.arch.gguf_arch;
+    let preset = match view {
+        GgufView::Preset(p) => {
+            let m = PresetModel {
+                arch,
+                n_layers: model.arch.n_layers,
+                n_head: model.arch.n_heads,
+                n_head_kv: model.arch.n_kv_heads,
+                n_expert: 0,
+            };
+            let ts: Vec<PresetTensor<'_>> = order
+                .iter()
+                .zip(&ne)
+                .map(|((_, name), ne)| PresetTensor { name, ne })
+                .collect();
+            Some(preset_types(p, &m, &ts)?)
+        }
+        _ => None,
     };
-    if cols % next.block().0 == 0 {
-        next
-    } else {
-        GgmlType::F16
-    }
-}
-
-/// The view of every tensor that has a GGUF name, in llama.cpp's order.
-pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Vec<TensorView> {
-    super::gguf::gguf_order(model)
+    let tensors = order
         .into_iter()
-        .map(|(index, gguf_name)| {
+        .zip(&ne)
+        .enumerate()
+        .map(|(k, ((index, gguf_name), ne))| {
             let t = &model.tensors[index];
             let cols = t.cols();
             let h = held.get(index).copied().unwrap_or(Held::Lossy(None));
             let one_d = t.shape.len() < 2;
+            let quantizable = allows_quantization(
+                arch,
+                &PresetTensor {
+                    name: &gguf_name,
+                    ne,
+                },
+            );
             let (want, raw) = match view {
                 // llama.cpp expects F32 norms and biases.
                 _ if one_d => (GgmlType::F32, false),
@@ -235,14 +275,22 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Vec<TensorView>
                     _ if t.source == SourceType::BF16 => (GgmlType::BF16, false),
                     _ => (GgmlType::F16, false),
                 },
-                GgufView::Type(ty) if !quantizable(&gguf_name, t.shape.len()) => {
-                    // llama-quantize copies these in their input's type; a float view
-                    // still converts them.
-                    match ty {
-                        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (ty, false),
-                        _ => (GgmlType::F32, false),
-                    }
+                GgufView::Preset(_) => {
+                    let (ty, wanted) = preset.as_ref().map_or((GgmlType::F32, None), |p| p[k]);
+                    return TensorView {
+                        index,
+                        gguf_name,
+                        ty,
+                        raw: false,
+                        wanted,
+                    };
                 }
+                // llama-quantize copies these in their input's type; a float view still
+                // converts them.
+                GgufView::Type(ty) if !quantizable => match ty {
+                    GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (ty, false),
+                    _ => (GgmlType::F32, false),
+                },
                 GgufView::Type(ty) => (ty, false),
             };
             let ty = if raw { want } else { fallback(want, cols) };
@@ -254,14 +302,18 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Vec<TensorView>
                 wanted: (ty != want).then_some(want),
             }
         })
-        .collect()
+        .collect();
+    Ok(GgufPlan { view, tensors })
 }
 
 /// `general.file_type` (llama.cpp's `llama_ftype`) of a view: the type most of the
 /// weights are served in.
-pub fn file_type(tensors: &[TensorView], model: &ModelDesc) -> u32 {
+pub fn file_type(plan: &GgufPlan, model: &ModelDesc) -> u32 {
+    if let GgufView::Preset(p) = plan.view {
+        return p.ftype();
+    }
     let mut count: Vec<(GgmlType, u64)> = Vec::new();
-    for tv in tensors {
+    for tv in &plan.tensors {
         let n = model.tensors[tv.index].numel();
         if model.tensors[tv.index].shape.len() < 2 {
             continue;
@@ -278,7 +330,8 @@ pub fn file_type(tensors: &[TensorView], model: &ModelDesc) -> u32 {
     ftype_of(main)
 }
 
-/// The `llama_ftype` whose main type is `t` ("mostly Q4_K" is Q4_K_M's id's family).
+/// The `llama_ftype` whose main type is `t` (the small K mixes for the K types, which
+/// is what `llama-quantize --pure` writes).
 fn ftype_of(t: GgmlType) -> u32 {
     use GgmlType::*;
     match t {
@@ -291,8 +344,8 @@ fn ftype_of(t: GgmlType) -> u32 {
         Q5_1 => 9,
         Q2_K => 10,
         Q3_K => 12,
-        Q4_K => 15,
-        Q5_K => 17,
+        Q4_K => 14,
+        Q5_K => 16,
         Q6_K => 18,
         BF16 => 32,
         Q8_1 | Q8_K => 1,
@@ -301,7 +354,9 @@ fn ftype_of(t: GgmlType) -> u32 {
 
 /// One line for each thing a user of `view` should know about `plan`: every tensor
 /// that fell back to another type, and a `source` view with no stored blocks to serve.
-pub fn notes(model: &ModelDesc, view: GgufView, plan: &[TensorView]) -> Vec<String> {
+pub fn notes(model: &ModelDesc, plan: &GgufPlan) -> Vec<String> {
+    let view = plan.view;
+    let plan = &plan.tensors;
     let mut v: Vec<String> = plan
         .iter()
         .filter_map(|tv| {
@@ -326,9 +381,9 @@ pub fn notes(model: &ModelDesc, view: GgufView, plan: &[TensorView]) -> Vec<Stri
 }
 
 /// Summary of a plan: (type, raw, tensors, weights) per served type, largest first.
-pub fn summary(model: &ModelDesc, plan: &[TensorView]) -> Vec<(GgmlType, bool, usize, u64)> {
+pub fn summary(model: &ModelDesc, plan: &GgufPlan) -> Vec<(GgmlType, bool, usize, u64)> {
     let mut v: Vec<(GgmlType, bool, usize, u64)> = Vec::new();
-    for tv in plan {
+    for tv in &plan.tensors {
         let n = model.tensors[tv.index].numel();
         match v.iter_mut().find(|e| e.0 == tv.ty && e.1 == tv.raw) {
             Some(e) => {
