@@ -263,7 +263,12 @@ pub(crate) fn arch_from_config(
         head_dim: opt_u("head_dim").unwrap_or(hidden_size / n_heads),
         vocab_size: u("vocab_size")?,
         context_length: opt_u("max_position_embeddings").unwrap_or(2048),
-        rope_theta: f("rope_theta", 10000.0),
+        // transformers 5 writes it only inside `rope_parameters`.
+        rope_theta: c
+            .get("rope_theta")
+            .or_else(|| c.get("rope_parameters")?.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0) as f32,
         rms_norm_eps: f("rms_norm_eps", 1e-6),
         tie_word_embeddings: !has_lm_head,
         bos_token_id: opt_u("bos_token_id"),
@@ -296,5 +301,31 @@ impl SourceModel for HfSource {
             reason: e.to_string(),
         })?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_theta_is_read_at_the_top_or_in_rope_parameters() {
+        let base = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 10,
+        });
+        let theta = |extra: Value| {
+            let mut c = base.clone();
+            c.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            arch_from_config(Path::new("config.json"), &c, &[])
+                .unwrap()
+                .rope_theta
+        };
+        assert_eq!(theta(serde_json::json!({})), 10000.0);
+        assert_eq!(theta(serde_json::json!({"rope_theta": 500000.0})), 500000.0);
+        let nested = serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}});
+        assert_eq!(theta(nested), 100000.0);
     }
 }
