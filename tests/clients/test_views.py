@@ -96,3 +96,70 @@ def test_bad_view_names_are_one_line_errors(cawsfs, archives, work):
         first = p.stderr.strip().splitlines()[0]
         assert "q4_kx" in first and "valid: auto, source" in first and "q8_0" in first, p.stderr
         assert "panicked" not in p.stderr
+
+
+# Single-type views and the llama-quantize file type that makes the same file with --pure.
+PURE = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K_S", "q5_1": "Q5_1", "q5_0": "Q5_0",
+        "q4_k": "Q4_K_S", "q4_1": "Q4_1", "q4_0": "Q4_0"}
+MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
+
+
+@pytest.fixture(scope="module")
+def lossy(cawsfs, archives, work):
+    """Default (NDSQ) archives of the test model and of the 256-multiple random model
+    (scripts/make-kquant-model.sh, where K types do not fall back), with their F32 views:
+    the input llama-quantize is given."""
+    hf = run([Path(__file__).resolve().parents[2] / "scripts" / "make-kquant-model.sh"],
+             env={**os.environ, "CAWSFS_BIN": str(cawsfs)}).stdout.strip().splitlines()[-1]
+    k256 = work / "views-k256.cawsf"
+    if not k256.exists():
+        run([cawsfs, "convert", hf, "-o", k256])
+    out = {}
+    for name, path in (("smol", archives["default"][0]), ("k256", k256)):
+        f32 = work / f"views-{name}-f32.gguf"
+        if not f32.exists():
+            run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", "f32", "-o", f32])
+        out[name] = (path, f32)
+    return out
+
+
+@pytest.mark.parametrize("model", ["smol", "k256"])
+def test_quantized_views_are_llama_quantize_byte_for_byte(cawsfs, llama_bin, lossy, work, model):
+    """Every single-type view and two mixes of a lossy archive: every tensor's type and
+    bytes equal what llama-quantize (no imatrix) makes from the archive's F32 view."""
+    path, f32 = lossy[model]
+    threads = str(min(4, os.cpu_count() or 1))
+    cases = [(v, [f"{t}", "--pure"]) for v, t in PURE.items()] + [(v, [t]) for v, t in MIXES.items()]
+    kinds = set()
+    for view, (ftype, *pure) in cases:
+        ref, ours = work / f"lq-{model}-{view}.gguf", work / f"ours-{model}-{view}.gguf"
+        run([llama_bin / "llama-quantize", *pure, f32, ref, ftype, threads])
+        run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", view, "-o", ours])
+        want, got = tensors(ref), tensors(ours)
+        assert want.keys() == got.keys(), view
+        for name, (ty, data) in want.items():
+            assert got[name][0] == ty, (model, view, name, got[name][0], ty)
+            assert got[name][1] == data, (model, view, name)
+            kinds.add(ty)
+        ref.unlink()
+        ours.unlink()
+    # The K types themselves were compared, not only their 32-block fallbacks.
+    k = {int(gguf.GGMLQuantizationType[t]) for t in ("Q4_K", "Q5_K", "Q6_K")}
+    assert k <= kinds, kinds
+
+
+def test_fallbacks_are_logged_per_tensor(cawsfs, archives, work):
+    """A type the test model's 576-wide rows cannot hold falls back per tensor, one line
+    each in the mount log, and the view serves the fallback type."""
+    path, _ = archives["default"]
+    m = Mount(cawsfs, path, work / "mnt-q4k", "--gguf-type", "q4_k")
+    try:
+        log = Path(m.socket).with_suffix(".log").read_text()
+        lines = [l for l in log.splitlines() if "not a whole number of q4_k blocks" in l]
+        assert any("blk.0.attn_q.weight" in l and "served as q5_0" in l for l in lines), log[-2000:]
+        view = tensors(m.mp / "model.gguf")
+        q5_0 = int(gguf.GGMLQuantizationType.Q5_0)
+        assert len(lines) == sum(1 for ty, _ in view.values() if ty == q5_0)
+        assert view["blk.0.ffn_down.weight"][0] == int(gguf.GGMLQuantizationType.Q4_K)
+    finally:
+        m.close()
