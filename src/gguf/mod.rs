@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod quant;
+pub mod quantize;
 pub mod reader;
 mod strlist;
 pub mod writer;
