@@ -18,6 +18,14 @@ use crate::gguf::GgmlType;
 pub enum QuantError {
     #[error("ggml type {0:?} is not supported for dequantization")]
     Unsupported(GgmlType),
+    #[error("ggml type {0:?} cannot be quantized")]
+    CannotQuantize(GgmlType),
+    #[error("{ty:?}: {n} elements are not a whole number of {block}-element blocks")]
+    PartialBlock {
+        ty: GgmlType,
+        n: usize,
+        block: usize,
+    },
     #[error("{ty:?}: {n} elements need {need} bytes, got {got}")]
     Size {
         ty: GgmlType,
@@ -296,23 +304,22 @@ fn dq_q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Quantize `src` (a multiple of 32 values) to Q8_0 blocks appended to `out`, exactly
-/// as ggml's `quantize_row_q8_0_ref`. A trailing partial block is padded with zeros
-/// (ggml asserts instead; padding keeps this total).
+/// Quantize `src` to Q8_0 blocks appended to `out`, as ggml's `quantize_row_q8_0_ref`
+/// ([`crate::gguf::quantize`]). A trailing partial block is padded with zeros (ggml
+/// asserts instead; padding keeps this total).
 pub fn quantize_q8_0(src: &[f32], out: &mut Vec<u8>) {
-    out.reserve(src.len().div_ceil(32) * 34);
-    for chunk in src.chunks(32) {
+    let whole = src.len() / 32 * 32;
+    let at = out.len();
+    out.resize(at + src.len().div_ceil(32) * 34, 0);
+    let (body, tail) = out[at..].split_at_mut(whole / 32 * 34);
+    let q8 = |x: &[f32], y: &mut [u8]| {
+        crate::gguf::quantize::quantize(GgmlType::Q8_0, x, y).expect("whole Q8_0 blocks")
+    };
+    q8(&src[..whole], body);
+    if !tail.is_empty() {
         let mut x = [0f32; 32];
-        x[..chunk.len()].copy_from_slice(chunk);
-        // ggml's MAX(a, b) is `a > b ? a : b`.
-        let amax = x
-            .iter()
-            .fold(0f32, |a, &v| if a > v.abs() { a } else { v.abs() });
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        // roundf rounds half away from zero, as f32::round does; `as i8` saturates.
-        out.extend(x.iter().map(|&v| (v * id).round() as i8 as u8));
+        x[..src.len() - whole].copy_from_slice(&src[whole..]);
+        q8(&x, tail);
     }
 }
 
