@@ -910,3 +910,31 @@ fn views_fall_back_per_tensor_where_rows_do_not_fit() {
         .unwrap_err()
         .contains("valid: auto, source"));
 }
+
+/// Auto serves a lossy tensor from the llama-quantize mix whose main type's error is at
+/// most half the archive's (Q5_K_M near NDSQ's 9 %, Q8_0 for 1-2 %, F16 below), unknown
+/// errors as Q8_0, stored blocks raw, and notes no fallbacks of its own.
+#[test]
+fn auto_picks_the_mix_by_the_archive_error() {
+    let model = k_model(SourceType::F16);
+    let q = |err: Option<f64>| {
+        let held = vec![Held::Lossy(err); model.tensors.len()];
+        let plan = view::plan(&model, GgufView::Auto, &held).unwrap();
+        assert!(view::notes(&model, &plan).is_empty());
+        let of = |n: &str| plan.tensors.iter().find(|t| t.gguf_name == n).unwrap().ty;
+        (
+            of("blk.0.attn_q.weight"),
+            of("blk.0.ffn_down.weight"),
+            of("blk.0.attn_norm.weight"),
+        )
+    };
+    assert_eq!(
+        q(Some(0.09)),
+        (GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32)
+    );
+    assert_eq!(q(Some(0.05)).0, GgmlType::Q6_K);
+    assert_eq!(q(Some(0.015)).0, GgmlType::Q8_0);
+    assert_eq!(q(None).0, GgmlType::Q8_0);
+    assert_eq!(q(Some(0.001)).0, GgmlType::F16);
+    assert_eq!(q(Some(0.3)).0, GgmlType::Q4_K);
+}

@@ -166,44 +166,45 @@ pub struct TensorView {
     pub wanted: Option<GgmlType>,
 }
 
-/// Relative error ‖Q(W)−W‖/‖W‖ a type adds to real weights, measured on the test
-/// model's tensors (docs/MOUNT.md, "Views", gives the command); the auto view compares
-/// it with what the archive already lost. Ordered by size.
-const TYPE_ERR: [(GgmlType, f64); 8] = [
-    (GgmlType::Q4_0, 0.102),
-    (GgmlType::Q4_K, 0.082),
-    (GgmlType::Q4_1, 0.090),
-    (GgmlType::Q5_0, 0.050),
-    (GgmlType::Q5_K, 0.040),
-    (GgmlType::Q5_1, 0.045),
-    (GgmlType::Q6_K, 0.020),
-    (GgmlType::Q8_0, 0.0035),
+/// Relative error ‖Q(W)−W‖/‖W‖ the main type of each llama-quantize mix auto draws
+/// from adds to real weights (measured on the test model's reconstructed weights:
+/// docs/MOUNT.md, "Views", gives the command), smallest mix first.
+const AUTO_MIXES: [(Preset, f64); 4] = [
+    (Preset::Q4_K_M, 0.0689),
+    (Preset::Q5_K_M, 0.0368),
+    (Preset::Q6_K, 0.0183),
+    (Preset::Q8_0, 0.0052),
 ];
 
-/// Auto adds a type when its own error is at most this fraction of the archive's:
-/// independent errors add in quadrature, so the total grows by at most 12 %.
+/// Auto takes a mix when its main type's error is at most this fraction of the
+/// archive's: independent errors add in quadrature, so the weights' error grows by at
+/// most 12 %.
 const AUTO_ERR_FRACTION: f64 = 0.5;
 
-/// The auto view's type for a 2-D tensor of `cols` columns held as `held`, and whether
-/// it is served raw.
-fn auto_type(held: Held, cols: u64) -> (GgmlType, bool) {
+/// Which of [`AUTO_MIXES`] (index) a lossy tensor with error `err` is served from;
+/// None: F16 (the archive is too close to exact for any of them).
+fn auto_mix(err: Option<f64>) -> Option<usize> {
+    match err {
+        Some(e) => AUTO_MIXES
+            .iter()
+            .position(|(_, q)| *q <= AUTO_ERR_FRACTION * e),
+        // Unknown loss: Q8_0 adds a tenth of what any lossy codec here loses.
+        None => Some(AUTO_MIXES.len() - 1),
+    }
+}
+
+/// The auto view's type for a 2-D tensor held as `held`, and whether it is served raw;
+/// `mixes[k]` is the type mix `k` of [`AUTO_MIXES`] gives this tensor (llama-quantize's
+/// per-tensor choice, fallbacks included).
+fn auto_type(held: Held, mixes: &[GgmlType]) -> (GgmlType, bool) {
     match held {
         Held::Exact(SourceType::Ggml(t)) => (t, true),
         Held::Exact(SourceType::BF16) => (GgmlType::BF16, false),
         Held::Exact(_) => (GgmlType::F16, false),
-        Held::Lossy(err) => {
-            let fits = |t: GgmlType| cols % t.block().0 == 0 && can_quantize(t);
-            let pick = match err {
-                Some(e) => TYPE_ERR
-                    .iter()
-                    .filter(|(t, q)| fits(*t) && *q <= AUTO_ERR_FRACTION * e)
-                    .min_by(|a, b| bits(a.0).total_cmp(&bits(b.0)))
-                    .map(|(t, _)| *t),
-                // Unknown loss: Q8_0 adds a tenth of what any lossy codec here loses.
-                None => Some(GgmlType::Q8_0).filter(|t| fits(*t)),
-            };
-            (pick.unwrap_or(GgmlType::F16), false)
-        }
+        Held::Lossy(err) => match auto_mix(err) {
+            Some(k) => (mixes[k], false),
+            None => (GgmlType::F16, false),
+        },
     }
 }
 
@@ -230,23 +231,34 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
         .map(|(i, _)| model.tensors[*i].shape.iter().rev().copied().collect())
         .collect();
     let arch = &model.arch.gguf_arch;
+    let m = PresetModel {
+        arch,
+        n_layers: model.arch.n_layers,
+        n_head: model.arch.n_heads,
+        n_head_kv: model.arch.n_kv_heads,
+        n_expert: 0,
+    };
+    let ts: Vec<PresetTensor<'_>> = order
+        .iter()
+        .zip(&ne)
+        .map(|((_, name), ne)| PresetTensor { name, ne })
+        .collect();
     let preset = match view {
-        GgufView::Preset(p) => {
-            let m = PresetModel {
-                arch,
-                n_layers: model.arch.n_layers,
-                n_head: model.arch.n_heads,
-                n_head_kv: model.arch.n_kv_heads,
-                n_expert: 0,
-            };
-            let ts: Vec<PresetTensor<'_>> = order
-                .iter()
-                .zip(&ne)
-                .map(|((_, name), ne)| PresetTensor { name, ne })
-                .collect();
-            Some(preset_types(p, &m, &ts)?)
-        }
+        GgufView::Preset(p) => Some(preset_types(p, &m, &ts)?),
         _ => None,
+    };
+    // Auto: each mix's per-tensor choice, [tensor][mix].
+    let mixes: Vec<Vec<GgmlType>> = match view {
+        GgufView::Auto => {
+            let per_mix = AUTO_MIXES
+                .iter()
+                .map(|(p, _)| preset_types(*p, &m, &ts))
+                .collect::<Result<Vec<_>, _>>()?;
+            (0..ts.len())
+                .map(|k| per_mix.iter().map(|v| v[k].0).collect())
+                .collect()
+        }
+        _ => Vec::new(),
     };
     let tensors = order
         .into_iter()
@@ -267,7 +279,17 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
             let (want, raw) = match view {
                 // llama.cpp expects F32 norms and biases.
                 _ if one_d => (GgmlType::F32, false),
-                GgufView::Auto => auto_type(h, cols),
+                GgufView::Auto => {
+                    // Auto's choices are its own: no fallback notes.
+                    let (ty, raw) = auto_type(h, &mixes[k]);
+                    return TensorView {
+                        index,
+                        gguf_name,
+                        ty,
+                        raw,
+                        wanted: None,
+                    };
+                }
                 GgufView::Source => match h {
                     Held::Exact(SourceType::Ggml(q)) => (q, true),
                     Held::Exact(SourceType::F32) => (GgmlType::F32, false),
