@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests and the demo need on a fresh machine, skipping what is
-# already there: Debian packages (cmake, fuse3, zstd), Python packages (numpy, gguf,
+# already there: Debian packages (cmake, fuse3, zstd, time), Python packages (numpy, gguf,
 # safetensors, torch, transformers, pytest, zstandard, xxhash), the test model and the llama.cpp build.
 # Heavy downloads and builds are cached under ~/.cache/cawsfs, outside the repo.
 set -euo pipefail
@@ -11,6 +11,7 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 command -v c++ >/dev/null || need_apt+=(g++)
 command -v zstd >/dev/null || need_apt+=(zstd)
+[ -x /usr/bin/time ] || need_apt+=(time)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
