@@ -167,3 +167,38 @@ def test_fallbacks_are_logged_per_tensor(cawsfs, archives, work):
         assert view["blk.0.ffn_down.weight"][0] == int(gguf.GGMLQuantizationType.Q4_K)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("kind,args", [("npy-dir", ["--bits", "4"]), ("delta", ["--rank", "64"])])
+def test_every_archive_kind_serves_the_views(cawsfs, model_gguf, llama_bin, work, kind, args):
+    """npy-dir and delta archives serve quantized views too: a single type and a mix
+    byte-identical to llama-quantize on their F32 view, and the mounted auto view equal
+    to its export, with the type auto chose for each tensor."""
+    path = work / f"views-{kind}"
+    if not path.exists():
+        run([cawsfs, "convert", model_gguf, "--to", kind, "-o", path, *args])
+    f32 = work / f"views-{kind}-f32.gguf"
+    run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", "f32", "-o", f32])
+    threads = str(min(4, os.cpu_count() or 1))
+    for view, lq in (("q4_0", ["--pure", "Q4_0"]), ("q4_k_m", ["Q4_K_M"])):
+        ref, ours = work / f"lq-{kind}-{view}.gguf", work / f"ours-{kind}-{view}.gguf"
+        run([llama_bin / "llama-quantize", *lq[:-1], f32, ref, lq[-1], threads])
+        run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", view, "-o", ours])
+        assert tensors(ref) == tensors(ours), (kind, view)
+        ref.unlink()
+        ours.unlink()
+    f32.unlink()
+    auto = work / f"auto-{kind}.gguf"
+    run([cawsfs, "export", path, "--format", "gguf", "-o", auto])
+    plan = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
+    want = {t["gguf"]["name"]: t["gguf"]["type"] for t in plan["tensors"] if t["gguf"]}
+    m = Mount(cawsfs, path, work / f"mnt-{kind}")
+    try:
+        served = m.mp / "model.gguf"
+        assert served.read_bytes() == auto.read_bytes()
+        got = {n: gguf.GGMLQuantizationType(ty).name.lower() for n, (ty, _) in tensors(served).items()}
+        assert got == want
+        assert any(t not in ("f16", "f32", "bf16") for t in got.values()), got
+    finally:
+        m.close()
+        auto.unlink()
