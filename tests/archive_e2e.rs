@@ -230,8 +230,7 @@ fn sharded_hf_directory_imports_like_a_single_file() {
 #[test]
 fn mountfs_random_reads_equal_export() {
     use cawsfs::fs::{FsError, FsOptions, MountFs, ROOT_INO};
-    use cawsfs::gguf::GgmlType;
-    use cawsfs::layout::{gguf_file, gguf_plan, safetensors_file, GgufView};
+    use cawsfs::layout::{gguf_file, gguf_plan, held_of, safetensors_file, GgufView};
     use std::sync::Arc;
 
     let tmp = tempfile::tempdir().unwrap();
@@ -249,7 +248,8 @@ fn mountfs_random_reads_equal_export() {
         safetensors_file(ar.model(), None).unwrap(),
         gguf_file(
             ar.model(),
-            &gguf_plan(ar.model(), GgufView::Type(GgmlType::F16), &[]).unwrap(),
+            // The mount's default view.
+            &gguf_plan(ar.model(), GgufView::Auto, &held_of(ar.as_ref())).unwrap(),
         )
         .unwrap(),
     ] {
