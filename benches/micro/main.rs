@@ -7,12 +7,14 @@ mod cache;
 mod layout;
 mod ndsq;
 mod pq;
+mod quantize;
 
 const BENCHES: &[(&str, fn())] = &[
     ("ndsq", ndsq::bench),
     ("pq", pq::train_timing),
     ("cache", cache::warm_read_throughput),
     ("layout", layout::export_throughput),
+    ("quantize", quantize::bench),
 ];
 
 fn main() {

@@ -22,6 +22,10 @@
 use crate::gguf::quant::QuantError;
 use crate::gguf::GgmlType;
 
+mod fast;
+mod lanes;
+mod reference;
+
 /// Whether [`quantize`] handles this type.
 pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
@@ -53,33 +57,24 @@ pub fn quantize(ty: GgmlType, src: &[f32], out: &mut [u8]) -> Result<(), QuantEr
             got: out.len(),
         });
     }
-    let blocks = src.chunks_exact(be).zip(out.chunks_exact_mut(bb));
     match ty {
         GgmlType::F32 => {
             for (x, y) in src.iter().zip(out.chunks_exact_mut(4)) {
                 y.copy_from_slice(&x.to_le_bytes());
             }
         }
-        GgmlType::F16 => {
-            for (x, y) in src.iter().zip(out.chunks_exact_mut(2)) {
-                y.copy_from_slice(&fp32_to_fp16(*x).to_le_bytes());
-            }
-        }
-        GgmlType::BF16 => {
-            for (x, y) in src.iter().zip(out.chunks_exact_mut(2)) {
-                y.copy_from_slice(&fp32_to_bf16(*x).to_le_bytes());
-            }
-        }
-        GgmlType::Q4_0 => blocks.for_each(|(x, y)| q4_0(x, y)),
-        GgmlType::Q4_1 => blocks.for_each(|(x, y)| q4_1(x, y)),
-        GgmlType::Q5_0 => blocks.for_each(|(x, y)| q5_0(x, y)),
-        GgmlType::Q5_1 => blocks.for_each(|(x, y)| q5_1(x, y)),
-        GgmlType::Q8_0 => blocks.for_each(|(x, y)| q8_0(x, y)),
-        GgmlType::Q2_K => blocks.for_each(|(x, y)| q2_k(x, y)),
-        GgmlType::Q3_K => blocks.for_each(|(x, y)| q3_k(x, y)),
-        GgmlType::Q4_K => blocks.for_each(|(x, y)| q4_k(x, y)),
-        GgmlType::Q5_K => blocks.for_each(|(x, y)| q5_k(x, y)),
-        GgmlType::Q6_K => blocks.for_each(|(x, y)| q6_k(x, y)),
+        GgmlType::F16 => fast::f16(src, out),
+        GgmlType::BF16 => fast::bf16(src, out),
+        GgmlType::Q4_0 => fast::q4_0(src, out),
+        GgmlType::Q4_1 => fast::q4_1(src, out),
+        GgmlType::Q5_0 => fast::q5_0(src, out),
+        GgmlType::Q5_1 => fast::q5_1(src, out),
+        GgmlType::Q8_0 => fast::q8_0(src, out),
+        GgmlType::Q2_K => fast::q2_k(src, out),
+        GgmlType::Q3_K => fast::q3_k(src, out),
+        GgmlType::Q4_K => fast::q4_k(src, out),
+        GgmlType::Q5_K => fast::q5_k(src, out),
+        GgmlType::Q6_K => fast::q6_k(src, out),
         GgmlType::Q8_1 | GgmlType::Q8_K => unreachable!("rejected by can_quantize"),
     }
     Ok(())
@@ -163,6 +158,12 @@ fn c_f32_to_i8(f: f32) -> i8 {
     c_f32_to_i32(f) as i8
 }
 
+/// A K-quant super-block (callers slice whole ones).
+#[inline(always)]
+fn superblock(x: &[f32]) -> &[f32; 256] {
+    x.try_into().expect("256-element super-block")
+}
+
 /// Groups this small are treated as all zero (ggml's `GROUP_MAX_EPS`).
 const GROUP_MAX_EPS: f32 = 1e-15;
 
@@ -188,594 +189,6 @@ fn signed_absmax(x: &[f32]) -> (f32, f32) {
         }
     }
     (amax, max)
-}
-
-/// Minimum and maximum as the reference's `if (v < min) min = v; if (v > max) max = v;`
-/// from (FLT_MAX, -FLT_MAX).
-#[inline]
-fn min_max(x: &[f32]) -> (f32, f32) {
-    let (mut min, mut max) = (f32::MAX, -f32::MAX);
-    for &v in x {
-        if v < min {
-            min = v;
-        }
-        if v > max {
-            max = v;
-        }
-    }
-    (min, max)
-}
-
-// ---------------------------------------------------------------------------------
-// 32-element types (ggml's `quantize_row_q{4,5,8}_{0,1}_ref`).
-
-/// Q8_0: f16 d = amax/127, then 32 × i8 round(x/d) (half away from zero).
-fn q8_0(x: &[f32], y: &mut [u8]) {
-    // MAX(a, b) is `a > b ? a : b`.
-    let amax = x
-        .iter()
-        .fold(0f32, |a, v| if a > v.abs() { a } else { v.abs() });
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    put_f16(y, 0, d);
-    for (q, &v) in y[2..34].iter_mut().zip(x) {
-        *q = c_f32_to_i8((v * id).round()) as u8;
-    }
-}
-
-/// Q4_0: d = max/-8 (max: the signed value of largest magnitude), q = min(15, x/d + 8.5)
-/// truncated; low nibbles hold elements 0..16, high nibbles 16..32.
-fn q4_0(x: &[f32], y: &mut [u8]) {
-    let (_, max) = signed_absmax(x);
-    let d = max / -8.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    put_f16(y, 0, d);
-    let q = |v: f32| (c_f32_to_i8(v * id + 8.5) as i32).min(15) as u8;
-    for j in 0..16 {
-        y[2 + j] = q(x[j]) | (q(x[j + 16]) << 4);
-    }
-}
-
-/// Q4_1: d = (max-min)/15, m = min, q = min(15, (x-min)/d + 0.5) truncated.
-fn q4_1(x: &[f32], y: &mut [u8]) {
-    let (min, max) = min_max(x);
-    let d = (max - min) / 15.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    put_f16(y, 0, d);
-    put_f16(y, 2, min);
-    let q = |v: f32| (c_f32_to_i8((v - min) * id + 0.5) as i32).min(15) as u8;
-    for j in 0..16 {
-        y[4 + j] = q(x[j]) | (q(x[j + 16]) << 4);
-    }
-}
-
-/// Q5 nibbles and fifth bits: element j's bit 4 goes to bit j of `qh`.
-#[inline]
-fn pack_q5(q: impl Fn(f32) -> u8, x: &[f32], qs: &mut [u8]) -> u32 {
-    let mut qh = 0u32;
-    for j in 0..16 {
-        let (a, b) = (q(x[j]), q(x[j + 16]));
-        qs[j] = (a & 0x0F) | ((b & 0x0F) << 4);
-        qh |= (((a & 0x10) >> 4) as u32) << j;
-        qh |= (((b & 0x10) >> 4) as u32) << (j + 16);
-    }
-    qh
-}
-
-/// Q5_0: d = max/-16, q = min(31, x/d + 16.5) truncated.
-fn q5_0(x: &[f32], y: &mut [u8]) {
-    let (_, max) = signed_absmax(x);
-    let d = max / -16.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    put_f16(y, 0, d);
-    let q = |v: f32| (c_f32_to_i8(v * id + 16.5) as i32).min(31) as u8;
-    let qh = pack_q5(q, x, &mut y[6..22]);
-    y[2..6].copy_from_slice(&qh.to_le_bytes());
-}
-
-/// Q5_1: d = (max-min)/31, m = min, q = (x-min)/d + 0.5 truncated (no clamp).
-fn q5_1(x: &[f32], y: &mut [u8]) {
-    let (min, max) = min_max(x);
-    let d = (max - min) / 31.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    put_f16(y, 0, d);
-    put_f16(y, 2, min);
-    let q = |v: f32| c_f32_to_i32((v - min) * id + 0.5) as u8;
-    let qh = pack_q5(q, x, &mut y[8..24]);
-    y[4..8].copy_from_slice(&qh.to_le_bytes());
-}
-
-// ---------------------------------------------------------------------------------
-// K-quants: 256-element super-blocks of 16- or 32-element sub-blocks.
-
-/// ggml's `make_qkx2_quants`: an asymmetric fit `x ≈ scale·L + min` (L in 0..=nmax,
-/// min ≤ 0) by a grid search over `nstep + 1` trial inverse scales around
-/// `nmax/(max-min)`, each refined by weighted least squares and kept when its
-/// weighted error (squared, or absolute with `use_mad`) is strictly smaller.
-/// Returns (scale, -min) and leaves the chosen levels in `l`.
-#[allow(clippy::too_many_arguments)]
-fn make_qkx2_quants(
-    nmax: i32,
-    x: &[f32],
-    w: &[f32],
-    l: &mut [u8],
-    rmin: f32,
-    rdelta: f32,
-    nstep: i32,
-    use_mad: bool,
-) -> (f32, f32) {
-    let n = x.len();
-    let mut min = x[0];
-    let mut max = x[0];
-    let mut sum_w = w[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max == min {
-        l.fill(0);
-        return (0.0, -min);
-    }
-    let err = |diff: f32| if use_mad { diff.abs() } else { diff * diff };
-    let nmaxf = nmax as f32;
-    let mut iscale = nmaxf / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_error = 0f32;
-    for i in 0..n {
-        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l[i] = q as u8;
-        best_error += w[i] * err(scale * q as f32 + min - x[i]);
-    }
-    let mut laux = [0u8; 32];
-    let laux = &mut laux[..n];
-    for is in 0..=nstep {
-        iscale = (rmin + rdelta * is as f32 + nmaxf) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..n {
-            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            laux[i] = q as u8;
-            let q = q as f32;
-            sum_l += w[i] * q;
-            sum_l2 += w[i] * q * q;
-            sum_xl += w[i] * q * x[i];
-        }
-        let d = sum_w * sum_l2 - sum_l * sum_l;
-        if d > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut cur_error = 0f32;
-            for i in 0..n {
-                cur_error += w[i] * err(this_scale * laux[i] as f32 + this_min - x[i]);
-            }
-            if cur_error < best_error {
-                l.copy_from_slice(laux);
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, -min)
-}
-
-/// ggml's `make_qx_quants` with `rmse_type` 1 and no weights (so w = x²): a symmetric
-/// fit `x ≈ scale·(L - nmax)` searched over 19 inverse scales around `-nmax/max`.
-/// Levels (0..2·nmax) go to `l`.
-fn make_qx_quants_rmse1(nmax: i32, x: &[f32], l: &mut [u8]) -> f32 {
-    let (amax, max) = signed_absmax(x);
-    if amax < GROUP_MAX_EPS {
-        l.fill(0);
-        return 0.0;
-    }
-    let mut iscale = -(nmax as f32) / max;
-    let mut sumlx = 0f32;
-    let mut suml2 = 0f32;
-    for (li, &v) in l.iter_mut().zip(x) {
-        let q = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
-        *li = (q + nmax) as u8;
-        let w = v * v;
-        let q = q as f32;
-        sumlx += w * v * q;
-        suml2 += w * q * q;
-    }
-    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
-    let mut best = scale * sumlx;
-    for is in -9..=9 {
-        if is == 0 {
-            continue;
-        }
-        iscale = -(nmax as f32 + 0.1 * is as f32) / max;
-        sumlx = 0.0;
-        suml2 = 0.0;
-        for &v in x {
-            let q = nearest_int(iscale * v).clamp(-nmax, nmax - 1) as f32;
-            let w = v * v;
-            sumlx += w * v * q;
-            suml2 += w * q * q;
-        }
-        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
-            for (li, &v) in l.iter_mut().zip(x) {
-                *li = (nmax + nearest_int(iscale * v).clamp(-nmax, nmax - 1)) as u8;
-            }
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
-    }
-    scale
-}
-
-/// ggml's `make_q3_quants` with `do_rmse`: a symmetric fit refined by up to five
-/// passes of single-level moves. Levels (0..2·nmax) go to `l`.
-fn make_q3_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
-    let (amax, max) = signed_absmax(x);
-    if amax < GROUP_MAX_EPS {
-        l.fill(0);
-        return 0.0;
-    }
-    let iscale = -(nmax as f32) / max;
-    let mut sumlx = 0f32;
-    let mut suml2 = 0f32;
-    for (li, &v) in l.iter_mut().zip(x) {
-        let q = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
-        *li = q as i8;
-        let w = v * v;
-        let q = q as f32;
-        sumlx += w * v * q;
-        suml2 += w * q * q;
-    }
-    for _ in 0..5 {
-        let mut changed = false;
-        for (li, &v) in l.iter_mut().zip(x) {
-            let w = v * v;
-            let old = *li as f32;
-            let mut slx = sumlx - w * v * old;
-            if slx > 0.0 {
-                let mut sl2 = suml2 - w * old * old;
-                let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
-                if new_l != *li as i32 {
-                    let nl = new_l as f32;
-                    slx += w * v * nl;
-                    sl2 += w * nl * nl;
-                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
-                        *li = new_l as i8;
-                        sumlx = slx;
-                        suml2 = sl2;
-                        changed = true;
-                    }
-                }
-            }
-        }
-        if !changed {
-            break;
-        }
-    }
-    for li in l.iter_mut() {
-        *li += nmax as i8;
-    }
-    if suml2 > 0.0 {
-        sumlx / suml2
-    } else {
-        0.0
-    }
-}
-
-/// Q4_K/Q5_K's 12-byte field of eight 6-bit (scale, min) pairs.
-fn pack_scale_min_k4(ls: &[u8; 8], lm: &[u8; 8], sc: &mut [u8]) {
-    for j in 0..8 {
-        if j < 4 {
-            sc[j] = ls[j];
-            sc[j + 4] = lm[j];
-        } else {
-            sc[j + 4] = (ls[j] & 0x0F) | ((lm[j] & 0x0F) << 4);
-            sc[j - 4] |= (ls[j] >> 4) << 6;
-            sc[j] |= (lm[j] >> 4) << 6;
-        }
-    }
-}
-
-/// The (scale, min) pair `j` of that field (ggml's `get_scale_min_k4`).
-#[inline]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
-}
-
-/// The shared part of Q4_K and Q5_K: per 32-element sub-block an asymmetric fit,
-/// scales and mins quantized to 6 bits against f16 super-scales `d` and `dmin`
-/// (written to y[0..16]), then every level recomputed against the quantized scales.
-fn k4_levels(nmax: i32, rmin: f32, nstep: i32, x: &[f32], y: &mut [u8], l: &mut [u8; 256]) {
-    let mut scales = [0f32; 8];
-    let mut mins = [0f32; 8];
-    let mut weights = [0f32; 32];
-    let mut max_scale = 0f32;
-    let mut max_min = 0f32;
-    for j in 0..8 {
-        let xs = &x[32 * j..32 * j + 32];
-        let mut sum_x2 = 0f32;
-        for &v in xs {
-            sum_x2 += v * v;
-        }
-        let av_x = (sum_x2 / 32.0).sqrt();
-        for (w, &v) in weights.iter_mut().zip(xs) {
-            *w = av_x + v.abs();
-        }
-        let (s, m) = make_qkx2_quants(
-            nmax,
-            xs,
-            &weights,
-            &mut l[32 * j..32 * j + 32],
-            rmin,
-            0.1,
-            nstep,
-            false,
-        );
-        scales[j] = s;
-        mins[j] = m;
-        if s > max_scale {
-            max_scale = s;
-        }
-        if m > max_min {
-            max_min = m;
-        }
-    }
-    let inv_scale = if max_scale > 0.0 {
-        63.0 / max_scale
-    } else {
-        0.0
-    };
-    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-    let mut ls = [0u8; 8];
-    let mut lm = [0u8; 8];
-    for j in 0..8 {
-        ls[j] = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-        lm[j] = (nearest_int(inv_min * mins[j]) as u8).min(63);
-    }
-    pack_scale_min_k4(&ls, &lm, &mut y[4..16]);
-    put_f16(y, 0, max_scale / 63.0);
-    put_f16(y, 2, max_min / 63.0);
-    let (d_all, dmin_all) = (f16_at(y, 0), f16_at(y, 2));
-    for j in 0..8 {
-        let (sc, m) = scale_min_k4(j, &y[4..16]);
-        let d = d_all * sc as f32;
-        if d == 0.0 {
-            continue;
-        }
-        let dm = dmin_all * m as f32;
-        for i in 32 * j..32 * j + 32 {
-            l[i] = nearest_int((x[i] + dm) / d).clamp(0, nmax) as u8;
-        }
-    }
-}
-
-/// Q4_K: f16 d, f16 dmin, scales[12], qs[128] (chunk c of 64 elements: low nibbles
-/// elements 64c..64c+32, high nibbles the next 32).
-fn q4_k(x: &[f32], y: &mut [u8]) {
-    let mut l = [0u8; 256];
-    k4_levels(15, -1.0, 20, x, y, &mut l);
-    for c in 0..4 {
-        for i in 0..32 {
-            y[16 + 32 * c + i] = l[64 * c + i] | (l[64 * c + 32 + i] << 4);
-        }
-    }
-}
-
-/// Q5_K: f16 d, f16 dmin, scales[12], qh[32] (bit 2c / 2c+1 of qh[i]: fifth bit of
-/// element 64c+i / 64c+32+i), qs[128] as Q4_K.
-fn q5_k(x: &[f32], y: &mut [u8]) {
-    let mut l = [0u8; 256];
-    k4_levels(31, -0.5, 15, x, y, &mut l);
-    y[16..48].fill(0);
-    for c in 0..4 {
-        for i in 0..32 {
-            let (a, b) = (l[64 * c + i], l[64 * c + 32 + i]);
-            y[16 + i] |= ((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1));
-            y[48 + 32 * c + i] = (a & 0x0F) | ((b & 0x0F) << 4);
-        }
-    }
-}
-
-/// Q6_K: ql[128], qh[64], scales[16] (i8), f16 d. Per 16-element sub-block a symmetric
-/// fit; scales quantized to i8 against d = max_scale/-128.
-fn q6_k(x: &[f32], y: &mut [u8]) {
-    let mut l = [0u8; 256];
-    let mut scales = [0f32; 16];
-    let mut max_scale = 0f32;
-    let mut max_abs_scale = 0f32;
-    for ib in 0..16 {
-        let s = make_qx_quants_rmse1(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
-        scales[ib] = s;
-        if s.abs() > max_abs_scale {
-            max_abs_scale = s.abs();
-            max_scale = s;
-        }
-    }
-    if max_abs_scale < GROUP_MAX_EPS {
-        y.fill(0);
-        return;
-    }
-    let iscale = -128.0 / max_scale;
-    put_f16(y, 208, 1.0 / iscale);
-    for ib in 0..16 {
-        y[192 + ib] = nearest_int(iscale * scales[ib]).min(127) as u8;
-    }
-    let d_all = f16_at(y, 208);
-    for j in 0..16 {
-        let d = d_all * (y[192 + j] as i8) as f32;
-        if d == 0.0 {
-            continue;
-        }
-        for i in 16 * j..16 * j + 16 {
-            l[i] = (nearest_int(x[i] / d).clamp(-32, 31) + 32) as u8;
-        }
-    }
-    for h in 0..2 {
-        let l = &l[128 * h..128 * h + 128];
-        let (ql, qh) = y.split_at_mut(128);
-        let ql = &mut ql[64 * h..64 * h + 64];
-        let qh = &mut qh[32 * h..32 * h + 32];
-        for i in 0..32 {
-            ql[i] = (l[i] & 0x0F) | ((l[i + 64] & 0x0F) << 4);
-            ql[i + 32] = (l[i + 32] & 0x0F) | ((l[i + 96] & 0x0F) << 4);
-            qh[i] = (l[i] >> 4)
-                | ((l[i + 32] >> 4) << 2)
-                | ((l[i + 64] >> 4) << 4)
-                | ((l[i + 96] >> 4) << 6);
-        }
-    }
-}
-
-/// Q2_K/Q3_K's 2-bit field: byte 32h+i holds elements 128h+i+32k in bits 2k..2k+2.
-fn pack_2bit(l: &[u8; 256], qs: &mut [u8]) {
-    for h in 0..2 {
-        for i in 0..32 {
-            let e = 128 * h + i;
-            qs[32 * h + i] = l[e] | (l[e + 32] << 2) | (l[e + 64] << 4) | (l[e + 96] << 6);
-        }
-    }
-}
-
-/// Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], f16 d, f16 dmin.
-fn q2_k(x: &[f32], y: &mut [u8]) {
-    let mut l = [0u8; 256];
-    let mut scales = [0f32; 16];
-    let mut mins = [0f32; 16];
-    let mut weights = [0f32; 16];
-    let mut max_scale = 0f32;
-    let mut max_min = 0f32;
-    for j in 0..16 {
-        let xs = &x[16 * j..16 * j + 16];
-        for (w, &v) in weights.iter_mut().zip(xs) {
-            *w = v.abs();
-        }
-        let (s, m) = make_qkx2_quants(
-            3,
-            xs,
-            &weights,
-            &mut l[16 * j..16 * j + 16],
-            -0.5,
-            0.1,
-            15,
-            true,
-        );
-        scales[j] = s;
-        mins[j] = m;
-        if s > max_scale {
-            max_scale = s;
-        }
-        if m > max_min {
-            max_min = m;
-        }
-    }
-    if max_scale > 0.0 {
-        let iscale = 15.0 / max_scale;
-        for j in 0..16 {
-            y[j] = nearest_int(iscale * scales[j]) as u8;
-        }
-        put_f16(y, 80, max_scale / 15.0);
-    } else {
-        y[..16].fill(0);
-        put_f16(y, 80, 0.0);
-    }
-    if max_min > 0.0 {
-        let iscale = 15.0 / max_min;
-        for j in 0..16 {
-            y[j] |= (nearest_int(iscale * mins[j]) << 4) as u8;
-        }
-        put_f16(y, 82, max_min / 15.0);
-    } else {
-        put_f16(y, 82, 0.0);
-    }
-    let (d_all, dmin_all) = (f16_at(y, 80), f16_at(y, 82));
-    for (j, &s) in y[..16].iter().enumerate() {
-        let d = d_all * (s & 0x0F) as f32;
-        if d == 0.0 {
-            continue;
-        }
-        let dm = dmin_all * (s >> 4) as f32;
-        for i in 16 * j..16 * j + 16 {
-            l[i] = nearest_int((x[i] + dm) / d).clamp(0, 3) as u8;
-        }
-    }
-    pack_2bit(&l, &mut y[16..80]);
-}
-
-/// Q3_K: hmask[32], qs[64], scales[12] (16 six-bit scales, biased by 32), f16 d.
-fn q3_k(x: &[f32], y: &mut [u8]) {
-    let mut l = [0i8; 256];
-    let mut scales = [0f32; 16];
-    let mut max_scale = 0f32;
-    let mut amax = 0f32;
-    for j in 0..16 {
-        let s = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
-        scales[j] = s;
-        if s.abs() > amax {
-            amax = s.abs();
-            max_scale = s;
-        }
-    }
-    let sc = &mut y[96..108];
-    sc.fill(0);
-    // `if (max_scale)`: true for NaN too.
-    if max_scale != 0.0 {
-        let iscale = -32.0 / max_scale;
-        for (j, &s) in scales.iter().enumerate() {
-            let q = ((nearest_int(iscale * s) as i8) as i32).clamp(-32, 31) + 32;
-            if j < 8 {
-                sc[j] = (q & 0x0F) as u8;
-            } else {
-                sc[j - 8] |= ((q & 0x0F) << 4) as u8;
-            }
-            sc[j % 4 + 8] |= ((q >> 4) << (2 * (j / 4))) as u8;
-        }
-        put_f16(y, 108, 1.0 / iscale);
-    } else {
-        put_f16(y, 108, 0.0);
-    }
-    let d_all = f16_at(y, 108);
-    for j in 0..16 {
-        let sc = &y[96..108];
-        let lo = if j < 8 { sc[j] & 0x0F } else { sc[j - 8] >> 4 };
-        let s = (lo | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i32 - 32;
-        let d = d_all * s as f32;
-        if d == 0.0 {
-            continue;
-        }
-        for i in 16 * j..16 * j + 16 {
-            l[i] = (nearest_int(x[i] / d).clamp(-4, 3) + 4) as i8;
-        }
-    }
-    // High bit of element j goes to bit j/32 of hmask[j%32].
-    y[..32].fill(0);
-    let mut lu = [0u8; 256];
-    for (j, (&v, u)) in l.iter().zip(lu.iter_mut()).enumerate() {
-        let mut v = v as u8;
-        if v > 3 {
-            y[j % 32] |= 1 << (j / 32);
-            v -= 4;
-        }
-        *u = v;
-    }
-    pack_2bit(&lu, &mut y[32..96]);
 }
 
 #[cfg(test)]
@@ -949,6 +362,156 @@ mod tests {
             let f = fp16_to_fp32(h);
             let want = half::f16::from_bits(h).to_f32();
             assert!(f.to_bits() == want.to_bits() || (f.is_nan() && want.is_nan()));
+        }
+    }
+
+    /// The reference port block by block (the fast paths' oracle).
+    fn reference_bytes(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+        let (be, bb) = ty.block();
+        let mut out = vec![0u8; out_len(ty, x.len())];
+        let f: fn(&[f32], &mut [u8]) = match ty {
+            GgmlType::Q8_0 => reference::q8_0,
+            GgmlType::Q4_0 => reference::q4_0,
+            GgmlType::Q4_1 => reference::q4_1,
+            GgmlType::Q5_0 => reference::q5_0,
+            GgmlType::Q5_1 => reference::q5_1,
+            GgmlType::Q2_K => reference::q2_k,
+            GgmlType::Q3_K => reference::q3_k,
+            GgmlType::Q4_K => reference::q4_k,
+            GgmlType::Q5_K => reference::q5_k,
+            GgmlType::Q6_K => reference::q6_k,
+            GgmlType::F16 => |x, y| y.copy_from_slice(&fp32_to_fp16(x[0]).to_le_bytes()),
+            GgmlType::BF16 => |x, y| y.copy_from_slice(&fp32_to_bf16(x[0]).to_le_bytes()),
+            _ => |x, y| y.copy_from_slice(&x[0].to_le_bytes()),
+        };
+        for (x, y) in x
+            .chunks_exact(be as usize)
+            .zip(out.chunks_exact_mut(bb as usize))
+        {
+            f(x, y);
+        }
+        out
+    }
+
+    /// Rows of 512 values of many kinds: each kind fills whole super-blocks, and a
+    /// few rows mix kinds per sub-block so lanes of one search differ.
+    fn adversarial(rng: &mut ChaCha8Rng) -> Vec<f32> {
+        let mut v = Vec::new();
+        for scale in [1e-38, 1e-30, 1e-7, 0.02, 1.0, 300.0, 9e3, 2e4, 1e8, 1e30] {
+            v.extend(gaussian(rng, 512, scale));
+        }
+        v.extend([0.0f32; 512]);
+        v.extend((0..512).map(|i| if i % 3 == 0 { -0.0 } else { 0.0 }));
+        v.extend([0.75f32; 512]);
+        v.extend([-1e-20f32; 512]);
+        // Outliers, one per 32 and one per 256.
+        let mut o = gaussian(rng, 512, 0.02);
+        for b in 0..16 {
+            o[32 * b + rng.random_range(0..32)] *= 1e4;
+        }
+        v.extend(o);
+        let mut o = gaussian(rng, 512, 0.02);
+        o[rng.random_range(0..256)] = 50.0;
+        o[256 + rng.random_range(0..256)] = -50.0;
+        v.extend(o);
+        // Ties on half-integer and small grids, all-positive, all-negative, sparse.
+        v.extend((0..512).map(|_| rng.random_range(-40i32..=40) as f32 * 0.5));
+        v.extend((0..512).map(|_| rng.random_range(-20i32..=20) as f32 * 0.25 + 0.5));
+        v.extend(gaussian(rng, 512, 1.0).iter().map(|x| x.abs() + 0.1));
+        v.extend(gaussian(rng, 512, 1.0).iter().map(|x| -x.abs()));
+        v.extend((0..512).map(|i| if i % 7 == 0 { 1.0 } else { 0.0 }));
+        // Any bit pattern, then specials scattered into ordinary values.
+        v.extend((0..512).map(|_| f32::from_bits(rng.random::<u32>())));
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+        ];
+        let mut s = gaussian(rng, 1024, 1.0);
+        for _ in 0..12 {
+            s[rng.random_range(0..1024)] = specials[rng.random_range(0..specials.len())];
+        }
+        v.extend(s);
+        // One special value at every position of a block (first, middle, last, in
+        // either half of the vectors the fast paths split a block into).
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0] {
+            for at in 0..256 {
+                let mut b = gaussian(rng, 256, 1.0);
+                b[at] = special;
+                v.extend(b);
+            }
+        }
+        // Sub-blocks of different kinds side by side.
+        for _ in 0..8 {
+            for _ in 0..32 {
+                let scale = [0.0, 1e-30, 0.02, 1.0, 5e3, 3e4][rng.random_range(0..6)];
+                v.extend(gaussian(rng, 16, scale));
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn fast_paths_match_the_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut x = adversarial(&mut rng);
+        for _ in 0..4 {
+            x.extend(gaussian(&mut rng, 4096, 0.03));
+        }
+        // A trailing odd super-block (Q4_K/Q5_K search two at a time).
+        x.extend(gaussian(&mut rng, 256, 0.5));
+        for ty in TYPES {
+            let want = reference_bytes(ty, &x);
+            let mut portable = vec![0u8; want.len()];
+            fast::portable(ty, &x, &mut portable);
+            for (path, got) in [("dispatched", q(ty, &x)), ("portable", portable)] {
+                let (be, bb) = (ty.block().0 as usize, ty.block().1 as usize);
+                let blocks = want.chunks(bb).zip(got.chunks(bb)).zip(x.chunks(be));
+                for (i, ((a, b), x)) in blocks.enumerate() {
+                    if a != b && nan_meets_nan(ty, x, a) {
+                        assert_same_except_nan_inputs(ty, x, a, b);
+                        continue;
+                    }
+                    assert_eq!(a, b, "{ty:?} {path} block {i}");
+                }
+            }
+        }
+    }
+
+    /// Where an input NaN meets a NaN the arithmetic made (a K-quant block whose f16
+    /// super-scale overflowed), which one an instruction passes on depends on the
+    /// order the compiler put the operands in, so the levels of NaN inputs are not
+    /// determined (ggml's own build differs between elements of one unrolled loop).
+    fn nan_meets_nan(ty: GgmlType, x: &[f32], block: &[u8]) -> bool {
+        let scales: &[usize] = match ty {
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => &[],
+        };
+        x.iter().any(|v| v.is_nan())
+            && scales
+                .iter()
+                .any(|&o| !fp16_to_fp32(u16::from_le_bytes([block[o], block[o + 1]])).is_finite())
+    }
+
+    /// Same scales, and the same decoded value for every element whose input is not
+    /// NaN (NaN equal to NaN).
+    fn assert_same_except_nan_inputs(ty: GgmlType, x: &[f32], a: &[u8], b: &[u8]) {
+        let (mut da, mut db) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        dequantize(ty, a, &mut da).unwrap();
+        dequantize(ty, b, &mut db).unwrap();
+        for i in 0..x.len() {
+            let same = da[i].to_bits() == db[i].to_bits() || (da[i].is_nan() && db[i].is_nan());
+            assert!(
+                same || x[i].is_nan(),
+                "{ty:?} element {i}: {} vs {}",
+                da[i],
+                db[i]
+            );
         }
     }
 

@@ -1,0 +1,447 @@
+//! 16 lanes of f32 for the K-quant searches (one lane per sub-block), with exactly the
+//! operations they need, each one IEEE-exact lane by lane. Two implementations:
+//! [`Avx2`] (two 256-bit registers, explicit intrinsics, for CPUs with AVX2) and
+//! [`Arr`] (a plain array, for any CPU). Explicit intrinsics, not arrays left to the
+//! auto-vectorizer: given arrays, LLVM vectorized some loops along the element axis
+//! instead, with gathers and scatters.
+
+use std::ops::{Add, BitAnd, BitOr, Div, Mul, Neg, Sub};
+
+use super::nearest_int;
+
+/// Lanes per vector.
+pub(super) const W: usize = 16;
+
+const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+
+/// The lane operations. Comparisons follow Rust's (false with a NaN, except `ne`).
+pub(super) trait Lanes:
+    Copy
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+{
+    type Mask: Copy + BitAnd<Output = Self::Mask> + BitOr<Output = Self::Mask>;
+    fn splat(v: f32) -> Self;
+    fn load(a: &[f32; W]) -> Self;
+    fn store(self, a: &mut [f32; W]);
+    fn abs(self) -> Self;
+    fn sqrt(self) -> Self;
+    /// Round to nearest, ties to even: `nearest_int` for |v| < 2^22.
+    fn round(self) -> Self;
+    /// `nearest_int(v).clamp(lo, hi)` for any v, bit trick included.
+    fn nearest_int_clamped(self, lo: i32, hi: i32) -> Self;
+    /// `self < o ? self : o`, as x86's `minps` (the second operand when unordered).
+    fn min(self, o: Self) -> Self;
+    /// `self > o ? self : o`, as x86's `maxps`.
+    fn max(self, o: Self) -> Self;
+    /// C's float-to-int conversion as x86 does it (`cvttps2dq`): truncation, and
+    /// i32::MIN for NaN or out of range (`super::c_f32_to_i32`).
+    fn cvtt(self) -> [i32; W];
+    /// Round half away from zero (`roundf`).
+    fn round_away(self) -> Self;
+    fn lt(self, o: Self) -> Self::Mask;
+    fn gt(self, o: Self) -> Self::Mask;
+    fn le(self, o: Self) -> Self::Mask;
+    fn ge(self, o: Self) -> Self::Mask;
+    fn ne(self, o: Self) -> Self::Mask;
+    /// `a` where `m` is set, else `b`.
+    fn sel(m: Self::Mask, a: Self, b: Self) -> Self;
+    fn all() -> Self::Mask;
+    fn none() -> Self::Mask;
+    fn any(m: Self::Mask) -> bool;
+    /// Bit k set where lane k is not set.
+    fn unset_bits(m: Self::Mask) -> u32;
+
+    #[inline(always)]
+    fn to_array(self) -> [f32; W] {
+        let mut a = [0f32; W];
+        self.store(&mut a);
+        a
+    }
+    /// Lanes that are neither infinite nor NaN.
+    #[inline(always)]
+    fn finite(self) -> Self::Mask {
+        self.abs().le(Self::splat(f32::MAX))
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Any CPU: arrays.
+
+#[derive(Clone, Copy)]
+pub(super) struct Arr([f32; W]);
+
+#[derive(Clone, Copy)]
+pub(super) struct ArrMask([bool; W]);
+
+macro_rules! arr_map {
+    ($ty:ident, $el:ty, |$k:ident| $body:expr) => {{
+        let mut r = [<$el>::default(); W];
+        for $k in 0..W {
+            r[$k] = $body;
+        }
+        $ty(r)
+    }};
+}
+
+macro_rules! arr_op {
+    ($tr:ident, $f:ident, $op:tt) => {
+        impl $tr for Arr {
+            type Output = Arr;
+            #[inline(always)]
+            fn $f(self, o: Arr) -> Arr {
+                arr_map!(Arr, f32, |k| self.0[k] $op o.0[k])
+            }
+        }
+    };
+}
+arr_op!(Add, add, +);
+arr_op!(Sub, sub, -);
+arr_op!(Mul, mul, *);
+arr_op!(Div, div, /);
+
+impl Neg for Arr {
+    type Output = Arr;
+    #[inline(always)]
+    fn neg(self) -> Arr {
+        arr_map!(Arr, f32, |k| -self.0[k])
+    }
+}
+
+impl BitAnd for ArrMask {
+    type Output = ArrMask;
+    #[inline(always)]
+    fn bitand(self, o: ArrMask) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] & o.0[k])
+    }
+}
+
+impl BitOr for ArrMask {
+    type Output = ArrMask;
+    #[inline(always)]
+    fn bitor(self, o: ArrMask) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] | o.0[k])
+    }
+}
+
+impl Lanes for Arr {
+    type Mask = ArrMask;
+    #[inline(always)]
+    fn splat(v: f32) -> Arr {
+        Arr([v; W])
+    }
+    #[inline(always)]
+    fn load(a: &[f32; W]) -> Arr {
+        Arr(*a)
+    }
+    #[inline(always)]
+    fn store(self, a: &mut [f32; W]) {
+        *a = self.0;
+    }
+    #[inline(always)]
+    fn abs(self) -> Arr {
+        arr_map!(Arr, f32, |k| self.0[k].abs())
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Arr {
+        arr_map!(Arr, f32, |k| self.0[k].sqrt())
+    }
+    #[inline(always)]
+    fn round(self) -> Arr {
+        // Adding 1.5·2^23 rounds to an integer exactly as `nearest_int`'s addition
+        // does, without needing a rounding instruction.
+        arr_map!(Arr, f32, |k| (self.0[k] + MAGIC) - MAGIC)
+    }
+    #[inline(always)]
+    fn nearest_int_clamped(self, lo: i32, hi: i32) -> Arr {
+        arr_map!(Arr, f32, |k| nearest_int(self.0[k]).clamp(lo, hi) as f32)
+    }
+    #[inline(always)]
+    fn cvtt(self) -> [i32; W] {
+        self.0.map(super::c_f32_to_i32)
+    }
+    #[inline(always)]
+    fn round_away(self) -> Arr {
+        arr_map!(Arr, f32, |k| self.0[k].round())
+    }
+    #[inline(always)]
+    fn min(self, o: Arr) -> Arr {
+        arr_map!(Arr, f32, |k| if self.0[k] < o.0[k] {
+            self.0[k]
+        } else {
+            o.0[k]
+        })
+    }
+    #[inline(always)]
+    fn max(self, o: Arr) -> Arr {
+        arr_map!(Arr, f32, |k| if self.0[k] > o.0[k] {
+            self.0[k]
+        } else {
+            o.0[k]
+        })
+    }
+    #[inline(always)]
+    fn lt(self, o: Arr) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] < o.0[k])
+    }
+    #[inline(always)]
+    fn gt(self, o: Arr) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] > o.0[k])
+    }
+    #[inline(always)]
+    fn le(self, o: Arr) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] <= o.0[k])
+    }
+    #[inline(always)]
+    fn ge(self, o: Arr) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] >= o.0[k])
+    }
+    #[inline(always)]
+    fn ne(self, o: Arr) -> ArrMask {
+        arr_map!(ArrMask, bool, |k| self.0[k] != o.0[k])
+    }
+    #[inline(always)]
+    fn sel(m: ArrMask, a: Arr, b: Arr) -> Arr {
+        arr_map!(Arr, f32, |k| if m.0[k] { a.0[k] } else { b.0[k] })
+    }
+    #[inline(always)]
+    fn all() -> ArrMask {
+        ArrMask([true; W])
+    }
+    #[inline(always)]
+    fn none() -> ArrMask {
+        ArrMask([false; W])
+    }
+    #[inline(always)]
+    fn any(m: ArrMask) -> bool {
+        m.0.iter().any(|&b| b)
+    }
+    #[inline(always)]
+    fn unset_bits(m: ArrMask) -> u32 {
+        let mut bits = 0;
+        for (k, &b) in m.0.iter().enumerate() {
+            bits |= (!b as u32) << k;
+        }
+        bits
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// AVX2: two 256-bit registers.
+
+#[cfg(target_arch = "x86_64")]
+pub(super) use avx2::Avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! Values of these types exist only inside functions compiled with AVX2 enabled
+    //! and called after `is_x86_feature_detected!("avx2")` (`fast`'s `multiversion!`):
+    //! that is what makes the `unsafe` intrinsic calls below sound. Every method is
+    //! `inline(always)`, so the intrinsics land in that AVX2 code.
+
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[derive(Clone, Copy)]
+    pub(in crate::gguf::quantize) struct Avx2([__m256; 2]);
+
+    #[derive(Clone, Copy)]
+    pub(in crate::gguf::quantize) struct Avx2Mask([__m256; 2]);
+
+    macro_rules! both {
+        ($ty:ident, |$a:ident| $e:expr) => {
+            // SAFETY: see the module doc.
+            $ty([
+                {
+                    let $a = 0;
+                    unsafe { $e }
+                },
+                {
+                    let $a = 1;
+                    unsafe { $e }
+                },
+            ])
+        };
+    }
+
+    macro_rules! avx_op {
+        ($tr:ident, $f:ident, $intr:ident) => {
+            impl $tr for Avx2 {
+                type Output = Avx2;
+                #[inline(always)]
+                fn $f(self, o: Avx2) -> Avx2 {
+                    both!(Avx2, |h| $intr(self.0[h], o.0[h]))
+                }
+            }
+        };
+    }
+    avx_op!(Add, add, _mm256_add_ps);
+    avx_op!(Sub, sub, _mm256_sub_ps);
+    avx_op!(Mul, mul, _mm256_mul_ps);
+    avx_op!(Div, div, _mm256_div_ps);
+
+    impl Neg for Avx2 {
+        type Output = Avx2;
+        #[inline(always)]
+        fn neg(self) -> Avx2 {
+            both!(Avx2, |h| _mm256_xor_ps(self.0[h], _mm256_set1_ps(-0.0)))
+        }
+    }
+
+    impl BitAnd for Avx2Mask {
+        type Output = Avx2Mask;
+        #[inline(always)]
+        fn bitand(self, o: Avx2Mask) -> Avx2Mask {
+            both!(Avx2Mask, |h| _mm256_and_ps(self.0[h], o.0[h]))
+        }
+    }
+
+    impl BitOr for Avx2Mask {
+        type Output = Avx2Mask;
+        #[inline(always)]
+        fn bitor(self, o: Avx2Mask) -> Avx2Mask {
+            both!(Avx2Mask, |h| _mm256_or_ps(self.0[h], o.0[h]))
+        }
+    }
+
+    impl Avx2 {
+        #[inline(always)]
+        fn cmp<const P: i32>(self, o: Avx2) -> Avx2Mask {
+            both!(Avx2Mask, |h| _mm256_cmp_ps::<P>(self.0[h], o.0[h]))
+        }
+    }
+
+    impl Avx2Mask {
+        #[inline(always)]
+        fn bits(self) -> u32 {
+            // SAFETY: see the module doc.
+            unsafe {
+                (_mm256_movemask_ps(self.0[0]) as u32)
+                    | ((_mm256_movemask_ps(self.0[1]) as u32) << 8)
+            }
+        }
+    }
+
+    impl Lanes for Avx2 {
+        type Mask = Avx2Mask;
+        #[inline(always)]
+        fn splat(v: f32) -> Avx2 {
+            both!(Avx2, |_h| _mm256_set1_ps(v))
+        }
+        #[inline(always)]
+        fn load(a: &[f32; W]) -> Avx2 {
+            both!(Avx2, |h| _mm256_loadu_ps(a.as_ptr().add(8 * h)))
+        }
+        #[inline(always)]
+        fn store(self, a: &mut [f32; W]) {
+            for h in 0..2 {
+                // SAFETY: 8 floats at 8·h are within the 16 of `a`; see the module doc.
+                unsafe { _mm256_storeu_ps(a.as_mut_ptr().add(8 * h), self.0[h]) }
+            }
+        }
+        #[inline(always)]
+        fn abs(self) -> Avx2 {
+            both!(Avx2, |h| _mm256_andnot_ps(_mm256_set1_ps(-0.0), self.0[h]))
+        }
+        #[inline(always)]
+        fn sqrt(self) -> Avx2 {
+            both!(Avx2, |h| _mm256_sqrt_ps(self.0[h]))
+        }
+        #[inline(always)]
+        fn round(self) -> Avx2 {
+            both!(Avx2, |h| _mm256_round_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(self.0[h]))
+        }
+        #[inline(always)]
+        fn nearest_int_clamped(self, lo: i32, hi: i32) -> Avx2 {
+            both!(Avx2, |h| {
+                let bits = _mm256_castps_si256(_mm256_add_ps(self.0[h], _mm256_set1_ps(MAGIC)));
+                let i = _mm256_sub_epi32(
+                    _mm256_and_si256(bits, _mm256_set1_epi32(0x007f_ffff)),
+                    _mm256_set1_epi32(0x0040_0000),
+                );
+                let i = _mm256_min_epi32(
+                    _mm256_max_epi32(i, _mm256_set1_epi32(lo)),
+                    _mm256_set1_epi32(hi),
+                );
+                _mm256_cvtepi32_ps(i)
+            })
+        }
+        #[inline(always)]
+        fn cvtt(self) -> [i32; W] {
+            let mut a = [0i32; W];
+            for h in 0..2 {
+                // SAFETY: 8 ints at 8·h are within the 16 of `a`; see the module doc.
+                unsafe {
+                    let v = _mm256_cvttps_epi32(self.0[h]);
+                    _mm256_storeu_si256(a.as_mut_ptr().add(8 * h).cast(), v)
+                }
+            }
+            a
+        }
+        #[inline(always)]
+        fn round_away(self) -> Avx2 {
+            // trunc(x + copysign(0.49999997, x)), how LLVM lowers `roundf` for vectors:
+            // exact, the addition's own rounding settles the halves.
+            both!(Avx2, |h| {
+                let sign = _mm256_and_ps(self.0[h], _mm256_set1_ps(-0.0));
+                let half = _mm256_or_ps(sign, _mm256_set1_ps(f32::from_bits(0x3eff_ffff)));
+                _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(_mm256_add_ps(
+                    self.0[h], half,
+                ))
+            })
+        }
+        #[inline(always)]
+        fn min(self, o: Avx2) -> Avx2 {
+            both!(Avx2, |h| _mm256_min_ps(self.0[h], o.0[h]))
+        }
+        #[inline(always)]
+        fn max(self, o: Avx2) -> Avx2 {
+            both!(Avx2, |h| _mm256_max_ps(self.0[h], o.0[h]))
+        }
+        #[inline(always)]
+        fn lt(self, o: Avx2) -> Avx2Mask {
+            self.cmp::<_CMP_LT_OQ>(o)
+        }
+        #[inline(always)]
+        fn gt(self, o: Avx2) -> Avx2Mask {
+            self.cmp::<_CMP_GT_OQ>(o)
+        }
+        #[inline(always)]
+        fn le(self, o: Avx2) -> Avx2Mask {
+            self.cmp::<_CMP_LE_OQ>(o)
+        }
+        #[inline(always)]
+        fn ge(self, o: Avx2) -> Avx2Mask {
+            self.cmp::<_CMP_GE_OQ>(o)
+        }
+        #[inline(always)]
+        fn ne(self, o: Avx2) -> Avx2Mask {
+            self.cmp::<_CMP_NEQ_UQ>(o)
+        }
+        #[inline(always)]
+        fn sel(m: Avx2Mask, a: Avx2, b: Avx2) -> Avx2 {
+            both!(Avx2, |h| _mm256_blendv_ps(b.0[h], a.0[h], m.0[h]))
+        }
+        #[inline(always)]
+        fn all() -> Avx2Mask {
+            both!(Avx2Mask, |_h| _mm256_castsi256_ps(_mm256_set1_epi32(-1)))
+        }
+        #[inline(always)]
+        fn none() -> Avx2Mask {
+            both!(Avx2Mask, |_h| _mm256_setzero_ps())
+        }
+        #[inline(always)]
+        fn any(m: Avx2Mask) -> bool {
+            m.bits() != 0
+        }
+        #[inline(always)]
+        fn unset_bits(m: Avx2Mask) -> u32 {
+            !m.bits() & 0xFFFF
+        }
+    }
+}
