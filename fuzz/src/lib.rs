@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use cawsfs::archive::Store;
-use cawsfs::layout::{self, GgufOutType, VirtualFile};
+use cawsfs::layout::{self, GgufView, Held, VirtualFile};
 use cawsfs::model::{ModelDesc, RowSource};
 
 /// Every fuzz target (a binary of this crate of the same name).
@@ -357,7 +357,13 @@ pub fn read_layouts(model: &ModelDesc, src: &dyn RowSource) {
     if let Ok(f) = layout::safetensors_file(model, None) {
         files.push(f);
     }
-    if let Ok(f) = layout::gguf_file(model, GgufOutType::F16) {
+    // The mount's default view: stored blocks raw, the rest quantized.
+    let held: Vec<Held> = (0..model.tensors.len())
+        .map(|i| src.raw_format(i).map_or(Held::Lossy(None), Held::Exact))
+        .collect();
+    if let Ok(f) = layout::gguf_plan(model, GgufView::Auto, &held)
+        .and_then(|plan| layout::gguf_file(model, &plan))
+    {
         files.push(f);
     }
     if let Ok(meta) = layout::hf_metadata_files(model) {

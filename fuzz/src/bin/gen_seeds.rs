@@ -17,7 +17,7 @@ use cawsfs::convert::npydir::NpyOptions;
 use cawsfs::convert::ConvertOptions;
 use cawsfs::gguf::writer::GgufHeader;
 use cawsfs::gguf::{quant, GgmlType};
-use cawsfs::layout::{self, GgufOutType, VirtualFile};
+use cawsfs::layout::{self, GgufView, VirtualFile};
 use cawsfs::model::FloatType;
 use cawsfs_fuzz::tiny::{self, Rng};
 use cawsfs_fuzz::{encode_files, FILE_SEP};
@@ -122,17 +122,21 @@ fn main() -> Res<()> {
         }
     }
 
-    // Virtual files of the first archive: GGUF in each float type, safetensors.
+    // Virtual files of the first archive: GGUF in each float type and the default
+    // (quantized) view, safetensors.
     let store = cawsfs::archive::open(first.as_ref().unwrap())?;
     let model = store.model();
     seeds.bytes("routing", "cawsf.bin", store.routing_bytes())?;
     let mut f16_gguf = Vec::new();
-    for (name, ty) in [
-        ("f16", GgufOutType::F16),
-        ("f32", GgufOutType::F32),
-        ("bf16", GgufOutType::BF16),
+    let held = layout::held_of(store.as_ref());
+    for (name, view) in [
+        ("f16", GgufView::Type(GgmlType::F16)),
+        ("f32", GgufView::Type(GgmlType::F32)),
+        ("bf16", GgufView::Type(GgmlType::BF16)),
+        ("auto", GgufView::Auto),
     ] {
-        let bytes = read_all(&layout::gguf_file(model, ty)?, store.as_ref())?;
+        let plan = layout::gguf_plan(model, view, &held)?;
+        let bytes = read_all(&layout::gguf_file(model, &plan)?, store.as_ref())?;
         let p = seeds.bytes("gguf", &format!("{name}.gguf"), &bytes)?;
         cawsfs::import::open_source(&p)?;
         if name == "f16" {
