@@ -542,3 +542,80 @@ mod avx2 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::quantize::c_f32_to_i32;
+
+    /// Values where rounding and conversion have edges: specials, halves and their
+    /// neighbours, the ends of the ranges, and a sweep over every exponent.
+    fn edge_values() -> Vec<f32> {
+        let mut v = vec![
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-45,
+            4_194_304.0,
+            8_388_608.0,
+            2_147_483_520.0,
+            2_147_483_648.0,
+            -2_147_483_648.0,
+            -2_147_483_904.0,
+        ];
+        for n in 0..300 {
+            let h = n as f32 + 0.5;
+            for x in [
+                h,
+                f32::from_bits(h.to_bits() - 1),
+                f32::from_bits(h.to_bits() + 1),
+            ] {
+                v.extend([x, -x]);
+            }
+        }
+        let mut bits = 0u32;
+        while let Some(b) = bits.checked_add(40_961) {
+            v.push(f32::from_bits(b));
+            bits = b;
+        }
+        let pad = v.len().next_multiple_of(W) - v.len();
+        v.extend(std::iter::repeat_n(0.0, pad));
+        v
+    }
+
+    fn same(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    fn check<L: Lanes>() {
+        for chunk in edge_values().chunks_exact(W) {
+            let v = L::load(chunk.try_into().unwrap());
+            let (away, cvtt) = (v.round_away().to_array(), v.cvtt());
+            let (even, near) = (v.round().to_array(), v.nearest_int_clamped(-40, 40));
+            for (k, &x) in chunk.iter().enumerate() {
+                assert!(same(away[k], x.round()), "round_away({x:e})");
+                assert_eq!(cvtt[k], c_f32_to_i32(x), "cvtt({x:e})");
+                let want = nearest_int(x).clamp(-40, 40) as f32;
+                assert_eq!(near.to_array()[k], want, "nearest_int_clamped({x:e})");
+                if x.abs() < 4_194_304.0 {
+                    assert_eq!(even[k], nearest_int(x) as f32, "round({x:e})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_operations_match_the_scalar_ones() {
+        check::<Arr>();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            check::<Avx2>();
+        }
+    }
+}
