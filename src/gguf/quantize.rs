@@ -21,7 +21,7 @@
 //! `fast` computes the same values arranged for SIMD (many blocks at once) and hands
 //! the blocks it cannot prove it handles exactly to `reference`. The one difference C
 //! itself leaves open: a NaN input in a K-quant block whose f16 scale overflowed may
-//! get another level (the block decodes to NaN either way; docs/GGML.md).
+//! get another level (nothing else differs; docs/GGML.md).
 //!
 //! tests/clients/test_quantizers.py checks the bytes against ggml's library itself.
 
