@@ -351,9 +351,9 @@ fn k4_blocks<L: Lanes, const Q5: bool>(src: &[f32], out: &mut [u8]) {
     let mut w = [zero; 32];
     let mut l = [zero; 32];
     let mut laux = [zero; 32];
+    let mut pad = [0f32; 512];
     for (src, out) in src.chunks(512).zip(out.chunks_mut(2 * bb)) {
         // A lone last super-block searches beside a copy of itself.
-        let mut pad = [0f32; 512];
         let whole = if src.len() == 512 {
             src
         } else {

@@ -388,11 +388,13 @@ mod avx2 {
             let src = &src[..W * N];
             for g in 0..2 {
                 for c in 0..N / 8 {
-                    let rows: [__m256; 8] = std::array::from_fn(|r| {
-                        let row = &src[(8 * g + r) * N + 8 * c..][..8];
-                        // SAFETY: `row` holds 8 floats; see the module doc.
-                        unsafe { _mm256_loadu_ps(row.as_ptr()) }
-                    });
+                    // SAFETY: see the module doc.
+                    let mut rows = unsafe { [_mm256_setzero_ps(); 8] };
+                    for (r, row) in rows.iter_mut().enumerate() {
+                        let at = &src[(8 * g + r) * N + 8 * c..][..8];
+                        // SAFETY: `at` holds 8 floats; see the module doc.
+                        *row = unsafe { _mm256_loadu_ps(at.as_ptr()) };
+                    }
                     for (j, col) in transpose8(rows).into_iter().enumerate() {
                         x[8 * c + j].0[g] = col;
                     }
@@ -404,7 +406,12 @@ mod avx2 {
             let out = &mut out[..W * N];
             for g in 0..2 {
                 for c in 0..N / 8 {
-                    let cols = transpose8(std::array::from_fn(|j| x[8 * c + j].0[g]));
+                    // SAFETY: see the module doc.
+                    let mut rows = unsafe { [_mm256_setzero_ps(); 8] };
+                    for (j, row) in rows.iter_mut().enumerate() {
+                        *row = x[8 * c + j].0[g];
+                    }
+                    let cols = transpose8(rows);
                     for (r, row) in cols.into_iter().enumerate() {
                         // SAFETY: see the module doc. The levels are small non-negative
                         // integers: the conversion and both packs are exact.
