@@ -1,12 +1,13 @@
 //! ggml quantizers: f32 values into ggml blocks, byte-identical to what llama.cpp's
 //! `llama-quantize` writes when it has no importance matrix. Pure functions over
-//! slices; nothing here knows about files or caches.
+//! slices; nothing here knows about files or caches. Block layouts, what is reproduced
+//! and how it is checked: docs/GGML.md.
 //!
 //! Without an imatrix, `ggml_quantize_chunk` (ggml.c) sends every type handled here to
 //! ggml's reference quantizer, `quantize_row_<type>_ref` in `ggml-quants.c` (for Q8_0
 //! even with one), and F16/BF16 to `GGML_FP32_TO_FP16` / `ggml_compute_fp32_to_bf16`.
-//! This module reimplements those, following the reference (llama.cpp as vendored in
-//! llama-cpp-python 0.3.36) operation by operation:
+//! `reference` reimplements those (llama.cpp as vendored in llama-cpp-python 0.3.36)
+//! operation by operation:
 //! - the same float operations in the same order, never fused (ggml-base is built
 //!   without `-march`, so no FMA; Rust never contracts either), every sum accumulated
 //!   in the reference's order;
@@ -17,7 +18,12 @@
 //! - `MIN`/`MAX` as `a < b ? a : b`, with the reference's strict comparisons, so ties
 //!   and NaNs resolve the same way.
 //!
-//! tests/clients/test_quantizers.py checks the bytes against the library itself.
+//! `fast` computes the same values arranged for SIMD (many blocks at once) and hands
+//! the blocks it cannot prove it handles exactly to `reference`. The one difference C
+//! itself leaves open: a NaN input in a K-quant block whose f16 scale overflowed may
+//! get another level (nothing else differs; docs/GGML.md).
+//!
+//! tests/clients/test_quantizers.py checks the bytes against ggml's library itself.
 
 use crate::gguf::quant::QuantError;
 use crate::gguf::GgmlType;

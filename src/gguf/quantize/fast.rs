@@ -22,7 +22,7 @@
 //! run time: the instruction set changes speed only, IEEE operations round the same
 //! everywhere and Rust never fuses a multiply-add.
 
-use super::lanes::{self, Lanes, W};
+use super::lanes::{self, Lanes};
 use super::reference as r;
 use super::{fp32_to_bf16, fp32_to_fp16};
 
@@ -160,12 +160,25 @@ fn qkx2_lanes<L: Lanes, const N: usize, const MAD: bool>(
     // min it used, and compute them once at the end.
     let mut keep_iscale = iscale;
     let mut keep_min = min;
+    // x - min, the same value each trial until a lane accepts a fit (and a new min).
+    let mut xm = [zero; N];
+    for i in 0..N {
+        xm[i] = x[i] - min;
+    }
     for is in 0..=p.nstep {
         iscale = L::splat(p.rmin + p.rdelta * is as f32 + nmax) / (max - min);
         tame = tame & in_round_range(iscale, min, max, xmin);
+        // iscale·(x - min) < 0 needs the lower clamp: only where an accepted min rose
+        // above the smallest x, or the range is not positive (tame lanes only count).
+        let low = L::any(tame & (min.gt(xmin) | iscale.le(zero)));
         let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
         for i in 0..N {
-            let q = level(iscale * (x[i] - min), 0.0, nmax);
+            let v = iscale * xm[i];
+            let q = if low {
+                level(v, 0.0, nmax)
+            } else {
+                v.min(L::splat(nmax)).round()
+            };
             laux[i] = q;
             let wl = w[i] * q;
             sum_l = sum_l + wl;
@@ -188,6 +201,11 @@ fn qkx2_lanes<L: Lanes, const N: usize, const MAD: bool>(
         keep_iscale = L::sel(better, iscale, keep_iscale);
         keep_min = L::sel(better, min, keep_min);
         min = L::sel(better, this_min, min);
+        if L::any(better) {
+            for i in 0..N {
+                xm[i] = x[i] - min;
+            }
+        }
     }
     for i in 0..N {
         l[i] = level(keep_iscale * (x[i] - keep_min), 0.0, nmax);
@@ -317,36 +335,6 @@ fn q3_lanes<L: Lanes>(x: &[L; 16], l: &mut [L; 16]) -> (L, u32) {
 // ---------------------------------------------------------------------------------
 // K-quant rows.
 
-/// Sub-blocks of `src` (N elements each) in lane layout: `x[i]` holds element i of
-/// every sub-block. Lanes past the end of `src` repeat earlier sub-blocks (their
-/// results are dropped).
-#[inline(always)]
-fn to_lanes<L: Lanes, const N: usize>(src: &[f32], x: &mut [L; N]) {
-    let subs = src.len() / N;
-    let mut t = [[0f32; W]; N];
-    for k in 0..W {
-        let s = &src[N * (k % subs)..N * (k % subs) + N];
-        for i in 0..N {
-            t[i][k] = s[i];
-        }
-    }
-    for i in 0..N {
-        x[i] = L::load(&t[i]);
-    }
-}
-
-/// Levels in lane layout as bytes, sub-block by sub-block: `out[N·k + i]` = lane k of
-/// `l[i]` (levels are small non-negative integers).
-#[inline(always)]
-fn from_lanes<L: Lanes, const N: usize>(l: &[L; N], out: &mut [u8; 256]) {
-    for i in 0..N {
-        let v = l[i].to_array();
-        for k in 0..256 / N {
-            out[N * k + i] = v[k] as u8;
-        }
-    }
-}
-
 /// Q4_K (`Q5` false, nmax 15) or Q5_K (31): two super-blocks (16 sub-blocks of 32) per
 /// search.
 #[inline(always)]
@@ -363,8 +351,17 @@ fn k4_blocks<L: Lanes, const Q5: bool>(src: &[f32], out: &mut [u8]) {
     let mut w = [zero; 32];
     let mut l = [zero; 32];
     let mut laux = [zero; 32];
+    let mut pad = [0f32; 512];
     for (src, out) in src.chunks(512).zip(out.chunks_mut(2 * bb)) {
-        to_lanes(src, &mut x);
+        // A lone last super-block searches beside a copy of itself.
+        let whole = if src.len() == 512 {
+            src
+        } else {
+            pad[..256].copy_from_slice(src);
+            pad[256..].copy_from_slice(src);
+            &pad
+        };
+        L::from_subblocks(whole, &mut x);
         // Weights av_x + |x|, av_x the sub-block's RMS (sum in element order).
         let mut sum_x2 = zero;
         for &xi in &x {
@@ -376,14 +373,9 @@ fn k4_blocks<L: Lanes, const Q5: bool>(src: &[f32], out: &mut [u8]) {
         }
         let (scale, neg_min, wild) = qkx2_lanes::<L, 32, false>(&p, &x, &w, &mut l, &mut laux);
         let (scale, neg_min) = (scale.to_array(), neg_min.to_array());
-        // Both super-blocks' levels (the second's are garbage when there is none).
+        // Both super-blocks' levels (the second's are dropped when there is none).
         let mut lv = [[0u8; 256]; 2];
-        for i in 0..32 {
-            let v = l[i].to_array();
-            for k in 0..16 {
-                lv[k / 8][32 * (k % 8) + i] = v[k] as u8;
-            }
-        }
+        L::to_subblocks(&l, lv.as_flattened_mut());
         for (b, (xs, y)) in src.chunks(256).zip(out.chunks_mut(bb)).enumerate() {
             let xs = super::superblock(xs);
             let mut scales = [0f32; 8];
@@ -443,14 +435,14 @@ fn q2_k_body<L: Lanes>(src: &[f32], out: &mut [u8]) {
     let mut laux = [zero; 16];
     for (xs, y) in src.chunks(256).zip(out.chunks_mut(84)) {
         let xs = super::superblock(xs);
-        to_lanes(xs, &mut x);
+        L::from_subblocks(xs, &mut x);
         for i in 0..16 {
             w[i] = x[i].abs();
         }
         let (scales, mins, wild) = qkx2_lanes::<L, 16, true>(&p, &x, &w, &mut l, &mut laux);
         let (mut scales, mut mins) = (scales.to_array(), mins.to_array());
         let mut lv = [0u8; 256];
-        from_lanes(&l, &mut lv);
+        L::to_subblocks(&l, &mut lv);
         for k in 0..16 {
             if wild & (1 << k) != 0 {
                 let xs = &xs[16 * k..16 * k + 16];
@@ -470,11 +462,11 @@ fn q6_k_body<L: Lanes>(src: &[f32], out: &mut [u8]) {
     let mut l = [L::splat(0.0); 16];
     for (xs, y) in src.chunks(256).zip(out.chunks_mut(210)) {
         let xs = super::superblock(xs);
-        to_lanes(xs, &mut x);
+        L::from_subblocks(xs, &mut x);
         let (scales, wild) = qx32_lanes(&x, &mut l);
         let mut scales = scales.to_array();
         let mut lv = [0u8; 256];
-        from_lanes(&l, &mut lv);
+        L::to_subblocks(&l, &mut lv);
         for k in 0..16 {
             if wild & (1 << k) != 0 {
                 let sub = &mut lv[16 * k..16 * k + 16];
@@ -491,11 +483,11 @@ fn q3_k_body<L: Lanes>(src: &[f32], out: &mut [u8]) {
     let mut l = [L::splat(0.0); 16];
     for (xs, y) in src.chunks(256).zip(out.chunks_mut(110)) {
         let xs = super::superblock(xs);
-        to_lanes(xs, &mut x);
+        L::from_subblocks(xs, &mut x);
         let (scales, wild) = q3_lanes(&x, &mut l);
         let mut scales = scales.to_array();
         let mut lu = [0u8; 256];
-        from_lanes(&l, &mut lu);
+        L::to_subblocks(&l, &mut lu);
         let mut lv = lu.map(|v| v as i8);
         for k in 0..16 {
             if wild & (1 << k) != 0 {

@@ -55,6 +55,28 @@ pub(super) trait Lanes:
     /// Bit k set where lane k is not set.
     fn unset_bits(m: Self::Mask) -> u32;
 
+    /// W sub-blocks of N elements (`src`, sub-block k at `N·k`) into lane layout:
+    /// lane k of `x[i]` is element i of sub-block k. `src.len()` must be `W·N`.
+    #[inline(always)]
+    fn from_subblocks<const N: usize>(src: &[f32], x: &mut [Self; N]) {
+        for (i, xi) in x.iter_mut().enumerate() {
+            let mut a = [0f32; W];
+            for (k, v) in a.iter_mut().enumerate() {
+                *v = src[N * k + i];
+            }
+            *xi = Self::load(&a);
+        }
+    }
+    /// The reverse of `from_subblocks` for levels (small non-negative integers), as
+    /// bytes: `out[N·k + i]` = lane k of `x[i]`. `out.len()` must be `W·N`.
+    #[inline(always)]
+    fn to_subblocks<const N: usize>(x: &[Self; N], out: &mut [u8]) {
+        for (i, xi) in x.iter().enumerate() {
+            for (k, v) in xi.to_array().iter().enumerate() {
+                out[N * k + i] = *v as u8;
+            }
+        }
+    }
     #[inline(always)]
     fn to_array(self) -> [f32; W] {
         let mut a = [0f32; W];
@@ -325,8 +347,90 @@ mod avx2 {
         }
     }
 
+    /// Rows r0..r8 into columns: `out[j]` holds `r[0][j], .., r[7][j]`.
+    #[inline(always)]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        // SAFETY: see the module doc.
+        unsafe {
+            let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+            let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+            let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+            let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+            let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            [
+                _mm256_permute2f128_ps::<0x20>(s0, s4),
+                _mm256_permute2f128_ps::<0x20>(s1, s5),
+                _mm256_permute2f128_ps::<0x20>(s2, s6),
+                _mm256_permute2f128_ps::<0x20>(s3, s7),
+                _mm256_permute2f128_ps::<0x31>(s0, s4),
+                _mm256_permute2f128_ps::<0x31>(s1, s5),
+                _mm256_permute2f128_ps::<0x31>(s2, s6),
+                _mm256_permute2f128_ps::<0x31>(s3, s7),
+            ]
+        }
+    }
+
     impl Lanes for Avx2 {
         type Mask = Avx2Mask;
+        #[inline(always)]
+        fn from_subblocks<const N: usize>(src: &[f32], x: &mut [Avx2; N]) {
+            let src = &src[..W * N];
+            for g in 0..2 {
+                for c in 0..N / 8 {
+                    // SAFETY: see the module doc.
+                    let mut rows = unsafe { [_mm256_setzero_ps(); 8] };
+                    for (r, row) in rows.iter_mut().enumerate() {
+                        let at = &src[(8 * g + r) * N + 8 * c..][..8];
+                        // SAFETY: `at` holds 8 floats; see the module doc.
+                        *row = unsafe { _mm256_loadu_ps(at.as_ptr()) };
+                    }
+                    for (j, col) in transpose8(rows).into_iter().enumerate() {
+                        x[8 * c + j].0[g] = col;
+                    }
+                }
+            }
+        }
+        #[inline(always)]
+        fn to_subblocks<const N: usize>(x: &[Avx2; N], out: &mut [u8]) {
+            let out = &mut out[..W * N];
+            for g in 0..2 {
+                for c in 0..N / 8 {
+                    // SAFETY: see the module doc.
+                    let mut rows = unsafe { [_mm256_setzero_ps(); 8] };
+                    for (j, row) in rows.iter_mut().enumerate() {
+                        *row = x[8 * c + j].0[g];
+                    }
+                    let cols = transpose8(rows);
+                    for (r, row) in cols.into_iter().enumerate() {
+                        // SAFETY: see the module doc. The levels are small non-negative
+                        // integers: the conversion and both packs are exact.
+                        let (lo, hi) = unsafe {
+                            let z = _mm256_setzero_si256();
+                            let i = _mm256_cvttps_epi32(row);
+                            let b = _mm256_packus_epi16(_mm256_packs_epi32(i, z), z);
+                            (
+                                _mm_cvtsi128_si32(_mm256_castsi256_si128(b)),
+                                _mm_cvtsi128_si32(_mm256_extracti128_si256::<1>(b)),
+                            )
+                        };
+                        let at = (8 * g + r) * N + 8 * c;
+                        out[at..at + 4].copy_from_slice(&lo.to_le_bytes());
+                        out[at + 4..at + 8].copy_from_slice(&hi.to_le_bytes());
+                    }
+                }
+            }
+        }
         #[inline(always)]
         fn splat(v: f32) -> Avx2 {
             both!(Avx2, |_h| _mm256_set1_ps(v))
@@ -442,6 +546,83 @@ mod avx2 {
         #[inline(always)]
         fn unset_bits(m: Avx2Mask) -> u32 {
             !m.bits() & 0xFFFF
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::quantize::c_f32_to_i32;
+
+    /// Values where rounding and conversion have edges: specials, halves and their
+    /// neighbours, the ends of the ranges, and a sweep over every exponent.
+    fn edge_values() -> Vec<f32> {
+        let mut v = vec![
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-45,
+            4_194_304.0,
+            8_388_608.0,
+            2_147_483_520.0,
+            2_147_483_648.0,
+            -2_147_483_648.0,
+            -2_147_483_904.0,
+        ];
+        for n in 0..300 {
+            let h = n as f32 + 0.5;
+            for x in [
+                h,
+                f32::from_bits(h.to_bits() - 1),
+                f32::from_bits(h.to_bits() + 1),
+            ] {
+                v.extend([x, -x]);
+            }
+        }
+        let mut bits = 0u32;
+        while let Some(b) = bits.checked_add(40_961) {
+            v.push(f32::from_bits(b));
+            bits = b;
+        }
+        let pad = v.len().next_multiple_of(W) - v.len();
+        v.extend(std::iter::repeat_n(0.0, pad));
+        v
+    }
+
+    fn same(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    fn check<L: Lanes>() {
+        for chunk in edge_values().chunks_exact(W) {
+            let v = L::load(chunk.try_into().unwrap());
+            let (away, cvtt) = (v.round_away().to_array(), v.cvtt());
+            let (even, near) = (v.round().to_array(), v.nearest_int_clamped(-40, 40));
+            for (k, &x) in chunk.iter().enumerate() {
+                assert!(same(away[k], x.round()), "round_away({x:e})");
+                assert_eq!(cvtt[k], c_f32_to_i32(x), "cvtt({x:e})");
+                let want = nearest_int(x).clamp(-40, 40) as f32;
+                assert_eq!(near.to_array()[k], want, "nearest_int_clamped({x:e})");
+                if x.abs() < 4_194_304.0 {
+                    assert_eq!(even[k], nearest_int(x) as f32, "round({x:e})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_operations_match_the_scalar_ones() {
+        check::<Arr>();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            check::<Avx2>();
         }
     }
 }

@@ -628,15 +628,19 @@ pub(super) fn q3_k_finish(x: &[f32; 256], scales: &[f32; 16], l: &mut [i8; 256],
             l[i] = (nearest_int(x[i] / d).clamp(-4, 3) + 4) as i8;
         }
     }
-    // High bit of element j goes to bit j/32 of hmask[j%32].
-    y[..32].fill(0);
+    // High bit of element 32g + i goes to bit g of hmask[i]. Branch-free, 32 elements
+    // at a time: the bit is a coin flip per element.
+    let mut hm = [0u8; 32];
     let mut lu = [0u8; 256];
-    for (j, (&v, u)) in l.iter().zip(lu.iter_mut()).enumerate() {
-        // Branch-free: the bit is a coin flip per element.
-        let hi = (v as u8 > 3) as u8;
-        y[j % 32] |= hi << (j / 32);
-        *u = v as u8 - 4 * hi;
+    for g in 0..8 {
+        for i in 0..32 {
+            let v = l[32 * g + i] as u8;
+            let hi = (v > 3) as u8;
+            hm[i] |= hi << g;
+            lu[32 * g + i] = v - 4 * hi;
+        }
     }
+    y[..32].copy_from_slice(&hm);
     pack_2bit(&lu, &mut y[32..96]);
 }
 
