@@ -30,6 +30,7 @@ pub mod mount;
 pub mod router;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub mod tier;
 
 // Counts live bytes per thread (`mem::retained`); allocation is the system's.
 #[global_allocator]

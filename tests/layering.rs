@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 /// Top-level modules, bottom of the data path first.
 const LAYERS: &[&str] = &[
     "error", "mem", "gguf", "model", "codec", "import", "archive", "layout", "router", "export",
-    "cache", "fs", "fuse", "control", "convert", "mount", "cli",
+    "cache", "tier", "fs", "fuse", "control", "convert", "mount", "cli",
 ];
 
 /// Inside `archive`: rank of each part. Parts of equal rank may not name each other.

@@ -1,0 +1,441 @@
+//! The disk tier: reconstructed bytes of virtual files kept on local disk, checked on
+//! every read, published only after they are synced (docs/TIER.md). It knows extents of
+//! files named by a key, not archives, caches or FUSE: `fs` decides what goes in.
+
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+pub const MAGIC: &[u8; 8] = b"CAWSTIER";
+pub const VERSION: u32 = 1;
+const FLAG_WHOLE: u32 = 1;
+const HEADER: usize = 56;
+/// Indexes larger than this are not read (a corrupt count must not allocate wildly).
+const MAX_EXTENTS: u64 = 1 << 24;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    #[error("tier entry {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tier entry {path}: extent {extent} is outside the file ({n} extents)")]
+    NoExtent { path: PathBuf, extent: u64, n: u64 },
+    #[error("tier entry {path}: extent {extent} has {got} bytes, expected {want}")]
+    ExtentLen {
+        path: PathBuf,
+        extent: u64,
+        got: usize,
+        want: usize,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TierError + '_ {
+    move |source| TierError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What one entry holds the bytes of; its key names the entry's files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntrySpec {
+    /// The archive's identity, from its own checksums (docs/TIER.md).
+    pub archive: u128,
+    pub file: String,
+    pub size: u64,
+    pub extent: u64,
+    /// The view options that change the file's bytes, as text.
+    pub view: String,
+}
+
+impl EntrySpec {
+    pub fn key(&self) -> u128 {
+        let text = format!(
+            "cawsfs-tier {VERSION}\narchive {:032x}\nfile {}\nsize {}\nextent {}\nview {}\n",
+            self.archive, self.file, self.size, self.extent, self.view
+        );
+        xxh3_128(text.as_bytes())
+    }
+
+    pub fn n_extents(&self) -> u64 {
+        self.size.div_ceil(self.extent)
+    }
+}
+
+/// The checksum stored for an extent's bytes (0 means absent).
+fn extent_sum(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes).max(1)
+}
+
+struct Sums {
+    /// Published: served when their bytes still match.
+    listed: Vec<u64>,
+    /// Written, not yet synced and published.
+    pending: Vec<(u64, u64)>,
+    /// A listed extent was dropped since the last publish.
+    dropped: bool,
+}
+
+/// One virtual file's entry, open for reading and writing.
+pub struct Entry {
+    spec: EntrySpec,
+    key: u128,
+    data_path: PathBuf,
+    idx_path: PathBuf,
+    data: File,
+    sums: Mutex<Sums>,
+}
+
+/// What opening an entry found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    New,
+    /// An index was read; this many extents are listed.
+    Existing(u64),
+    /// An index was there but unusable; it and its data were removed (the reason).
+    Dropped(String),
+}
+
+impl Entry {
+    /// Open (or create) the entry for `spec` in `dir`.
+    pub fn open(dir: &Path, spec: EntrySpec) -> Result<(Entry, Found), TierError> {
+        assert!(spec.extent > 0, "extent size 0");
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let key = spec.key();
+        let data_path = dir.join(format!("{key:032x}.data"));
+        let idx_path = dir.join(format!("{key:032x}.idx"));
+        let n = spec.n_extents();
+        let mut found = Found::New;
+        let mut listed = vec![0u64; n as usize];
+        match std::fs::read(&idx_path) {
+            Ok(bytes) => match parse_index(&bytes, key, &spec) {
+                // The whole flag is checked against the sums; they alone decide.
+                Ok((sums, _whole)) => {
+                    found = Found::Existing(sums.iter().filter(|&&s| s != 0).count() as u64);
+                    listed = sums;
+                }
+                Err(why) => {
+                    let _ = std::fs::remove_file(&idx_path);
+                    let _ = std::fs::remove_file(&data_path);
+                    found = Found::Dropped(why);
+                }
+            },
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&idx_path)(e)),
+        }
+        let data = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&data_path)
+            .map_err(io(&data_path))?;
+        let len = data.metadata().map_err(io(&data_path))?.len();
+        if len != spec.size {
+            if len > 0 && found != Found::New {
+                // A data file of the wrong size cannot hold what the index lists.
+                listed.iter_mut().for_each(|s| *s = 0);
+                found = Found::Dropped(format!("data file has {len} bytes, not {}", spec.size));
+            }
+            data.set_len(spec.size).map_err(io(&data_path))?;
+        }
+        Ok((
+            Entry {
+                spec,
+                key,
+                data_path,
+                idx_path,
+                data,
+                sums: Mutex::new(Sums {
+                    listed,
+                    pending: Vec::new(),
+                    dropped: false,
+                }),
+            },
+            found,
+        ))
+    }
+
+    pub fn spec(&self) -> &EntrySpec {
+        &self.spec
+    }
+
+    pub fn key(&self) -> u128 {
+        self.key
+    }
+
+    pub fn data_path(&self) -> &Path {
+        &self.data_path
+    }
+
+    pub fn extent_len(&self, i: u64) -> Result<usize, TierError> {
+        let n = self.spec.n_extents();
+        if i >= n {
+            return Err(TierError::NoExtent {
+                path: self.data_path.clone(),
+                extent: i,
+                n,
+            });
+        }
+        Ok((self.spec.extent).min(self.spec.size - i * self.spec.extent) as usize)
+    }
+
+    fn check_len(&self, i: u64, got: usize) -> Result<(), TierError> {
+        let want = self.extent_len(i)?;
+        if got != want {
+            return Err(TierError::ExtentLen {
+                path: self.data_path.clone(),
+                extent: i,
+                got,
+                want,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether extent `i` is listed (published).
+    pub fn has(&self, i: u64) -> bool {
+        let s = self.sums.lock().unwrap();
+        s.listed.get(i as usize).is_some_and(|&x| x != 0)
+    }
+
+    /// Every extent listed.
+    pub fn is_whole(&self) -> bool {
+        self.sums.lock().unwrap().listed.iter().all(|&s| s != 0)
+    }
+
+    /// Bytes of the listed extents.
+    pub fn present_bytes(&self) -> u64 {
+        let s = self.sums.lock().unwrap();
+        (0..s.listed.len() as u64)
+            .filter(|&i| s.listed[i as usize] != 0)
+            .map(|i| self.extent_len(i).unwrap_or(0) as u64)
+            .sum()
+    }
+
+    /// Fill `buf` with extent `i` if it is listed and its bytes match their checksum:
+    /// `Ok(true)`. `Ok(false)`: absent, or found changed and dropped from the listing
+    /// (the caller reconstructs; `publish` writes the drop down).
+    pub fn read(&self, i: u64, buf: &mut [u8]) -> Result<bool, TierError> {
+        self.check_len(i, buf.len())?;
+        let want = {
+            let s = self.sums.lock().unwrap();
+            s.listed[i as usize]
+        };
+        if want == 0 {
+            return Ok(false);
+        }
+        self.data
+            .read_exact_at(buf, i * self.spec.extent)
+            .map_err(io(&self.data_path))?;
+        if extent_sum(buf) == want {
+            return Ok(true);
+        }
+        tracing::warn!(
+            "tier entry {}: extent {i} does not match its checksum; dropped, reconstructed instead",
+            self.data_path.display()
+        );
+        let mut s = self.sums.lock().unwrap();
+        s.listed[i as usize] = 0;
+        s.pending.retain(|&(e, _)| e != i);
+        s.dropped = true;
+        Ok(false)
+    }
+
+    /// Write extent `i`; it is listed by the next [`Entry::publish`].
+    pub fn write(&self, i: u64, bytes: &[u8]) -> Result<(), TierError> {
+        self.check_len(i, bytes.len())?;
+        self.data
+            .write_all_at(bytes, i * self.spec.extent)
+            .map_err(io(&self.data_path))?;
+        let mut s = self.sums.lock().unwrap();
+        s.pending.push((i, extent_sum(bytes)));
+        Ok(())
+    }
+
+    /// Whether anything written or dropped is not yet in the index on disk.
+    pub fn is_dirty(&self) -> bool {
+        let s = self.sums.lock().unwrap();
+        !s.pending.is_empty() || s.dropped
+    }
+
+    /// Sync the data written so far, then atomically replace the index listing it.
+    pub fn publish(&self) -> Result<(), TierError> {
+        self.data.sync_data().map_err(io(&self.data_path))?;
+        let (bytes, whole) = {
+            let mut s = self.sums.lock().unwrap();
+            let pending = std::mem::take(&mut s.pending);
+            for (i, sum) in pending {
+                s.listed[i as usize] = sum;
+            }
+            let whole = s.listed.iter().all(|&x| x != 0);
+            s.dropped = false;
+            (encode_index(self.key, &self.spec, &s.listed, whole), whole)
+        };
+        let tmp = self.idx_path.with_extension("idx.tmp");
+        let mut f = File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &self.idx_path).map_err(io(&self.idx_path))?;
+        tracing::debug!(
+            "tier entry {}: index published (whole: {whole})",
+            self.idx_path.display()
+        );
+        Ok(())
+    }
+
+    /// Hash every listed extent; drop (and return) those that no longer match.
+    pub fn verify_all(&self) -> Result<Vec<u64>, TierError> {
+        let n = self.spec.n_extents();
+        let mut buf = vec![0u8; self.spec.extent as usize];
+        let mut bad = Vec::new();
+        for i in 0..n {
+            let len = self.extent_len(i)?;
+            if self.has(i) && !self.read(i, &mut buf[..len])? {
+                bad.push(i);
+            }
+        }
+        Ok(bad)
+    }
+}
+
+fn encode_index(key: u128, spec: &EntrySpec, sums: &[u64], whole: bool) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HEADER + 8 * sums.len() + 8);
+    b.extend_from_slice(MAGIC);
+    b.extend_from_slice(&VERSION.to_le_bytes());
+    b.extend_from_slice(&(if whole { FLAG_WHOLE } else { 0 }).to_le_bytes());
+    b.extend_from_slice(&key.to_le_bytes());
+    b.extend_from_slice(&spec.size.to_le_bytes());
+    b.extend_from_slice(&spec.extent.to_le_bytes());
+    b.extend_from_slice(&(sums.len() as u64).to_le_bytes());
+    for s in sums {
+        b.extend_from_slice(&s.to_le_bytes());
+    }
+    let check = xxh3_64(&b);
+    b.extend_from_slice(&check.to_le_bytes());
+    b
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// The listed sums and the whole flag, or why the index cannot be used.
+fn parse_index(b: &[u8], key: u128, spec: &EntrySpec) -> Result<(Vec<u64>, bool), String> {
+    if b.len() < HEADER + 8 || &b[..8] != MAGIC {
+        return Err("not a tier index (bad magic or too short)".into());
+    }
+    let version = u32::from_le_bytes(b[8..12].try_into().unwrap());
+    if version != VERSION {
+        return Err(format!("index version {version}, expected {VERSION}"));
+    }
+    let n = u64_at(b, 48);
+    if n > MAX_EXTENTS || b.len() as u64 != HEADER as u64 + 8 * n + 8 {
+        return Err(format!("index of {} bytes for {n} extents", b.len()));
+    }
+    let body = b.len() - 8;
+    if xxh3_64(&b[..body]) != u64_at(b, body) {
+        return Err("index checksum mismatch".into());
+    }
+    let got_key = u128::from_le_bytes(b[16..32].try_into().unwrap());
+    if got_key != key
+        || u64_at(b, 32) != spec.size
+        || u64_at(b, 40) != spec.extent
+        || n != spec.n_extents()
+    {
+        return Err("index belongs to another file (key, size or extent size differ)".into());
+    }
+    let flags = u32::from_le_bytes(b[12..16].try_into().unwrap());
+    let sums: Vec<u64> = (0..n as usize).map(|i| u64_at(b, HEADER + 8 * i)).collect();
+    let whole = flags & FLAG_WHOLE != 0;
+    if whole && sums.contains(&0) {
+        return Err("index says whole but lists absent extents".into());
+    }
+    Ok((sums, whole))
+}
+
+/// One entry found in a tier directory.
+#[derive(Clone, Debug)]
+pub struct EntryInfo {
+    pub key: String,
+    /// Bytes the data file occupies on disk (holes excluded).
+    pub disk_bytes: u64,
+    pub size: u64,
+    pub whole: bool,
+    pub last_used: std::time::SystemTime,
+}
+
+/// The entries of a tier directory, least recently used first.
+pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
+    let mut out = Vec::new();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(io(dir)(e)),
+    };
+    for ent in rd {
+        let ent = ent.map_err(io(dir))?;
+        let name = ent.file_name().to_string_lossy().into_owned();
+        let Some(key) = name.strip_suffix(".idx") else {
+            continue;
+        };
+        let idx = ent.path();
+        let (Ok(meta), Ok(bytes)) = (ent.metadata(), std::fs::read(&idx)) else {
+            continue;
+        };
+        let data = dir.join(format!("{key}.data"));
+        let dmeta = std::fs::metadata(&data).ok();
+        let flags = bytes
+            .get(12..16)
+            .map(|f| u32::from_le_bytes(f.try_into().unwrap()));
+        out.push(EntryInfo {
+            key: key.to_string(),
+            disk_bytes: dmeta.as_ref().map_or(0, |m| m.blocks() * 512),
+            size: bytes
+                .get(32..40)
+                .map_or(0, |s| u64::from_le_bytes(s.try_into().unwrap())),
+            whole: flags.is_some_and(|f| f & FLAG_WHOLE != 0),
+            last_used: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        });
+    }
+    out.sort_by_key(|e| e.last_used);
+    Ok(out)
+}
+
+/// Remove least recently used entries (not those in `keep`) until the data files
+/// occupy at most `max_bytes`. Returns the keys removed.
+pub fn gc(dir: &Path, max_bytes: u64, keep: &[u128]) -> Result<Vec<String>, TierError> {
+    let entries = list(dir)?;
+    let mut total: u64 = entries.iter().map(|e| e.disk_bytes).sum();
+    let keep: Vec<String> = keep.iter().map(|k| format!("{k:032x}")).collect();
+    let mut removed = Vec::new();
+    for e in entries {
+        if total <= max_bytes {
+            break;
+        }
+        if keep.contains(&e.key) {
+            continue;
+        }
+        for ext in ["idx", "data"] {
+            let p = dir.join(format!("{}.{ext}", e.key));
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(err) if err.kind() == ErrorKind::NotFound => {}
+                Err(err) => return Err(io(&p)(err)),
+            }
+        }
+        total -= e.disk_bytes;
+        removed.push(e.key);
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,267 @@
+use super::*;
+
+fn spec(size: u64) -> EntrySpec {
+    EntrySpec {
+        archive: 0x1234_5678_9abc_def0_1122_3344_5566_7788,
+        file: "model.gguf".into(),
+        size,
+        extent: 4096,
+        view: "gguf=auto".into(),
+    }
+}
+
+fn extent_bytes(i: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect()
+}
+
+/// Size 3.5 extents: the last one is short.
+const SIZE: u64 = 4096 * 3 + 2048;
+
+fn fill(e: &Entry, which: &[u64]) {
+    for &i in which {
+        let len = e.extent_len(i).unwrap();
+        e.write(i, &extent_bytes(i, len)).unwrap();
+    }
+}
+
+#[test]
+fn written_extents_are_served_only_after_publish_and_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::New);
+    fill(&e, &[0, 3]);
+    let mut buf = vec![0u8; 4096];
+    // Written but not published: not served (a crash here must not serve it).
+    assert!(!e.read(0, &mut buf).unwrap());
+    assert!(e.is_dirty());
+    e.publish().unwrap();
+    assert!(!e.is_dirty());
+    assert!(e.read(0, &mut buf).unwrap());
+    assert_eq!(buf, extent_bytes(0, 4096));
+    assert!(!e.read(1, &mut buf).unwrap());
+    assert_eq!(e.present_bytes(), 4096 + 2048);
+    drop(e);
+
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(2));
+    let mut last = vec![0u8; 2048];
+    assert!(e.read(3, &mut last).unwrap());
+    assert_eq!(last, extent_bytes(3, 2048));
+    assert!(!e.is_whole());
+    fill(&e, &[1, 2]);
+    e.publish().unwrap();
+    assert!(e.is_whole());
+    assert!(e.verify_all().unwrap().is_empty());
+    // The data file holds the virtual file's bytes at their offsets.
+    let data = std::fs::read(e.data_path()).unwrap();
+    let want: Vec<u8> = (0..4)
+        .flat_map(|i| extent_bytes(i, e.extent_len(i).unwrap()))
+        .collect();
+    assert_eq!(data, want);
+}
+
+#[test]
+fn a_changed_extent_is_dropped_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    let path = e.data_path().to_path_buf();
+    drop(e);
+    // Flip one byte of extent 2.
+    let mut data = std::fs::read(&path).unwrap();
+    data[2 * 4096 + 17] ^= 0x40;
+    std::fs::write(&path, &data).unwrap();
+
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert!(e.is_whole());
+    let mut buf = vec![0u8; 4096];
+    assert!(!e.read(2, &mut buf).unwrap());
+    assert!(!e.has(2) && !e.is_whole());
+    assert!(e.read(1, &mut buf).unwrap());
+    // The drop reaches the index at the next publish; reopened, 2 stays absent.
+    assert!(e.is_dirty());
+    e.publish().unwrap();
+    drop(e);
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(3));
+    assert!(!e.has(2));
+}
+
+#[test]
+fn verify_all_finds_every_bad_extent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    let f = OpenOptions::new().write(true).open(e.data_path()).unwrap();
+    f.write_all_at(&[0xff; 3], 4096 * 3 + 100).unwrap();
+    f.write_all_at(&[0xee; 1], 5).unwrap();
+    assert_eq!(e.verify_all().unwrap(), vec![0, 3]);
+    assert!(!e.is_whole());
+}
+
+#[test]
+fn a_damaged_or_foreign_index_is_dropped_with_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1]);
+    e.publish().unwrap();
+    let idx = e.idx_path.clone();
+    drop(e);
+    let good = std::fs::read(&idx).unwrap();
+
+    // Every single-byte change of the index is caught (magic, fields, sums, checksum).
+    for at in 0..good.len() {
+        let mut bad = good.clone();
+        bad[at] ^= 0x01;
+        std::fs::write(&idx, &bad).unwrap();
+        let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+        assert!(matches!(found, Found::Dropped(_)), "byte {at}: {found:?}");
+        assert!(!e.has(0) && !e.has(1));
+        drop(e);
+        std::fs::write(&idx, &good).unwrap();
+    }
+    // Truncated, and empty.
+    for len in [0, 7, HEADER, good.len() - 1] {
+        std::fs::write(&idx, &good[..len]).unwrap();
+        let (_, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+        assert!(
+            matches!(found, Found::Dropped(_)),
+            "length {len}: {found:?}"
+        );
+        std::fs::write(&idx, &good).unwrap();
+    }
+    // The same index under another spec's key (a renamed file): refused.
+    let other = EntrySpec {
+        view: "gguf=q8_0".into(),
+        ..spec(SIZE)
+    };
+    std::fs::write(dir.path().join(format!("{:032x}.idx", other.key())), &good).unwrap();
+    let (_, found) = Entry::open(dir.path(), other).unwrap();
+    assert!(
+        matches!(found, Found::Dropped(ref why) if why.contains("another file")),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn a_half_written_index_is_never_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0]);
+    e.publish().unwrap();
+    // A crash mid-publish leaves the temporary file: the published index still rules.
+    std::fs::write(e.idx_path.with_extension("idx.tmp"), b"CAWSTIER partial").unwrap();
+    drop(e);
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(1));
+    assert!(e.has(0));
+}
+
+#[test]
+fn keys_differ_by_every_field() {
+    let base = spec(SIZE);
+    let variants = [
+        EntrySpec {
+            archive: base.archive ^ 1,
+            ..base.clone()
+        },
+        EntrySpec {
+            file: "model.safetensors".into(),
+            ..base.clone()
+        },
+        EntrySpec {
+            size: SIZE + 1,
+            ..base.clone()
+        },
+        EntrySpec {
+            extent: 8192,
+            ..base.clone()
+        },
+        EntrySpec {
+            view: "gguf=f16".into(),
+            ..base.clone()
+        },
+    ];
+    for v in &variants {
+        assert_ne!(v.key(), base.key(), "{v:?}");
+    }
+}
+
+#[test]
+fn bad_extent_numbers_and_lengths_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert!(matches!(
+        e.write(4, &[0; 10]),
+        Err(TierError::NoExtent { .. })
+    ));
+    assert!(matches!(
+        e.write(3, &[0; 4096]),
+        Err(TierError::ExtentLen { .. })
+    ));
+    let mut buf = vec![0u8; 100];
+    assert!(matches!(
+        e.read(0, &mut buf),
+        Err(TierError::ExtentLen { .. })
+    ));
+}
+
+#[test]
+fn gc_removes_least_recently_used_entries_down_to_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = 1 << 20;
+    let mut keys = Vec::new();
+    for (n, name) in ["a", "b", "c"].iter().enumerate() {
+        let s = EntrySpec {
+            file: name.to_string(),
+            size: big,
+            extent: big,
+            ..spec(0)
+        };
+        let (e, _) = Entry::open(dir.path(), s).unwrap();
+        e.write(0, &vec![n as u8 + 1; big as usize]).unwrap();
+        e.publish().unwrap();
+        keys.push(e.key());
+        // Distinct last-use times.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let listed = list(dir.path()).unwrap();
+    assert_eq!(listed.len(), 3);
+    assert!(listed
+        .iter()
+        .all(|e| e.whole && e.size == big && e.disk_bytes >= big));
+    // Room for about two: the oldest ("a") goes, unless kept; then "b".
+    let removed = gc(dir.path(), 2 * big + big / 2, &[keys[0]]).unwrap();
+    assert_eq!(removed, vec![format!("{:032x}", keys[1])]);
+    let left: Vec<String> = list(dir.path())
+        .unwrap()
+        .into_iter()
+        .map(|e| e.key)
+        .collect();
+    assert_eq!(left.len(), 2);
+    assert!(!dir.path().join(format!("{:032x}.data", keys[1])).exists());
+    assert!(gc(dir.path(), 0, &[]).unwrap().len() == 2);
+    assert!(list(dir.path()).unwrap().is_empty());
+}
+
+#[test]
+fn a_data_file_of_the_wrong_size_is_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    let path = e.data_path().to_path_buf();
+    drop(e);
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(4096).unwrap();
+    drop(f);
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert!(
+        matches!(found, Found::Dropped(ref why) if why.contains("4096 bytes")),
+        "{found:?}"
+    );
+    assert!((0..4).all(|i| !e.has(i)));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), SIZE);
+}
