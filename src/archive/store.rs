@@ -92,6 +92,10 @@ pub trait Store: RowSource {
     fn tensor_summary(&self, tensor: usize) -> TensorSummary;
     /// The archive's parts: sections of a container file, or the files of a directory.
     fn parts(&self) -> Vec<SectionInfo>;
+    /// What the archive's bytes are, from its own checksums rather than its path: equal
+    /// for copies, different for any change that can change what is served (the disk
+    /// tier's entries are keyed by it, docs/TIER.md).
+    fn identity(&self) -> u128;
     /// Every integrity failure, one line each. Empty = archive intact.
     fn verify_all(&self) -> Vec<String>;
     /// Whether [`Store::verify_all`] already decodes every block (then

@@ -635,6 +635,9 @@ impl Store for CawsfArchive {
     fn parts(&self) -> Vec<SectionInfo> {
         self.sections()
     }
+    fn identity(&self) -> u128 {
+        crate::archive::container::toc_identity("cawsf", &self.toc)
+    }
     fn verify_all(&self) -> Vec<String> {
         CawsfArchive::verify_all(self)
     }

@@ -78,6 +78,16 @@ pub fn parse_hex64(s: &str) -> Option<u64> {
     u64::from_str_radix(s, 16).ok()
 }
 
+/// An archive's identity (docs/TIER.md): XXH3-128 of its kind and TOC. Every section's
+/// XXH3-64 is in the TOC, so this changes with any byte of the file that is read.
+pub fn toc_identity(kind: &str, toc: &[TocRecord]) -> u128 {
+    let mut b = kind.as_bytes().to_vec();
+    for r in toc {
+        r.write(&mut b);
+    }
+    xxhash_rust::xxh3::xxh3_128(&b)
+}
+
 /// One TOC record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TocRecord {

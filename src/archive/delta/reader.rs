@@ -385,6 +385,9 @@ impl Store for DeltaArchive {
             rel_err: rel_err_of(&self.extra, &t.name),
         }
     }
+    fn identity(&self) -> u128 {
+        crate::archive::container::toc_identity("delta", &self.toc)
+    }
     fn parts(&self) -> Vec<SectionInfo> {
         section_infos(&self.toc, section_name)
     }

@@ -122,8 +122,47 @@ pub struct NpyDir {
     routing: Vec<u8>,
     extra: Value,
     checksummed: bool,
+    identity: u128,
     counters: ReadCounters,
     whole: Mutex<WholeCache>,
+}
+
+/// The directory's identity (docs/TIER.md): XXH3-128 of its manifest, its
+/// `cawsfs.json` (which checksums every file cawsfs wrote) and every part's name and
+/// size; without checksums also each part's mtime and inode, the best a foreign
+/// directory offers short of hashing all its bytes.
+fn dir_identity(
+    dir: &Path,
+    parts: &[(String, u64)],
+    checksummed: bool,
+) -> Result<u128, ArchiveError> {
+    use std::os::unix::fs::MetadataExt;
+    let mut b = b"npy-dir".to_vec();
+    for name in [MANIFEST, SIDECAR] {
+        let p = dir.join(name);
+        match std::fs::read(&p) {
+            Ok(bytes) => {
+                b.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+                b.extend_from_slice(&bytes);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => b.push(0),
+            Err(e) => return Err(crate::archive::container::io_error(&p, e)),
+        }
+    }
+    for (name, size) in parts {
+        b.extend_from_slice(name.as_bytes());
+        b.push(0);
+        b.extend_from_slice(&size.to_le_bytes());
+        if !checksummed {
+            // A part that cannot be stat'ed fails its reads later; here it only marks.
+            if let Ok(m) = std::fs::metadata(dir.join(name)) {
+                b.extend_from_slice(&m.mtime().to_le_bytes());
+                b.extend_from_slice(&m.mtime_nsec().to_le_bytes());
+                b.extend_from_slice(&m.ino().to_le_bytes());
+            }
+        }
+    }
+    Ok(xxhash_rust::xxh3::xxh3_128(&b))
 }
 
 /// Is `path` a directory holding an npy-dir (by its manifest)?
@@ -193,6 +232,7 @@ impl NpyDir {
             parts.extend(e.shape_part.clone());
         }
         parts.sort();
+        let identity = dir_identity(dir, &parts, o.checksummed)?;
         Ok(NpyDir {
             path: dir.to_path_buf(),
             model: o.model,
@@ -201,6 +241,7 @@ impl NpyDir {
             routing: o.routing,
             extra: o.extra,
             checksummed: o.checksummed,
+            identity,
             counters: ReadCounters::default(),
             whole: Mutex::new(WholeCache::new()),
         })
@@ -319,6 +360,9 @@ impl Store for NpyDir {
             stored_bytes: e.stored_bytes,
             rel_err: rel_err_of(&self.extra, &self.model.tensors[tensor].name),
         }
+    }
+    fn identity(&self) -> u128 {
+        self.identity
     }
     fn parts(&self) -> Vec<SectionInfo> {
         self.parts
