@@ -7,13 +7,16 @@
 //! set of files depends only on the archive and the mount options.
 
 use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use crate::archive::Store;
-use crate::cache::{CacheConfig, CacheError, ChunkCache, ChunkLoader};
+use crate::cache::{CacheConfig, CacheError, ChunkCache};
 use crate::layout::{self, GgufView, LayoutError, VirtualFile};
 use crate::model::{FloatType, ReadError};
+use crate::tier;
 
 pub const ROOT_INO: u64 = 1;
 
@@ -28,6 +31,15 @@ pub struct FsOptions {
     pub prefetch_threads: usize,
     /// Evict chunks a pending route names after other chunks (false: plain LRU).
     pub router_eviction: bool,
+    /// Keep reconstructed bytes on disk (docs/TIER.md); None: no disk tier.
+    pub tier: Option<TierOptions>,
+}
+
+#[derive(Clone, Debug)]
+pub struct TierOptions {
+    pub dir: PathBuf,
+    /// Bound on the tier directory's data, all mounts' entries together.
+    pub max_bytes: u64,
 }
 
 impl Default for FsOptions {
@@ -40,6 +52,7 @@ impl Default for FsOptions {
             readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
             prefetch_threads: 2,
             router_eviction: true,
+            tier: None,
         }
     }
 }
@@ -67,6 +80,10 @@ pub enum SetupError {
     Layout(#[from] LayoutError),
     #[error("cache: {0}")]
     Cache(#[from] CacheError),
+    #[error("disk tier: {0}")]
+    Tier(#[from] tier::TierError),
+    #[error("disk tier: cannot start its writer: {0}")]
+    TierWriter(std::io::Error),
 }
 
 /// What `getattr` reports.
@@ -84,12 +101,39 @@ pub struct Entry {
     pub file: VirtualFile,
     /// Small files made only of header bytes are served without the cache.
     pub cached: bool,
+    /// This file's disk tier entry (cached files, when the tier is on).
+    pub tier: Option<Arc<tier::Entry>>,
+}
+
+/// The disk tier as the filesystem uses it: entries are read before reconstructing,
+/// and what is reconstructed is offered to the writer.
+pub struct FsTier {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+    writer: tier::Writer,
+    /// Bytes served from the tier instead of reconstructed.
+    hit_bytes: AtomicU64,
+    /// Extents that failed their check and were reconstructed.
+    bad_extents: AtomicU64,
+}
+
+impl FsTier {
+    pub fn writer_stats(&self) -> tier::WriterStats {
+        self.writer.stats()
+    }
+    pub fn hit_bytes(&self) -> u64 {
+        self.hit_bytes.load(Ordering::Relaxed)
+    }
+    pub fn bad_extents(&self) -> u64 {
+        self.bad_extents.load(Ordering::Relaxed)
+    }
 }
 
 pub struct MountFs {
     archive: Arc<dyn Store>,
     entries: Vec<Entry>,
     cache: Arc<ChunkCache>,
+    tier: Option<Arc<FsTier>>,
     mtime: SystemTime,
     started: Instant,
 }
@@ -120,7 +164,7 @@ impl MountFs {
             .max()
             .unwrap_or(1);
         let cache = Arc::new(ChunkCache::with_config(cfg)?);
-        let entries: Vec<Entry> = files
+        let mut entries: Vec<Entry> = files
             .into_iter()
             .enumerate()
             .map(|(i, file)| Entry {
@@ -128,10 +172,21 @@ impl MountFs {
                 ino: ROOT_INO + 1 + i as u64,
                 cached: !file.tensor_ranges().is_empty(),
                 file,
+                tier: None,
             })
             .collect();
+        let tier = match &opts.tier {
+            Some(t) => Some(open_tier(&*archive, &mut entries, t, opts)?),
+            None => None,
+        };
         for e in entries.iter().filter(|e| e.cached) {
-            cache.register_file(file_id(e.ino), loader(&archive, &e.file, opts.chunk_size));
+            let l = Loader {
+                archive: archive.clone(),
+                file: e.file.clone(),
+                chunk_size: opts.chunk_size,
+                tier: tier.clone().zip(e.tier.clone()),
+            };
+            cache.register_file(file_id(e.ino), Arc::new(move |idx, buf| l.load(idx, buf)));
         }
         if opts.prefetch_threads > 0 {
             cache.start_prefetcher(opts.prefetch_threads);
@@ -143,6 +198,7 @@ impl MountFs {
             archive,
             entries,
             cache,
+            tier,
             mtime,
             started: Instant::now(),
         })
@@ -158,6 +214,17 @@ impl MountFs {
 
     pub fn archive(&self) -> &Arc<dyn Store> {
         &self.archive
+    }
+
+    pub fn tier(&self) -> Option<&FsTier> {
+        self.tier.as_deref()
+    }
+
+    /// Write what the disk tier has queued and publish its entries (at unmount).
+    pub fn flush_tier(&self) {
+        if let Some(t) = &self.tier {
+            t.writer.flush();
+        }
     }
 
     pub fn entry_by_name(&self, name: &str) -> Option<&Entry> {
@@ -262,15 +329,14 @@ impl MountFs {
             let got = if len == 0 {
                 0
             } else if e.cached {
-                let vf = &e.file;
-                let archive = &*self.archive;
+                let tier = self.tier.as_deref().zip(e.tier.as_ref());
                 let cs = self.cache.chunk_size();
                 self.cache.read(
                     file_id(e.ino),
-                    vf.size,
+                    e.file.size,
                     offset,
                     &mut buf[..len],
-                    &|idx, chunk| vf.read_at(archive, idx * cs, chunk),
+                    &|idx, chunk| load_chunk(&*self.archive, &e.file, cs, tier, idx, chunk),
                 )?
             } else {
                 e.file.read_at(&*self.archive, offset, &mut buf[..len])?
@@ -290,8 +356,112 @@ pub fn file_id(ino: u64) -> u32 {
     ino as u32
 }
 
-fn loader(archive: &Arc<dyn Store>, vf: &VirtualFile, chunk_size: u64) -> ChunkLoader {
-    let archive = archive.clone();
-    let vf = vf.clone();
-    Arc::new(move |idx, buf| vf.read_at(&*archive, idx * chunk_size, buf))
+/// What background loads (prefetch, read-ahead) of one file need.
+struct Loader {
+    archive: Arc<dyn Store>,
+    file: VirtualFile,
+    chunk_size: u64,
+    tier: Option<(Arc<FsTier>, Arc<tier::Entry>)>,
+}
+
+impl Loader {
+    fn load(&self, idx: u64, buf: &mut [u8]) -> Result<usize, ReadError> {
+        let tier = self.tier.as_ref().map(|(t, e)| (&**t, e));
+        load_chunk(&*self.archive, &self.file, self.chunk_size, tier, idx, buf)
+    }
+}
+
+/// Chunk `idx` of `vf`: from the disk tier when it holds it intact, else reconstructed
+/// (and then offered to the tier's writer).
+fn load_chunk(
+    archive: &dyn Store,
+    vf: &VirtualFile,
+    chunk_size: u64,
+    tier: Option<(&FsTier, &Arc<tier::Entry>)>,
+    idx: u64,
+    buf: &mut [u8],
+) -> Result<usize, ReadError> {
+    if let Some((t, entry)) = tier {
+        if entry.has(idx) {
+            match entry.read(idx, buf) {
+                Ok(true) => {
+                    t.hit_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    return Ok(buf.len());
+                }
+                Ok(false) => {
+                    t.bad_extents.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!("{e}; reconstructing instead"),
+            }
+        }
+    }
+    let n = vf.read_at(archive, idx * chunk_size, buf)?;
+    if let Some((t, entry)) = tier {
+        if n == buf.len() {
+            t.writer.offer(entry, idx, &buf[..n]);
+        }
+    }
+    Ok(n)
+}
+
+/// Open the tier's entry of every cached file and its writer; trim the directory to
+/// its bound, keeping this mount's entries.
+fn open_tier(
+    archive: &dyn Store,
+    entries: &mut [Entry],
+    t: &TierOptions,
+    opts: &FsOptions,
+) -> Result<Arc<FsTier>, SetupError> {
+    let identity = archive.identity();
+    // What changes a file's bytes besides the archive (docs/TIER.md, "Identity").
+    let view = format!(
+        "gguf={:?} safetensors={:?}",
+        opts.gguf_type, opts.safetensors_dtype
+    );
+    let mut keys = Vec::new();
+    for e in entries.iter_mut().filter(|e| e.cached) {
+        let spec = tier::EntrySpec {
+            archive: identity,
+            file: e.name.clone(),
+            size: e.file.size,
+            extent: opts.chunk_size,
+            view: view.clone(),
+        };
+        let (entry, found) = tier::Entry::open(&t.dir, spec)?;
+        match &found {
+            tier::Found::Dropped(why) => tracing::warn!(
+                "disk tier: entry {} for {} was unusable ({why}); starting it again",
+                entry.data_path().display(),
+                e.name
+            ),
+            tier::Found::Existing(_) => tracing::info!(
+                "disk tier: {} has {} of {} bytes in {}",
+                e.name,
+                entry.present_bytes(),
+                e.file.size,
+                entry.data_path().display()
+            ),
+            tier::Found::New => {}
+        }
+        keys.push(entry.key());
+        e.tier = Some(Arc::new(entry));
+    }
+    for key in tier::gc(&t.dir, t.max_bytes, &keys)? {
+        tracing::info!(
+            "disk tier: removed entry {key} to stay within {} bytes",
+            t.max_bytes
+        );
+    }
+    // New extents fill what the bound leaves (other mounts' later writes are not seen).
+    let used: u64 = tier::list(&t.dir)?.iter().map(|e| e.disk_bytes).sum();
+    let room = t.max_bytes.saturating_sub(used);
+    // Copies wait here, outside the cache budget: a quarter of it, at most 16 MiB.
+    let queue = (opts.cache_bytes / 4).clamp(opts.chunk_size, 16 << 20);
+    Ok(Arc::new(FsTier {
+        dir: t.dir.clone(),
+        max_bytes: t.max_bytes,
+        writer: tier::Writer::start(queue, room).map_err(SetupError::TierWriter)?,
+        hit_bytes: AtomicU64::new(0),
+        bad_extents: AtomicU64::new(0),
+    }))
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 use cawsfs::archive::Store;
 use cawsfs::cache::{CacheStats, ChunkKey, TraceEvent};
 use cawsfs::convert::{delta, npydir, ConvertOptions};
-use cawsfs::fs::{file_id, FsOptions, MountFs, ROOT_INO};
+use cawsfs::fs::{file_id, FsOptions, MountFs, TierOptions, ROOT_INO};
 use cawsfs::gguf::GgmlType;
 use cawsfs::layout::{self, GgufView};
 use cawsfs::model::{FloatType, RowSource};
@@ -158,6 +158,9 @@ struct Setup {
     router_eviction: bool,
     gguf: GgufView,
     st: Option<FloatType>,
+    /// A disk tier: after the ops, a second filesystem on the same tier serves every
+    /// file byte-identical to the reference.
+    tier: bool,
 }
 
 impl Setup {
@@ -192,17 +195,21 @@ fn setup_strategy() -> impl Strategy<Value = Setup> {
             Just(GgufView::Source),
         ],
         proptest::option::of(float),
+        any::<bool>(),
     )
         .prop_map(
-            |(chunk_shift, budget_chunks, budget_extra, readahead, threads, re, gguf, st)| Setup {
-                chunk_shift,
-                budget_chunks,
-                budget_extra,
-                readahead,
-                threads,
-                router_eviction: re,
-                gguf,
-                st,
+            |(chunk_shift, budget_chunks, budget_extra, readahead, threads, re, gguf, st, tier)| {
+                Setup {
+                    chunk_shift,
+                    budget_chunks,
+                    budget_extra,
+                    readahead,
+                    threads,
+                    router_eviction: re,
+                    gguf,
+                    st,
+                    tier,
+                }
             },
         )
 }
@@ -328,6 +335,7 @@ struct Tally {
     refused: AtomicU64,
     evictions: AtomicU64,
     prefetch_loads: AtomicU64,
+    tier_hit_bytes: AtomicU64,
 }
 
 fn bump(c: &AtomicU64, n: u64) {
@@ -884,6 +892,15 @@ fn run_case(kind: Kind, setup: &Setup, ops: &[Op], tally: &Tally) -> Result<(), 
         readahead_chunks: setup.readahead,
         prefetch_threads: setup.threads,
         router_eviction: setup.router_eviction,
+        tier: None,
+    };
+    let tier_dir = setup.tier.then(|| tempfile::tempdir().unwrap());
+    let opts = FsOptions {
+        tier: tier_dir.as_ref().map(|d| TierOptions {
+            dir: d.path().to_path_buf(),
+            max_bytes: 1 << 30,
+        }),
+        ..opts
     };
     let fs = MountFs::new(fx.store.clone(), &opts).map_err(|e| fail(e.to_string()))?;
     let files: Vec<(u64, String, bool)> = fs
@@ -929,6 +946,34 @@ fn run_case(kind: Kind, setup: &Setup, ops: &[Op], tally: &Tally) -> Result<(), 
     let s = case.fs.cache().stats();
     bump(&tally.evictions, s.evictions);
     bump(&tally.prefetch_loads, s.prefetch_loads);
+    if setup.tier {
+        case.fs.flush_tier();
+        let written = case.fs.tier().unwrap().writer_stats().written_bytes;
+        let again = MountFs::new(fx.store.clone(), &opts).map_err(|e| fail(e.to_string()))?;
+        for e in again.entries() {
+            let want = &refs[&e.name];
+            let mut got = Vec::with_capacity(want.len());
+            while got.len() < want.len() {
+                let part = again
+                    .read(e.ino, got.len() as u64, 1 << 20)
+                    .map_err(|err| fail(format!("{log}\n  tier re-read of {}: {err}", e.name)))?;
+                got.extend_from_slice(&part);
+            }
+            if &got != want {
+                return Err(fail(format!(
+                    "{log}\n  {} differs after a restart on the tier",
+                    e.name
+                )));
+            }
+        }
+        let t = again.tier().unwrap();
+        if written > 0 && t.hit_bytes() == 0 {
+            return Err(fail(format!(
+                "{log}\n  {written} bytes written to the tier, none served back"
+            )));
+        }
+        bump(&tally.tier_hit_bytes, t.hit_bytes());
+    }
     Ok(())
 }
 
@@ -1023,7 +1068,7 @@ fn check(kind: Kind) {
     }
     let g = |c: &AtomicU64| c.load(Relaxed);
     println!(
-        "{kind:?}: {} cases, {} ops in {:.1} s: {} reads ({} bytes equal to the export), {} pins ({} refused over budget), {} evictions, {} prefetch loads",
+        "{kind:?}: {} cases, {} ops in {:.1} s: {} reads ({} bytes equal to the export), {} pins ({} refused over budget), {} evictions, {} prefetch loads, {} bytes served back from a tier",
         g(&tally.cases),
         g(&tally.ops),
         t0.elapsed().as_secs_f64(),
@@ -1033,6 +1078,7 @@ fn check(kind: Kind) {
         g(&tally.refused),
         g(&tally.evictions),
         g(&tally.prefetch_loads),
+        g(&tally.tier_hit_bytes),
     );
 }
 

@@ -220,6 +220,14 @@ pub struct MountArgs {
     /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM).
     #[arg(long, value_parser = cawsfs::mount::parse_size)]
     pub cache_size: Option<u64>,
+    /// Keep reconstructed bytes in this directory, checked, across mounts and restarts
+    /// (the disk tier, docs/TIER.md).
+    #[arg(long, value_name = "DIR")]
+    pub disk_cache: Option<PathBuf>,
+    /// Bound on the disk tier directory, e.g. 20GiB (default: a fifth of its
+    /// filesystem's free space, at most 64GiB).
+    #[arg(long, value_parser = cawsfs::mount::parse_size, requires = "disk_cache")]
+    pub disk_cache_size: Option<u64>,
     /// FUSE request threads.
     #[arg(long, default_value_t = 4)]
     pub threads: usize,

@@ -35,7 +35,7 @@ pub use protocol::{Request, Response, Target, MAX_REQUEST_LINE};
 pub use render::{render_prometheus, render_rates, render_stat, watch};
 pub use reply::{
     ArchiveStat, CacheStat, EvictReply, FileStat, LatencyStat, PinReply, PingReply, PrefetchReply,
-    Reply, RouteReply, RoutedShard, StatReply, TraceOffReply, TraceOnReply, TracedLookup,
+    Reply, RouteReply, RoutedShard, StatReply, TierStat, TraceOffReply, TraceOnReply, TracedLookup,
     UnpinReply,
 };
 pub use server::{allowed_peer, ControlServer, Handler, ServerOptions};

@@ -130,6 +130,18 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
         lat(l.p99),
         lat(l.max)
     );
+    if let Some(t) = &s.tier {
+        let _ = writeln!(
+            out,
+            "tier     {} of {} present ({} whole)  served {}  written {}  bad {}",
+            bytes(t.present_bytes),
+            bytes(t.max_bytes),
+            count(t.whole_files),
+            bytes(t.hit_bytes),
+            bytes(t.written_bytes),
+            count(t.bad_extents),
+        );
+    }
     if let Some(r) = rates {
         let _ = writeln!(out, "{r}");
     }
@@ -264,7 +276,8 @@ type FileField = fn(&FileStat) -> Option<u64>;
 pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
-    let simple: [(&str, &str, &str, Option<u64>); 13] = [
+    let t = stats.tier.clone().unwrap_or_default();
+    let simple: [(&str, &str, &str, Option<u64>); 18] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -342,6 +355,36 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Bytes decoded from archive blocks.",
             a.bytes_decoded,
+        ),
+        (
+            "cawsfs_tier_hit_bytes_total",
+            "counter",
+            "Bytes served from the disk tier instead of reconstructed.",
+            t.hit_bytes,
+        ),
+        (
+            "cawsfs_tier_written_bytes_total",
+            "counter",
+            "Bytes written to the disk tier.",
+            t.written_bytes,
+        ),
+        (
+            "cawsfs_tier_bad_extents_total",
+            "counter",
+            "Disk tier extents that failed their checksum.",
+            t.bad_extents,
+        ),
+        (
+            "cawsfs_tier_present_bytes",
+            "gauge",
+            "Bytes of the mount's files present in the disk tier.",
+            t.present_bytes,
+        ),
+        (
+            "cawsfs_tier_max_bytes",
+            "gauge",
+            "The disk tier's size bound.",
+            t.max_bytes,
         ),
     ];
     for (name, kind, help, value) in simple {

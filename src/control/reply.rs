@@ -34,6 +34,41 @@ pub struct StatReply {
     pub files: Vec<FileStat>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mountpoint: Option<String>,
+    /// The disk tier, when the mount has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierStat>,
+}
+
+/// `stat`'s `tier` section (docs/TIER.md): counters since mount and the entries' state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TierStat {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+    /// Bytes served from the tier instead of reconstructed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hit_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
+    /// Reconstructed extents not written because the writer's queue was full.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropped_extents: Option<u64>,
+    /// Reconstructed extents not written because the size bound was reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub over_bound_extents: Option<u64>,
+    /// Extents that failed their checksum when read (reconstructed instead).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bad_extents: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_errors: Option<u64>,
+    /// Bytes of this mount's files present in the tier (published).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub present_bytes: Option<u64>,
+    /// This mount's files wholly present.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub whole_files: Option<u64>,
 }
 
 /// `stat`'s `cache` section: counters since mount (chunk lookups, bytes) and gauges.

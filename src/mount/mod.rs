@@ -109,7 +109,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     let session = session::mount(fs.clone(), archive_path, mountpoint, opts)
         .map_err(|e| mount_err(format!("mount failed: {e}")))?;
 
-    let handler = Arc::new(ControlHandler::new(fs, mountpoint.to_path_buf()));
+    let handler = Arc::new(ControlHandler::new(fs.clone(), mountpoint.to_path_buf()));
     if let Some(n) = opts.pin_infra_layers {
         match handler.pin_infra(n, opts.pin_prompt.as_deref()) {
             Ok(bytes) => tracing::info!("--pin-infra: pinned {bytes} bytes"),
@@ -162,7 +162,22 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     };
     server.shutdown();
     finish(session, &canon, unmounted);
+    // What the disk tier still has queued is written and published before exit.
+    fs.flush_tier();
     Ok(())
+}
+
+/// The disk tier's default bound: a fifth of the free space where `dir` is (or would
+/// be), at most 64 GiB; 1 GiB when that cannot be read.
+pub fn default_tier_bytes(dir: &Path) -> u64 {
+    let probe = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| Path::new("/"));
+    match nix::sys::statvfs::statvfs(probe) {
+        Ok(v) => (v.blocks_available().saturating_mul(v.fragment_size()) / 5).min(64 << 30),
+        Err(_) => 1 << 30,
+    }
 }
 
 /// Ends the session (see [`session::end`]) and logs what could not be done cleanly.

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::control::{ArchiveStat, CacheStat, FileStat, LatencyStat, StatReply};
+use crate::control::{ArchiveStat, CacheStat, FileStat, LatencyStat, StatReply, TierStat};
 use crate::fs::{file_id, MountFs};
 
 /// Everything `cawsfs stat` shows, for the mount of `fs` at `mountpoint`.
@@ -82,5 +82,21 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
         },
         files,
         mountpoint: Some(mountpoint.display().to_string()),
+        tier: fs.tier().map(|t| {
+            let w = t.writer_stats();
+            let tiered = fs.entries().iter().filter_map(|e| e.tier.as_ref());
+            TierStat {
+                dir: Some(t.dir.display().to_string()),
+                max_bytes: Some(t.max_bytes),
+                hit_bytes: Some(t.hit_bytes()),
+                written_bytes: Some(w.written_bytes),
+                dropped_extents: Some(w.dropped_extents),
+                over_bound_extents: Some(w.over_bound_extents),
+                bad_extents: Some(t.bad_extents()),
+                write_errors: Some(w.errors),
+                present_bytes: Some(tiered.clone().map(|e| e.present_bytes()).sum()),
+                whole_files: Some(tiered.filter(|e| e.is_whole()).count() as u64),
+            }
+        }),
     }
 }

@@ -10,6 +10,9 @@ use std::sync::Mutex;
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
+mod writer;
+pub use writer::{Writer, WriterStats};
+
 pub const MAGIC: &[u8; 8] = b"CAWSTIER";
 pub const VERSION: u32 = 1;
 const FLAG_WHOLE: u32 = 1;

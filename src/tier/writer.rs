@@ -1,0 +1,225 @@
+//! The background writer: copies of freshly reconstructed extents go into a bounded
+//! queue and one thread writes them to their entries, publishing each entry's index
+//! now and then, when the queue runs dry, and at [`Writer::flush`]. A full queue drops
+//! the copy: the tier must never delay a read.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::Entry;
+
+/// How long an entry's written extents may wait for their index.
+const PUBLISH_EVERY: Duration = Duration::from_secs(2);
+
+struct Job {
+    entry: Arc<Entry>,
+    extent: u64,
+    bytes: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: std::collections::VecDeque<Job>,
+    bytes: u64,
+    closed: bool,
+    /// Bumped by `flush` callers; the thread publishes everything and echoes it.
+    flush_asked: u64,
+    flush_done: u64,
+}
+
+/// What the writer did since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    pub written_bytes: u64,
+    pub written_extents: u64,
+    /// Copies not queued because the queue was full.
+    pub dropped_extents: u64,
+    /// Copies not queued because the tier's size bound was reached.
+    pub over_bound_extents: u64,
+    pub errors: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    written_bytes: AtomicU64,
+    written_extents: AtomicU64,
+    dropped_extents: AtomicU64,
+    over_bound_extents: AtomicU64,
+    errors: AtomicU64,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    done: Condvar,
+    max_bytes: u64,
+    /// Disk bytes new extents may still take (the size bound less what is there).
+    room: AtomicU64,
+    counters: Counters,
+}
+
+pub struct Writer {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    /// A writer whose queue holds at most `max_queued_bytes` of copies and which writes
+    /// at most `room` bytes of new extents.
+    pub fn start(max_queued_bytes: u64, room: u64) -> std::io::Result<Writer> {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            done: Condvar::new(),
+            max_bytes: max_queued_bytes,
+            room: AtomicU64::new(room),
+            counters: Counters::default(),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("cawsfs-tier".into())
+            .spawn(move || run(&s))?;
+        Ok(Writer {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queue a copy of extent `extent`'s bytes for `entry`; false when there is no room.
+    pub fn offer(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
+        let len = bytes.len() as u64;
+        let reserved = self
+            .shared
+            .room
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(len));
+        if reserved.is_err() {
+            self.shared
+                .counters
+                .over_bound_extents
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let mut q = self.shared.queue.lock().unwrap();
+        if q.closed || q.bytes + len > self.shared.max_bytes {
+            self.shared.room.fetch_add(len, Ordering::Relaxed);
+            self.shared
+                .counters
+                .dropped_extents
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        q.bytes += bytes.len() as u64;
+        q.jobs.push_back(Job {
+            entry: entry.clone(),
+            extent,
+            bytes: bytes.to_vec(),
+        });
+        self.shared.wake.notify_one();
+        true
+    }
+
+    /// Wait until everything queued so far is written and every entry published.
+    pub fn flush(&self) {
+        let mut q = self.shared.queue.lock().unwrap();
+        q.flush_asked += 1;
+        let want = q.flush_asked;
+        self.shared.wake.notify_one();
+        while q.flush_done < want && !q.closed {
+            q = self.shared.done.wait(q).unwrap();
+        }
+    }
+
+    pub fn stats(&self) -> WriterStats {
+        let c = &self.shared.counters;
+        WriterStats {
+            written_bytes: c.written_bytes.load(Ordering::Relaxed),
+            written_extents: c.written_extents.load(Ordering::Relaxed),
+            dropped_extents: c.dropped_extents.load(Ordering::Relaxed),
+            over_bound_extents: c.over_bound_extents.load(Ordering::Relaxed),
+            errors: c.errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for Writer {
+    /// Writes what is queued and publishes, then stops the thread.
+    fn drop(&mut self) {
+        self.flush();
+        self.shared.queue.lock().unwrap().closed = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(s: &Shared) {
+    // Entries written to since their last publish.
+    let mut dirty: Vec<Arc<Entry>> = Vec::new();
+    let mut last_publish = Instant::now();
+    loop {
+        let (job, flush): (Option<Job>, Option<u64>) = {
+            let mut q = s.queue.lock().unwrap();
+            loop {
+                if let Some(job) = q.jobs.pop_front() {
+                    q.bytes -= job.bytes.len() as u64;
+                    break (Some(job), None);
+                }
+                if q.flush_asked > q.flush_done {
+                    break (None, Some(q.flush_asked));
+                }
+                if q.closed {
+                    return;
+                }
+                if !dirty.is_empty() {
+                    // Idle with unpublished extents: publish soon rather than never.
+                    let (g, t) = s.wake.wait_timeout(q, PUBLISH_EVERY / 4).unwrap();
+                    q = g;
+                    if t.timed_out() && q.jobs.is_empty() {
+                        break (None, None);
+                    }
+                } else {
+                    q = s.wake.wait(q).unwrap();
+                }
+            }
+        };
+        let wrote = job.is_some();
+        if let Some(job) = job {
+            match job.entry.write(job.extent, &job.bytes) {
+                Ok(()) => {
+                    s.counters
+                        .written_bytes
+                        .fetch_add(job.bytes.len() as u64, Ordering::Relaxed);
+                    s.counters.written_extents.fetch_add(1, Ordering::Relaxed);
+                    if !dirty.iter().any(|e| Arc::ptr_eq(e, &job.entry)) {
+                        dirty.push(job.entry.clone());
+                    }
+                }
+                Err(e) => {
+                    if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!("disk tier: {e} (further write errors are only counted)");
+                    }
+                }
+            }
+        }
+        // Publishing syncs the data file: every PUBLISH_EVERY while writing, after a
+        // quiet spell, and on flush; not after every extent.
+        let quiet = !wrote && flush.is_none() && !dirty.is_empty();
+        if flush.is_some() || quiet || last_publish.elapsed() >= PUBLISH_EVERY {
+            for e in dirty.drain(..) {
+                if let Err(err) = e.publish() {
+                    if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!("disk tier: {err} (further write errors are only counted)");
+                    }
+                }
+            }
+            last_publish = Instant::now();
+        }
+        if let Some(n) = flush {
+            let mut q = s.queue.lock().unwrap();
+            q.flush_done = q.flush_done.max(n);
+            s.done.notify_all();
+        }
+    }
+}

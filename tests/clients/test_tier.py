@@ -1,0 +1,165 @@
+"""The disk tier (docs/TIER.md) through real mounts: bytes reconstructed once are served
+after a restart without decoding, byte-identical to `cawsfs export`; a flipped byte in
+the tier is caught and the read still returns the right bytes; a damaged index is
+dropped; the size bound holds; the tier follows the archive, not its path."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import run
+from test_mount import Mount, exported  # noqa: F401 (fixture)
+
+GGUF = "model.gguf"
+
+
+def drop_page_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def same(a, b):
+    return subprocess.run(["cmp", a, b]).returncode == 0
+
+
+def entry_of(tier, size):
+    """The data file of the entry holding a virtual file of `size` bytes."""
+    found = [tier / n for n in os.listdir(tier)
+             if n.endswith(".data") and os.path.getsize(tier / n) == size]
+    assert len(found) == 1, (os.listdir(tier), size)
+    return found[0]
+
+
+@pytest.fixture()
+def tier(work, request):
+    d = work / f"tier-{request.node.name}"
+    shutil.rmtree(d, ignore_errors=True)
+    return d
+
+
+def test_restart_serves_from_the_tier_without_decoding(cawsfs, archives, work, exported, tier):  # noqa: F811
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    m = Mount(cawsfs, path, work / "mnt-tier", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert same(m.mp / GGUF, ref)
+        st = m.stat()
+        assert st["tier"]["hit_bytes"] == 0 and st["archive"]["bytes_decoded"] > 0, st["tier"]
+    finally:
+        m.close()  # umount returns after the daemon flushed the tier
+    data = entry_of(tier, ref.stat().st_size)
+    assert data.read_bytes() == ref.read_bytes()
+
+    m = Mount(cawsfs, path, work / "mnt-tier", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        st = m.stat()
+        assert st["tier"]["whole_files"] >= 1, st["tier"]
+        drop_page_cache(m.mp / GGUF)
+        assert same(m.mp / GGUF, ref)
+        st = m.stat()
+        # Every byte of model.gguf came from the tier: nothing was decoded.
+        assert st["archive"]["bytes_decoded"] == 0, st["archive"]
+        assert st["tier"]["hit_bytes"] == ref.stat().st_size, st["tier"]
+        assert st["tier"]["bad_extents"] == 0
+        human = run([cawsfs, "stat", m.mp]).stdout
+        assert "tier " in human and "whole" in human, human
+    finally:
+        m.close()
+
+
+def test_a_flipped_byte_in_the_tier_is_never_served(cawsfs, archives, work, exported, tier):  # noqa: F811
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    m = Mount(cawsfs, path, work / "mnt-flip", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert same(m.mp / GGUF, ref)
+    finally:
+        m.close()
+    data = entry_of(tier, ref.stat().st_size)
+    at = 37 << 20
+    with open(data, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x20]))
+    m = Mount(cawsfs, path, work / "mnt-flip", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        drop_page_cache(m.mp / GGUF)
+        assert same(m.mp / GGUF, ref)
+        st = m.stat()
+        assert st["tier"]["bad_extents"] == 1, st["tier"]
+        # Only that chunk was reconstructed.
+        assert 0 < st["archive"]["bytes_decoded"] < 4 << 20, st["archive"]
+        log = open(m.socket.replace(".sock", ".log")).read()
+        assert "does not match its checksum" in log and data.name in log, log[-2000:]
+    finally:
+        m.close()
+    # The rewritten extent is whole again on disk.
+    assert data.read_bytes() == ref.read_bytes()
+
+
+def test_a_damaged_index_is_dropped_and_rebuilt(cawsfs, archives, work, exported, tier):  # noqa: F811
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    m = Mount(cawsfs, path, work / "mnt-idx", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert same(m.mp / GGUF, ref)
+    finally:
+        m.close()
+    idx = entry_of(tier, ref.stat().st_size).with_suffix(".idx")
+    idx.write_bytes(idx.read_bytes()[:100])  # truncated
+    m = Mount(cawsfs, path, work / "mnt-idx", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert m.stat()["tier"]["present_bytes"] == 0
+        log = open(m.socket.replace(".sock", ".log")).read()
+        assert "unusable" in log and idx.stem in log, log[-2000:]
+        assert same(m.mp / GGUF, ref)
+        assert m.stat()["archive"]["bytes_decoded"] > 0
+    finally:
+        m.close()
+
+
+def test_the_size_bound_holds(cawsfs, archives, work, exported, tier):  # noqa: F811
+    path, _ = archives["default"]
+    bound = 40 << 20
+    m = Mount(cawsfs, path, work / "mnt-bound", "--cache-size", "64MiB",
+              "--disk-cache", tier, "--disk-cache-size", "40MiB")
+    try:
+        for f in (GGUF, "model.safetensors"):
+            assert same(m.mp / f, exported / f)
+        st = m.stat()["tier"]
+        assert st["over_bound_extents"] > 0 and st["max_bytes"] == bound, st
+    finally:
+        m.close()
+    used = sum(os.stat(tier / n).st_blocks * 512 for n in os.listdir(tier) if n.endswith(".data"))
+    assert 0 < used <= bound, used
+
+
+def test_another_archive_at_the_same_path_does_not_meet_the_old_entries(
+        cawsfs, archives, work, exported, tier):  # noqa: F811
+    path, _ = archives["default"]
+    moved = work / "tier-moved.cawsf"
+    shutil.copy(path, moved)
+    m = Mount(cawsfs, moved, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert same(m.mp / GGUF, exported / GGUF)
+    finally:
+        m.close()
+    # The same archive under another path shares the entries (identity, not path).
+    m = Mount(cawsfs, path, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        assert m.stat()["tier"]["whole_files"] >= 1
+    finally:
+        m.close()
+    # Another archive at the moved path: no entry of the old one is used.
+    shutil.copy(archives["exact"][0], moved)
+    m = Mount(cawsfs, moved, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
+    try:
+        st = m.stat()["tier"]
+        assert st["present_bytes"] == 0 and st["whole_files"] == 0, st
+    finally:
+        m.close()
