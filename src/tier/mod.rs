@@ -271,11 +271,15 @@ impl Entry {
 
     /// Sync the data written so far, then atomically replace the index listing it.
     pub fn publish(&self) -> Result<(), TierError> {
-        self.data.sync_data().map_err(io(&self.data_path))?;
+        // Only extents written before the sync are listed; later ones wait their turn.
+        let synced = std::mem::take(&mut self.sums.lock().unwrap().pending);
+        if let Err(e) = self.data.sync_data() {
+            self.sums.lock().unwrap().pending.extend(synced);
+            return Err(io(&self.data_path)(e));
+        }
         let (bytes, whole) = {
             let mut s = self.sums.lock().unwrap();
-            let pending = std::mem::take(&mut s.pending);
-            for (i, sum) in pending {
+            for (i, sum) in synced {
                 s.listed[i as usize] = sum;
             }
             let whole = s.listed.iter().all(|&x| x != 0);

@@ -265,3 +265,37 @@ fn a_data_file_of_the_wrong_size_is_not_trusted() {
     assert!((0..4).all(|i| !e.has(i)));
     assert_eq!(std::fs::metadata(&path).unwrap().len(), SIZE);
 }
+
+#[test]
+fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    let e = std::sync::Arc::new(e);
+    // Room for three full extents on disk.
+    let w = Writer::start(1 << 20, 3 * 4096).unwrap();
+    for i in 0..3 {
+        assert!(w.offer(&e, i, &extent_bytes(i, 4096)));
+    }
+    // The fourth (2 KiB) no longer fits the bound: not queued, counted.
+    assert!(!w.offer(&e, 3, &extent_bytes(3, 2048)));
+    w.flush();
+    let s = w.stats();
+    assert_eq!((s.written_extents, s.written_bytes), (3, 3 * 4096));
+    assert_eq!(
+        (s.over_bound_extents, s.dropped_extents, s.errors),
+        (1, 0, 0)
+    );
+    assert!((0..3).all(|i| e.has(i)) && !e.has(3));
+    drop(w);
+    // Published for good: a reopened entry lists them.
+    let (again, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(3));
+    let mut buf = vec![0u8; 4096];
+    assert!(again.read(2, &mut buf).unwrap());
+    assert_eq!(buf, extent_bytes(2, 4096));
+
+    // A queue smaller than one extent takes nothing, and says so.
+    let w = Writer::start(1000, 1 << 30).unwrap();
+    assert!(!w.offer(&e, 3, &extent_bytes(3, 2048)));
+    assert_eq!(w.stats().dropped_extents, 1);
+}
