@@ -10,20 +10,26 @@ import pytest
 
 from conftest import run
 from test_mount import Mount, exported  # noqa: F401 (fixture)
+from test_router import drop_page_cache
 
 GGUF = "model.gguf"
 
 
-def drop_page_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def same(a, b):
     return subprocess.run(["cmp", a, b]).returncode == 0
+
+
+def mount(cawsfs, archive, mp, tier, *args):
+    return Mount(cawsfs, archive, mp, "--cache-size", "64MiB", "--disk-cache", tier, *args)
+
+
+def fill(cawsfs, archive, mp, tier, ref):
+    """Mount, read `ref`'s file through the mount (checked), unmount: the tier holds it."""
+    m = mount(cawsfs, archive, mp, tier)
+    try:
+        assert same(m.mp / ref.name, ref)
+    finally:
+        m.close()  # umount returns after the daemon flushed the tier
 
 
 def entry_of(tier, size):
@@ -44,17 +50,17 @@ def tier(work, request):
 def test_restart_serves_from_the_tier_without_decoding(cawsfs, archives, work, exported, tier):  # noqa: F811
     path, _ = archives["default"]
     ref = exported / GGUF
-    m = Mount(cawsfs, path, work / "mnt-tier", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, path, work / "mnt-tier", tier)
     try:
         assert same(m.mp / GGUF, ref)
         st = m.stat()
         assert st["tier"]["hit_bytes"] == 0 and st["archive"]["bytes_decoded"] > 0, st["tier"]
     finally:
-        m.close()  # umount returns after the daemon flushed the tier
+        m.close()
     data = entry_of(tier, ref.stat().st_size)
     assert data.read_bytes() == ref.read_bytes()
 
-    m = Mount(cawsfs, path, work / "mnt-tier", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, path, work / "mnt-tier", tier)
     try:
         st = m.stat()
         assert st["tier"]["whole_files"] >= 1, st["tier"]
@@ -74,11 +80,7 @@ def test_restart_serves_from_the_tier_without_decoding(cawsfs, archives, work, e
 def test_a_flipped_byte_in_the_tier_is_never_served(cawsfs, archives, work, exported, tier):  # noqa: F811
     path, _ = archives["default"]
     ref = exported / GGUF
-    m = Mount(cawsfs, path, work / "mnt-flip", "--cache-size", "64MiB", "--disk-cache", tier)
-    try:
-        assert same(m.mp / GGUF, ref)
-    finally:
-        m.close()
+    fill(cawsfs, path, work / "mnt-flip", tier, ref)
     data = entry_of(tier, ref.stat().st_size)
     at = 37 << 20
     with open(data, "r+b") as f:
@@ -86,7 +88,7 @@ def test_a_flipped_byte_in_the_tier_is_never_served(cawsfs, archives, work, expo
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x20]))
-    m = Mount(cawsfs, path, work / "mnt-flip", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, path, work / "mnt-flip", tier)
     try:
         drop_page_cache(m.mp / GGUF)
         assert same(m.mp / GGUF, ref)
@@ -105,14 +107,10 @@ def test_a_flipped_byte_in_the_tier_is_never_served(cawsfs, archives, work, expo
 def test_a_damaged_index_is_dropped_and_rebuilt(cawsfs, archives, work, exported, tier):  # noqa: F811
     path, _ = archives["default"]
     ref = exported / GGUF
-    m = Mount(cawsfs, path, work / "mnt-idx", "--cache-size", "64MiB", "--disk-cache", tier)
-    try:
-        assert same(m.mp / GGUF, ref)
-    finally:
-        m.close()
+    fill(cawsfs, path, work / "mnt-idx", tier, ref)
     idx = entry_of(tier, ref.stat().st_size).with_suffix(".idx")
     idx.write_bytes(idx.read_bytes()[:100])  # truncated
-    m = Mount(cawsfs, path, work / "mnt-idx", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, path, work / "mnt-idx", tier)
     try:
         assert m.stat()["tier"]["present_bytes"] == 0
         log = open(m.socket.replace(".sock", ".log")).read()
@@ -126,8 +124,7 @@ def test_a_damaged_index_is_dropped_and_rebuilt(cawsfs, archives, work, exported
 def test_the_size_bound_holds(cawsfs, archives, work, exported, tier):  # noqa: F811
     path, _ = archives["default"]
     bound = 40 << 20
-    m = Mount(cawsfs, path, work / "mnt-bound", "--cache-size", "64MiB",
-              "--disk-cache", tier, "--disk-cache-size", "40MiB")
+    m = mount(cawsfs, path, work / "mnt-bound", tier, "--disk-cache-size", "40MiB")
     try:
         for f in (GGUF, "model.safetensors"):
             assert same(m.mp / f, exported / f)
@@ -144,20 +141,16 @@ def test_another_archive_at_the_same_path_does_not_meet_the_old_entries(
     path, _ = archives["default"]
     moved = work / "tier-moved.cawsf"
     shutil.copy(path, moved)
-    m = Mount(cawsfs, moved, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
-    try:
-        assert same(m.mp / GGUF, exported / GGUF)
-    finally:
-        m.close()
+    fill(cawsfs, moved, work / "mnt-moved", tier, exported / GGUF)
     # The same archive under another path shares the entries (identity, not path).
-    m = Mount(cawsfs, path, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, path, work / "mnt-moved", tier)
     try:
         assert m.stat()["tier"]["whole_files"] >= 1
     finally:
         m.close()
     # Another archive at the moved path: no entry of the old one is used.
     shutil.copy(archives["exact"][0], moved)
-    m = Mount(cawsfs, moved, work / "mnt-moved", "--cache-size", "64MiB", "--disk-cache", tier)
+    m = mount(cawsfs, moved, work / "mnt-moved", tier)
     try:
         st = m.stat()["tier"]
         assert st["present_bytes"] == 0 and st["whole_files"] == 0, st
