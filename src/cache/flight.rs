@@ -3,7 +3,7 @@
 //! again. Separate from the LRU because this is the only code that runs loaders, and
 //! the only place where panics and errors from them are contained.
 
-use super::lru::Entry;
+use super::lru::{Entry, State};
 use super::stats::{add, bump};
 use super::sync::{AtomicBool, AtomicU64, Condvar, Mutex};
 use super::{io_err, lock, ChunkKey, LoadFn, Outcome, Shared};
@@ -110,6 +110,7 @@ impl Drop for FlightGuard<'_> {
             st.inflight.remove(&self.key);
             st.working -= self.work;
             drop(st);
+            self.shared.room_cv.notify_all();
             bump(&self.shared.counters.load_errors);
             self.flight.publish(Err(io_err(
                 std::io::ErrorKind::Other,
@@ -123,6 +124,15 @@ impl Drop for FlightGuard<'_> {
 }
 
 impl Shared {
+    /// A demand read that waited for room stops waiting: prefetches held back for it
+    /// may go (they wait on the same condition variable).
+    fn leave_room_queue(&self, st: &mut State, was_waiting: bool) {
+        if was_waiting {
+            st.room_waiters -= 1;
+            self.room_cv.notify_all();
+        }
+    }
+
     /// Produce chunk `key` (`len` bytes) into a fresh allocation.
     fn run_loader(&self, key: ChunkKey, len: u64, load: &LoadFn<'_>) -> FlightResult {
         let len_usize = usize::try_from(len).map_err(|_| {
@@ -169,17 +179,45 @@ impl Shared {
         let work = len.saturating_mul(self.cfg.load_work_factor);
         let flight = {
             let mut st = lock(&self.state);
-            if let Some(found) = st.lookup(&key, demand) {
-                return Ok(found);
-            }
-            if let Some(f) = st.inflight.get(&key) {
-                if demand {
-                    f.demand_joined.store(true, Relaxed);
+            let mut waited = false;
+            loop {
+                if let Some(found) = st.lookup(&key, demand) {
+                    self.leave_room_queue(&mut st, waited && demand);
+                    return Ok(found);
                 }
-                let f = f.clone();
-                drop(st);
-                let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
-                return f.wait().map(|d| (d, Outcome::Coalesced));
+                if let Some(f) = st.inflight.get(&key) {
+                    if demand {
+                        f.demand_joined.store(true, Relaxed);
+                    }
+                    let f = f.clone();
+                    self.leave_room_queue(&mut st, waited && demand);
+                    drop(st);
+                    let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
+                    return f.wait().map(|d| (d, Outcome::Coalesced));
+                }
+                // Admission: a load starts only when its working memory fits beside
+                // the pins, charges and loads already running; otherwise it waits for
+                // one of them to finish. One load always runs, so this never waits for
+                // ever, and a prefetch also yields to demand loads waiting for room.
+                let fits = st.working == 0
+                    || st
+                        .reserved()
+                        .saturating_add(st.working)
+                        .saturating_add(work)
+                        <= self.cfg.budget_bytes;
+                if fits && (demand || st.room_waiters == 0) {
+                    self.leave_room_queue(&mut st, waited && demand);
+                    break;
+                }
+                if !waited {
+                    waited = true;
+                    st.room_waiters += u64::from(demand);
+                    bump(&self.counters.room_waits);
+                }
+                st = self
+                    .room_cv
+                    .wait(st)
+                    .unwrap_or_else(PoisonError::into_inner);
             }
             let f = Arc::new(Flight {
                 slot: Mutex::new(None),
@@ -223,6 +261,7 @@ impl Shared {
                 Err(_) => bump(&self.counters.load_errors),
             }
         }
+        self.room_cv.notify_all();
         let shared_result = match &result {
             Ok(d) => Ok(d.clone()),
             Err(e) => Err(clone_read_error(e)),

@@ -36,6 +36,8 @@ pub(super) struct State {
     /// Bytes the loads in flight count against the budget (each its chunk's length
     /// times `CacheConfig::load_work_factor`).
     pub(super) working: u64,
+    /// Demand loads waiting for room for their working memory (prefetches wait behind them).
+    pub(super) room_waiters: u64,
     /// Bytes held outside the cache on its budget's account ([`ChunkCache::charge`]).
     pub(super) charged: u64,
 }
@@ -52,6 +54,7 @@ impl State {
             pinned_resident: 0,
             inflight: HashMap::new(),
             working: 0,
+            room_waiters: 0,
             charged: 0,
         }
     }
@@ -126,7 +129,7 @@ impl State {
     }
 
     /// Bytes no unpinned chunk may use: pins' and charges'.
-    fn reserved(&self) -> u64 {
+    pub(super) fn reserved(&self) -> u64 {
         self.pinned_reserved.saturating_add(self.charged)
     }
 

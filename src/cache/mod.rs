@@ -26,10 +26,12 @@
 //!   [`ENTRY_OVERHEAD_BYTES`] per chunk, 0.06% at 256 KiB chunks. A load in flight
 //!   counts against the budget too, as its chunk's length times
 //!   [`CacheConfig::load_work_factor`] (the chunk plus the loader's working memory):
-//!   resident chunks are evicted to make room for it when it starts, however many
-//!   loads run at once. Outside the budget: chunks still referenced by readers
-//!   copying out of them after eviction, and loads in flight beyond what pins leave
-//!   room for.
+//!   resident chunks are evicted to make room for it when it starts. A load whose
+//!   working memory does not fit beside the pins, charges and the loads already
+//!   running waits until one of them ends (`room_waits`; prefetches also wait behind
+//!   such demand loads); one load always runs. Outside the budget: chunks still
+//!   referenced by readers copying out of them after eviction, and a lone load larger
+//!   than what pins and charges leave.
 //! - **Single-flight** (`flight.rs`). A miss registers a flight for its key and loads
 //!   *without* the global lock; concurrent misses on the same key wait on the flight's
 //!   condvar and get the same `Arc` (or a copy of the same error). Errors are never
@@ -213,6 +215,8 @@ struct Shared {
     queue: Mutex<Queue>,
     queue_cv: Condvar,
     idle_cv: Condvar,
+    /// Signalled when a load ends (its working memory is free) or a room waiter leaves.
+    room_cv: Condvar,
     shutdown: AtomicBool,
 }
 
@@ -292,6 +296,7 @@ impl ChunkCache {
                 queue: Mutex::new(Queue::default()),
                 queue_cv: Condvar::new(),
                 idle_cv: Condvar::new(),
+                room_cv: Condvar::new(),
                 shutdown: AtomicBool::new(false),
             }),
             workers: Mutex::new(Vec::new()),
@@ -562,6 +567,7 @@ impl ChunkCache {
             load_errors: c.load_errors.load(Relaxed),
             evictions: c.evictions.load(Relaxed),
             not_retained: c.not_retained.load(Relaxed),
+            room_waits: c.room_waits.load(Relaxed),
             archive_bytes_decoded: decoded,
             decoded_per_served: if bytes_served == 0 {
                 0.0

@@ -342,9 +342,11 @@ fn dropping_the_cache_stops_busy_prefetchers() {
 fn random_operations_keep_the_bytes_pins_and_budget() {
     use shuttle::rand::{thread_rng, Rng};
     explore(|| {
-        // Two and a half chunks: pins can be refused, and every miss evicts.
+        // Two and a half chunks: pins can be refused, and every miss evicts. A load's
+        // work is two chunks, so loads (demand and prefetch) also wait for room.
         let mut cfg = CacheConfig::new(2 * CS + CS / 2, CS);
         cfg.readahead_chunks = 1;
+        cfg.load_work_factor = 2;
         let c = Arc::new(ChunkCache::with_config(cfg).unwrap());
         let src = Source::new(Faults::Sometimes);
         c.register_file(FILE, src.loader());

@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub load_errors: AtomicU64,
     pub evictions: AtomicU64,
     pub not_retained: AtomicU64,
+    pub room_waits: AtomicU64,
     pub archive_bytes_decoded: AtomicU64,
     pub readahead_triggers: AtomicU64,
     pub prefetch_queued: AtomicU64,
@@ -192,6 +193,10 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Chunks loaded but not kept because they alone exceed the unpinned budget.
     pub not_retained: u64,
+    /// Loads that waited for room for their working memory before starting
+    /// (pins, charges and the loads already running left too little of the budget).
+    #[serde(default)]
+    pub room_waits: u64,
     /// Archive (compressed) bytes decoded, reported by the mount via `record_decoded`.
     pub archive_bytes_decoded: u64,
     /// archive_bytes_decoded / bytes_served (invariant 2's measure), 0 when nothing served.

@@ -749,3 +749,63 @@ fn charges_take_room_from_chunks_and_pins() {
     );
     lock(&c.shared.state).assert_consistent(8 * cs);
 }
+
+#[test]
+fn loads_wait_for_room_for_their_work() {
+    // Budget of 8 chunks, 3 charged: room for one load's work (3 chunks) beside the
+    // charge, not two. Eight readers of different chunks at once: never more than one
+    // load runs, and every reader still gets its bytes.
+    let cs = 64u64;
+    let size = 64 * cs;
+    let mut cfg = CacheConfig::new(8 * cs, cs);
+    cfg.readahead_chunks = 0;
+    cfg.load_work_factor = 3;
+    let c = ChunkCache::with_config(cfg).unwrap();
+    c.charge("a tokenizer", 3 * cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let plain = loader(0, size, cs, &calls);
+    let (running, most) = (AtomicU64::new(0), AtomicU64::new(0));
+    let slow = |index: u64, buf: &mut [u8]| {
+        let now = running.fetch_add(1, Relaxed) + 1;
+        most.fetch_max(now, Relaxed);
+        std::thread::sleep(Duration::from_millis(20));
+        running.fetch_sub(1, Relaxed);
+        plain(index, buf)
+    };
+    let start = Barrier::new(8);
+    std::thread::scope(|s| {
+        for i in 0..8u64 {
+            let (c, slow, start) = (&c, &slow, &start);
+            s.spawn(move || {
+                start.wait();
+                read_vec(c, 0, size, i * cs, cs as usize, slow);
+            });
+        }
+    });
+    assert_eq!(most.load(Relaxed), 1, "loads ran at once beyond the budget");
+    assert_eq!(calls.load(Relaxed), 8);
+    let st = c.stats();
+    assert!(st.room_waits >= 1, "{st:?}");
+    assert_eq!(lock(&c.shared.state).room_waiters, 0);
+    lock(&c.shared.state).assert_consistent(8 * cs);
+    // With room for two loads' work (no charge, budget 8 > 2 x 3), two run at once.
+    let c = ChunkCache::with_config({
+        let mut cfg = CacheConfig::new(8 * cs, cs);
+        cfg.readahead_chunks = 0;
+        cfg.load_work_factor = 3;
+        cfg
+    })
+    .unwrap();
+    most.store(0, Relaxed);
+    let start = Barrier::new(8);
+    std::thread::scope(|s| {
+        for i in 0..8u64 {
+            let (c, slow, start) = (&c, &slow, &start);
+            s.spawn(move || {
+                start.wait();
+                read_vec(c, 0, size, i * cs, cs as usize, slow);
+            });
+        }
+    });
+    assert_eq!(most.load(Relaxed), 2);
+}

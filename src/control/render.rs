@@ -277,7 +277,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
-    let simple: [(&str, &str, &str, Option<u64>); 18] = [
+    let simple: [(&str, &str, &str, Option<u64>); 19] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -313,6 +313,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Chunks evicted from the cache.",
             c.evictions,
+        ),
+        (
+            "cawsfs_cache_room_waits_total",
+            "counter",
+            "Loads that waited for room in the cache budget before starting.",
+            c.room_waits,
         ),
         (
             "cawsfs_cache_used_bytes",

@@ -106,6 +106,9 @@ pub struct CacheStat {
     pub charged_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working_bytes: Option<u64>,
+    /// Loads that waited for room in the budget before starting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub room_waits: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -41,7 +41,7 @@ pub struct MountOptions {
 }
 
 /// How often the daemon returns freed heap pages to the system.
-const TRIM_EVERY: Duration = Duration::from_secs(2);
+const TRIM_EVERY: Duration = Duration::from_millis(200);
 
 /// Return the allocator's free pages to the system (glibc keeps them otherwise).
 fn trim_heap() {
@@ -89,11 +89,14 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // glibc's adaptive mmap threshold would move them into arenas that keep the memory
     // after free, and the daemon's resident size would drift far above its budget.
     // A fixed threshold keeps them mmap-backed, returned to the system on free.
+    // Each arena keeps its own freed pages between trims: with 4 arenas a 16 MiB
+    // mount peaked 4-6 MiB higher than with 2, and reading cold was no faster
+    // (allocations are per block, not per byte, so the lock is not contended).
     // libc: mallopt is glibc-only and nix does not wrap it.
     // SAFETY: mallopt only changes allocator tuning parameters.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-        libc::mallopt(libc::M_ARENA_MAX, 4);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
     }
     // Block the signals before any thread starts so every thread inherits the mask
     // and only the wait below receives them.

@@ -50,6 +50,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
             pinned_resident_bytes: Some(c.pinned_resident_bytes),
             charged_bytes: Some(c.charged_bytes),
             working_bytes: Some(c.working_bytes),
+            room_waits: Some(c.room_waits),
             budget: Some(c.budget_bytes),
             chunk_size: Some(c.chunk_size),
             entries: Some(c.entries),
