@@ -453,7 +453,10 @@ fn open_tier(
         );
     }
     // New extents fill what the bound leaves (other mounts' later writes are not seen).
-    let used: u64 = tier::list(&t.dir)?.iter().map(|e| e.disk_bytes).sum();
+    let used: u64 = tier::list(&t.dir)?
+        .iter()
+        .map(|e| e.disk_bytes + tier::ENTRY_OVERHEAD)
+        .sum();
     let room = t.max_bytes.saturating_sub(used);
     // Copies wait here, outside the cache budget: a quarter of it, at most 16 MiB.
     let queue = (opts.cache_bytes / 4).clamp(opts.chunk_size, 16 << 20);

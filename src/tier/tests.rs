@@ -271,8 +271,8 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
     let dir = tempfile::tempdir().unwrap();
     let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
     let e = std::sync::Arc::new(e);
-    // Room for three full extents on disk.
-    let w = Writer::start(1 << 20, 3 * 4096).unwrap();
+    // Room for three full extents on disk, with what the bound charges for their map.
+    let w = Writer::start(1 << 20, 3 * crate::tier::disk_charge(4096)).unwrap();
     for i in 0..3 {
         assert!(w.offer(&e, i, &extent_bytes(i, 4096)));
     }

@@ -89,10 +89,13 @@ impl Writer {
     /// Queue a copy of extent `extent`'s bytes for `entry`; false when there is no room.
     pub fn offer(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
         let len = bytes.len() as u64;
+        let charge = super::disk_charge(len);
         let reserved = self
             .shared
             .room
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(len));
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+                r.checked_sub(charge)
+            });
         if reserved.is_err() {
             self.shared
                 .counters
@@ -102,7 +105,7 @@ impl Writer {
         }
         let mut q = self.shared.queue.lock().unwrap();
         if q.closed || q.bytes + len > self.shared.max_bytes {
-            self.shared.room.fetch_add(len, Ordering::Relaxed);
+            self.shared.room.fetch_add(charge, Ordering::Relaxed);
             self.shared
                 .counters
                 .dropped_extents

@@ -53,9 +53,25 @@ def llama_bin():
     return Path(run([ROOT / "scripts" / "build-llama-cpp.sh"]).stdout.strip())
 
 
+# Disk is scarce on CI machines and one run writes ~17 GB in all, so what is written
+# lives only as long as what needs it: a test's own files in `work` (removed when it
+# passes, pytest.ini), a module's fixtures in `shelf` (removed after the module), and
+# only the session's archives in `store`.
 @pytest.fixture(scope="session")
-def work(tmp_path_factory):
+def store(tmp_path_factory):
     return tmp_path_factory.mktemp("cawsfs-e2e")
+
+
+@pytest.fixture(scope="module")
+def shelf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("module")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture()
+def work(tmp_path):
+    return tmp_path
 
 
 def convert(cawsfs, src, out, *args):
@@ -87,8 +103,8 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="session")
-def archives(cawsfs, model_gguf, work):
-    made = convert_each(cawsfs, model_gguf, SETTINGS, lambda n: work / f"smol-{n}.cawsf")
+def archives(cawsfs, model_gguf, store):
+    made = convert_each(cawsfs, model_gguf, SETTINGS, lambda n: store / f"smol-{n}.cawsf")
     return {name: (path, report) for name, (path, report, _) in made.items()}
 
 

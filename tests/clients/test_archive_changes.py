@@ -14,9 +14,9 @@ CHANGED = "changed since it was opened"
 
 
 @pytest.fixture(scope="module")
-def reference(cawsfs, archives, work):
+def reference(cawsfs, archives, shelf):
     path, _ = archives["default"]
-    d = work / "ref-changes"
+    d = shelf / "ref-changes"
     run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
     return (d / "model.safetensors").read_bytes()
 

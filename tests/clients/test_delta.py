@@ -31,17 +31,17 @@ R64_PPL_MIN_RATIO = 20.0
 
 
 @pytest.fixture(scope="module")
-def deltas(cawsfs, model_gguf, work):
-    path_of = lambda n: work / f"smol-{n}.cawsd"  # noqa: E731
+def deltas(cawsfs, model_gguf, shelf):
+    path_of = lambda n: shelf / f"smol-{n}.cawsd"  # noqa: E731
     return convert_each(cawsfs, model_gguf, DELTA_SETTINGS, path_of, "--to", "delta")
 
 
 @pytest.fixture(scope="module")
-def delta_exports(cawsfs, deltas, work):
+def delta_exports(cawsfs, deltas, shelf):
     """`cawsfs export` of every layout of each delta archive: the reference bytes."""
     out = {}
     for name, (path, _, _) in deltas.items():
-        d = work / f"delta-ref-{name}"
+        d = shelf / f"delta-ref-{name}"
         run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
         run([cawsfs, "export", path, "--format", "gguf", "-o", d / "model.gguf"])
         out[name] = d

@@ -18,9 +18,9 @@ from test_mount import Mount
 
 
 @pytest.fixture(scope="module")
-def exact(cawsfs, model_gguf, work):
+def exact(cawsfs, model_gguf, shelf):
     """The test model, bit-exact (fast to convert)."""
-    path = work / "life-exact.cawsf"
+    path = shelf / "life-exact.cawsf"
     run([cawsfs, "convert", model_gguf, "-o", path, "--passthrough", "*"])
     return path
 

@@ -49,18 +49,18 @@ class Mount:
 
 
 @pytest.fixture(scope="module")
-def exported(cawsfs, archives, work):
+def exported(cawsfs, archives, shelf):
     """The reference bytes: `cawsfs export` of each layout of the default archive."""
     path, _ = archives["default"]
-    d = work / "ref-hf"
+    d = shelf / "ref-hf"
     run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
     run([cawsfs, "export", path, "--format", "gguf", "-o", d / "model.gguf"])
     return d
 
 
 @pytest.fixture(scope="module")
-def mounted(cawsfs, archives, work):
-    m = Mount(cawsfs, archives["default"][0], work / "mnt", "--cache-size", "1GiB")
+def mounted(cawsfs, archives, shelf):
+    m = Mount(cawsfs, archives["default"][0], shelf / "mnt", "--cache-size", "1GiB")
     yield m
     m.close()
 

@@ -29,20 +29,20 @@ Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def npy_dirs(cawsfs, model_gguf, work):
-    path_of = lambda n: work / f"smol-{n}.npydir"  # noqa: E731
+def npy_dirs(cawsfs, model_gguf, shelf):
+    path_of = lambda n: shelf / f"smol-{n}.npydir"  # noqa: E731
     made = convert_each(cawsfs, model_gguf, NPY_SETTINGS, path_of, "--to", "npy-dir")
     return {name: (path, report) for name, (path, report, _) in made.items()}
 
 
 @pytest.fixture(scope="module")
-def foreign(cawsfs, model_gguf, work):
+def foreign(cawsfs, model_gguf, shelf):
     """A Squish npy-dir written by numpy alone from an HF export of an exact archive."""
-    exact = work / "npy-exact.cawsf"
+    exact = shelf / "npy-exact.cawsf"
     run([cawsfs, "convert", model_gguf, "-o", exact, "--passthrough", "*"])
-    hf = work / "npy-exact-hf"
+    hf = shelf / "npy-exact-hf"
     run([cawsfs, "export", exact, "--format", "hf-dir", "-o", hf])
-    d = work / "squish-foreign"
+    d = shelf / "squish-foreign"
     run([sys.executable, Path(__file__).parent / "make_npydir.py", hf, d])
     return d
 

@@ -54,11 +54,11 @@ def f32_gguf(cawsfs, src, work, name):
 
 
 @pytest.fixture(scope="module")
-def models(cawsfs, model_gguf, work):
+def models(cawsfs, model_gguf, shelf):
     hf = run([ROOT / "scripts" / "make-kquant-model.sh"], env={**os.environ, "CAWSFS_BIN": str(cawsfs)})
     return {
-        "smol": f32_gguf(cawsfs, model_gguf, work, "smol"),
-        "k256": f32_gguf(cawsfs, hf.stdout.strip().splitlines()[-1], work, "k256"),
+        "smol": f32_gguf(cawsfs, model_gguf, shelf, "smol"),
+        "k256": f32_gguf(cawsfs, hf.stdout.strip().splitlines()[-1], shelf, "k256"),
     }
 
 

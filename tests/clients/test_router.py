@@ -23,16 +23,16 @@ CS = 256 * 1024  # the mount's default chunk size
 
 
 @pytest.fixture(scope="module")
-def exact(cawsfs, model_gguf, work):
+def exact(cawsfs, model_gguf, shelf):
     """The test model, bit-exact (fast to convert); routes come with every archive."""
-    path = work / "router-exact.cawsf"
+    path = shelf / "router-exact.cawsf"
     run([cawsfs, "convert", model_gguf, "-o", path, "--passthrough", "*"])
     return path
 
 
 @pytest.fixture(scope="module")
-def routed(cawsfs, exact, work):
-    m = Mount(cawsfs, exact, work / "mnt-router", "--cache-size", "64MiB")
+def routed(cawsfs, exact, shelf):
+    m = Mount(cawsfs, exact, shelf / "mnt-router", "--cache-size", "64MiB")
     yield m
     m.close()
 

@@ -109,18 +109,18 @@ MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
 
 
 @pytest.fixture(scope="module")
-def lossy(cawsfs, archives, work):
+def lossy(cawsfs, archives, shelf):
     """Default (NDSQ) archives of the test model and of the 256-multiple random model
     (scripts/make-kquant-model.sh, where K types do not fall back), with their F32 views:
     the input llama-quantize is given."""
     hf = run([Path(__file__).resolve().parents[2] / "scripts" / "make-kquant-model.sh"],
              env={**os.environ, "CAWSFS_BIN": str(cawsfs)}).stdout.strip().splitlines()[-1]
-    k256 = work / "views-k256.cawsf"
+    k256 = shelf / "views-k256.cawsf"
     if not k256.exists():
         run([cawsfs, "convert", hf, "-o", k256])
     out = {}
     for name, path in (("smol", archives["default"][0]), ("k256", k256)):
-        f32 = work / f"views-{name}-f32.gguf"
+        f32 = shelf / f"views-{name}-f32.gguf"
         if not f32.exists():
             run([cawsfs, "export", path, "--format", "gguf", "--gguf-type", "f32", "-o", f32])
         out[name] = (path, f32)
