@@ -103,6 +103,8 @@ pub struct Entry {
     pub cached: bool,
     /// This file's disk tier entry (cached files, when the tier is on).
     pub tier: Option<Arc<tier::Entry>>,
+    /// The tier entry was verified whole in this mount (before passthrough).
+    verified: std::sync::atomic::AtomicBool,
 }
 
 /// The disk tier as the filesystem uses it: entries are read before reconstructing,
@@ -173,6 +175,7 @@ impl MountFs {
                 cached: !file.tensor_ranges().is_empty(),
                 file,
                 tier: None,
+                verified: Default::default(),
             })
             .collect();
         let tier = match &opts.tier {
@@ -298,6 +301,34 @@ impl MountFs {
             return Err(FsError::ReadOnly);
         }
         Ok(())
+    }
+
+    /// The tier's data file of `ino` for a passthrough open: only when the entry is
+    /// whole and, once per mount, every extent matched its checksum (docs/TIER.md).
+    pub fn backing_file(&self, ino: u64) -> Option<std::fs::File> {
+        let e = self.entry(ino).ok()?;
+        let t = e.tier.as_ref()?;
+        if !t.is_whole() {
+            return None;
+        }
+        if !e.verified.load(Ordering::Acquire) {
+            match t.verify_all() {
+                Ok(bad) if bad.is_empty() => e.verified.store(true, Ordering::Release),
+                Ok(bad) => {
+                    tracing::warn!(
+                        "disk tier: {} has {} bad extents; served through the daemon",
+                        e.name,
+                        bad.len()
+                    );
+                    return None;
+                }
+                Err(err) => {
+                    tracing::warn!("{err}; {} served through the daemon", e.name);
+                    return None;
+                }
+            }
+        }
+        std::fs::File::open(t.data_path()).ok()
     }
 
     /// Up to `size` bytes at `offset` (short only at end of file).

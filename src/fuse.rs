@@ -49,13 +49,24 @@ pub struct FuseAdapter {
     fs: std::sync::Arc<MountFs>,
     uid: u32,
     gid: u32,
+    /// The kernel accepted FUSE passthrough and no backing open has failed.
+    passthrough: std::sync::atomic::AtomicBool,
+    /// One backing file per inode, kept for the mount's life (the kernel requires the
+    /// same one for every open of an inode).
+    backing: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<fuser::BackingId>>>,
 }
 
 impl FuseAdapter {
     pub fn new(fs: std::sync::Arc<MountFs>) -> FuseAdapter {
         let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
         let (uid, gid) = (uid.as_raw(), gid.as_raw());
-        FuseAdapter { fs, uid, gid }
+        FuseAdapter {
+            fs,
+            uid,
+            gid,
+            passthrough: Default::default(),
+            backing: Default::default(),
+        }
     }
 
     fn attr(&self, a: Attr) -> FileAttr {
@@ -88,6 +99,20 @@ impl Filesystem for FuseAdapter {
         // The kernel caps this at 128 KiB here; the daemon raises the bdi read-ahead
         // through sysfs after mounting (DESIGN.md, "FUSE facts").
         let _ = config.set_max_readahead(1 << 20);
+        // Whole files of the disk tier are handed to the kernel (docs/TIER.md).
+        if self.fs.tier().is_some()
+            && config
+                .add_capabilities(fuser::InitFlags::FUSE_PASSTHROUGH)
+                .is_ok()
+            && config.set_max_stack_depth(1).is_ok()
+        {
+            self.passthrough
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        } else if self.fs.tier().is_some() {
+            tracing::info!(
+                "FUSE passthrough is not available here: tier files are served through the daemon"
+            );
+        }
         Ok(())
     }
 
@@ -110,11 +135,36 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
-        match self.fs.open(ino.0, write) {
-            // Contents never change: keep the page cache across opens.
-            Ok(()) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
-            Err(e) => reply.error(errno(&e)),
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Err(e) = self.fs.open(ino.0, write) {
+            return reply.error(errno(&e));
         }
+        if self.passthrough.load(Relaxed) {
+            let mut map = self.backing.lock().unwrap();
+            let id = match map.get(&ino.0) {
+                Some(id) => Some(id.clone()),
+                None => match self.fs.backing_file(ino.0).map(|f| reply.open_backing(&f)) {
+                    Some(Ok(id)) => {
+                        let id = std::sync::Arc::new(id);
+                        map.insert(ino.0, id.clone());
+                        Some(id)
+                    }
+                    Some(Err(e)) => {
+                        tracing::info!("FUSE passthrough refused ({e}): tier files are served through the daemon");
+                        self.passthrough.store(false, Relaxed);
+                        None
+                    }
+                    None => None,
+                },
+            };
+            if let Some(id) = id {
+                // The kernel refuses KEEP_CACHE with passthrough (the page cache is the
+                // backing file's).
+                return reply.opened_passthrough(FileHandle(0), FopenFlags::empty(), &id);
+            }
+        }
+        // Contents never change: keep the page cache across opens.
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE)
     }
 
     fn read(
