@@ -51,9 +51,22 @@ pub struct FuseAdapter {
     gid: u32,
     /// The kernel accepted FUSE passthrough and no backing open has failed.
     passthrough: std::sync::atomic::AtomicBool,
-    /// One backing file per inode, kept for the mount's life (the kernel requires the
-    /// same one for every open of an inode).
-    backing: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<fuser::BackingId>>>,
+    opens: std::sync::Mutex<Opens>,
+}
+
+/// File handles: how an open was answered.
+const FH_DAEMON: FileHandle = FileHandle(1);
+const FH_PASSTHROUGH: FileHandle = FileHandle(2);
+
+/// Open files per inode. The kernel fails (EIO) a passthrough open of an inode that is
+/// open through the daemon, and a daemon open of one open for passthrough.
+#[derive(Default)]
+struct Opens {
+    /// One backing file per inode once used, kept for the mount's life (the kernel
+    /// requires the same one for every passthrough open of an inode).
+    backing: std::collections::HashMap<u64, std::sync::Arc<fuser::BackingId>>,
+    /// Opens served through the daemon and not yet released.
+    daemon: std::collections::HashMap<u64, u32>,
 }
 
 impl FuseAdapter {
@@ -65,7 +78,7 @@ impl FuseAdapter {
             uid,
             gid,
             passthrough: Default::default(),
-            backing: Default::default(),
+            opens: Default::default(),
         }
     }
 
@@ -139,14 +152,15 @@ impl Filesystem for FuseAdapter {
         if let Err(e) = self.fs.open(ino.0, write) {
             return reply.error(errno(&e));
         }
-        if self.passthrough.load(Relaxed) {
-            let mut map = self.backing.lock().unwrap();
-            let id = match map.get(&ino.0) {
+        let mut opens = self.opens.lock().unwrap();
+        let daemon_open = opens.daemon.get(&ino.0).is_some_and(|&n| n > 0);
+        if self.passthrough.load(Relaxed) && !daemon_open {
+            let id = match opens.backing.get(&ino.0) {
                 Some(id) => Some(id.clone()),
                 None => match self.fs.backing_file(ino.0).map(|f| reply.open_backing(&f)) {
                     Some(Ok(id)) => {
                         let id = std::sync::Arc::new(id);
-                        map.insert(ino.0, id.clone());
+                        opens.backing.insert(ino.0, id.clone());
                         Some(id)
                     }
                     Some(Err(e)) => {
@@ -160,11 +174,37 @@ impl Filesystem for FuseAdapter {
             if let Some(id) = id {
                 // The kernel refuses KEEP_CACHE with passthrough (the page cache is the
                 // backing file's).
-                return reply.opened_passthrough(FileHandle(0), FopenFlags::empty(), &id);
+                return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
             }
         }
+        if opens.backing.contains_key(&ino.0) && !daemon_open {
+            // Passthrough opens of this inode may still be alive: a daemon open now
+            // would fail in the kernel. Serve it the same way instead.
+            let id = opens.backing[&ino.0].clone();
+            return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
+        }
+        *opens.daemon.entry(ino.0).or_default() += 1;
         // Contents never change: keep the page cache across opens.
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE)
+        reply.opened(FH_DAEMON, FopenFlags::FOPEN_KEEP_CACHE)
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if fh == FH_DAEMON {
+            let mut opens = self.opens.lock().unwrap();
+            if let Some(n) = opens.daemon.get_mut(&ino.0) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        reply.ok();
     }
 
     fn read(
