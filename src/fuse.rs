@@ -70,14 +70,15 @@ struct Opens {
 }
 
 impl FuseAdapter {
-    pub fn new(fs: std::sync::Arc<MountFs>) -> FuseAdapter {
+    /// `passthrough`: offer whole disk tier files to the kernel as backing files.
+    pub fn new(fs: std::sync::Arc<MountFs>, passthrough: bool) -> FuseAdapter {
         let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
         let (uid, gid) = (uid.as_raw(), gid.as_raw());
         FuseAdapter {
             fs,
             uid,
             gid,
-            passthrough: Default::default(),
+            passthrough: std::sync::atomic::AtomicBool::new(passthrough),
             opens: Default::default(),
         }
     }
@@ -113,15 +114,15 @@ impl Filesystem for FuseAdapter {
         // through sysfs after mounting (DESIGN.md, "FUSE facts").
         let _ = config.set_max_readahead(1 << 20);
         // Whole files of the disk tier are handed to the kernel (docs/TIER.md).
-        if self.fs.tier().is_some()
+        use std::sync::atomic::Ordering::Relaxed;
+        let wanted = self.passthrough.load(Relaxed) && self.fs.tier().is_some();
+        let granted = wanted
             && config
                 .add_capabilities(fuser::InitFlags::FUSE_PASSTHROUGH)
                 .is_ok()
-            && config.set_max_stack_depth(1).is_ok()
-        {
-            self.passthrough
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        } else if self.fs.tier().is_some() {
+            && config.set_max_stack_depth(1).is_ok();
+        self.passthrough.store(granted, Relaxed);
+        if wanted && !granted {
             tracing::info!(
                 "FUSE passthrough is not available here: tier files are served through the daemon"
             );

@@ -157,3 +157,38 @@ def test_another_archive_at_the_same_path_does_not_meet_the_old_entries(
         assert st["present_bytes"] == 0 and st["whole_files"] == 0, st
     finally:
         m.close()
+
+
+def test_without_passthrough_the_daemon_serves_the_tier(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """The path where passthrough is unavailable (older kernel, not root), taken on
+    purpose: every byte through the daemon, from the tier, nothing decoded."""
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    fill(cawsfs, path, work / "mnt-nopt", tier, ref)
+    m = mount(cawsfs, path, work / "mnt-nopt", tier, "--no-passthrough")
+    try:
+        drop_page_cache(m.mp / GGUF)
+        assert same(m.mp / GGUF, ref)
+        st = m.stat()
+        assert st["archive"]["bytes_decoded"] == 0, st["archive"]
+        assert st["tier"]["hit_bytes"] == ref.stat().st_size, st["tier"]
+        assert st["cache"]["bytes_served"] >= ref.stat().st_size, st["cache"]
+    finally:
+        m.close()
+
+
+def test_llama_generates_from_a_passthrough_file(cawsfs, archives, work, exported, tier, llama_bin):  # noqa: F811
+    """llama.cpp maps the restarted mount's model.gguf (a passthrough backing file) and
+    generates the same greedy tokens as from the exported copy."""
+    from conftest import llama_generate
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    fill(cawsfs, path, work / "mnt-llama", tier, ref)
+    m = mount(cawsfs, path, work / "mnt-llama", tier)
+    try:
+        got, _ = llama_generate(llama_bin, m.mp / GGUF)
+        want, _ = llama_generate(llama_bin, ref)
+        assert got == want and len(got) > 20, (got, want)
+        assert m.stat()["cache"]["bytes_served"] == 0
+    finally:
+        m.close()
