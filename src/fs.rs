@@ -315,6 +315,10 @@ impl MountFs {
             match t.verify_all() {
                 Ok(bad) if bad.is_empty() => e.verified.store(true, Ordering::Release),
                 Ok(bad) => {
+                    if let Some(ft) = &self.tier {
+                        ft.bad_extents
+                            .fetch_add(bad.len() as u64, Ordering::Relaxed);
+                    }
                     tracing::warn!(
                         "disk tier: {} has {} bad extents; served through the daemon",
                         e.name,
