@@ -9,7 +9,7 @@
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
 use crate::archive::Store;
@@ -103,6 +103,10 @@ pub struct Entry {
     pub cached: bool,
     /// This file's disk tier entry (cached files, when the tier is on).
     pub tier: Option<Arc<tier::Entry>>,
+    /// The tier entry was verified whole in this mount (before passthrough).
+    verified: std::sync::atomic::AtomicBool,
+    /// Opened with FUSE passthrough at least once in this mount.
+    passthrough: std::sync::atomic::AtomicBool,
 }
 
 /// The disk tier as the filesystem uses it: entries are read before reconstructing,
@@ -115,6 +119,34 @@ pub struct FsTier {
     hit_bytes: AtomicU64,
     /// Extents that failed their check and were reconstructed.
     bad_extents: AtomicU64,
+    /// Opens answered with FUSE passthrough (the kernel reads the data file itself).
+    passthrough_opens: AtomicU64,
+    /// Whether whole files are handed to the kernel, or why not.
+    passthrough: Mutex<Passthrough>,
+}
+
+/// Whether a mount hands whole tier files to the kernel (FUSE passthrough).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Passthrough {
+    /// Not decided yet (before the kernel's FUSE init).
+    #[default]
+    Pending,
+    On,
+    /// Turned off by the user (`--no-passthrough`).
+    Off,
+    /// The kernel refused it; the reason, for `stat` and the log.
+    Unavailable(String),
+}
+
+impl std::fmt::Display for Passthrough {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Passthrough::Pending => write!(f, "pending"),
+            Passthrough::On => write!(f, "on"),
+            Passthrough::Off => write!(f, "off"),
+            Passthrough::Unavailable(why) => write!(f, "unavailable ({why})"),
+        }
+    }
 }
 
 impl FsTier {
@@ -126,6 +158,12 @@ impl FsTier {
     }
     pub fn bad_extents(&self) -> u64 {
         self.bad_extents.load(Ordering::Relaxed)
+    }
+    pub fn passthrough_opens(&self) -> u64 {
+        self.passthrough_opens.load(Ordering::Relaxed)
+    }
+    pub fn passthrough(&self) -> Passthrough {
+        self.passthrough.lock().unwrap().clone()
     }
 }
 
@@ -173,6 +211,8 @@ impl MountFs {
                 cached: !file.tensor_ranges().is_empty(),
                 file,
                 tier: None,
+                verified: Default::default(),
+                passthrough: Default::default(),
             })
             .collect();
         let tier = match &opts.tier {
@@ -298,6 +338,60 @@ impl MountFs {
             return Err(FsError::ReadOnly);
         }
         Ok(())
+    }
+
+    /// Record whether whole tier files go to the kernel (the FUSE adapter decides at
+    /// init, or when the kernel refuses a backing file).
+    pub fn set_passthrough(&self, state: Passthrough) {
+        if let Some(t) = &self.tier {
+            *t.passthrough.lock().unwrap() = state;
+        }
+    }
+
+    /// Count an open of `ino` answered with FUSE passthrough.
+    pub fn passthrough_opened(&self, ino: u64) {
+        if let (Ok(e), Some(t)) = (self.entry(ino), &self.tier) {
+            e.passthrough.store(true, Ordering::Relaxed);
+            t.passthrough_opens.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `ino` was opened with FUSE passthrough in this mount.
+    pub fn is_passthrough(&self, ino: u64) -> bool {
+        self.entry(ino)
+            .is_ok_and(|e| e.passthrough.load(Ordering::Relaxed))
+    }
+
+    /// The tier's data file of `ino` for a passthrough open: only when the entry is
+    /// whole and, once per mount, every extent matched its checksum (docs/TIER.md).
+    pub fn backing_file(&self, ino: u64) -> Option<std::fs::File> {
+        let e = self.entry(ino).ok()?;
+        let t = e.tier.as_ref()?;
+        if !t.is_whole() {
+            return None;
+        }
+        if !e.verified.load(Ordering::Acquire) {
+            match t.verify_all() {
+                Ok(bad) if bad.is_empty() => e.verified.store(true, Ordering::Release),
+                Ok(bad) => {
+                    if let Some(ft) = &self.tier {
+                        ft.bad_extents
+                            .fetch_add(bad.len() as u64, Ordering::Relaxed);
+                    }
+                    tracing::warn!(
+                        "disk tier: {} has {} bad extents; served through the daemon",
+                        e.name,
+                        bad.len()
+                    );
+                    return None;
+                }
+                Err(err) => {
+                    tracing::warn!("{err}; {} served through the daemon", e.name);
+                    return None;
+                }
+            }
+        }
+        std::fs::File::open(t.data_path()).ok()
     }
 
     /// Up to `size` bytes at `offset` (short only at end of file).
@@ -466,5 +560,7 @@ fn open_tier(
         writer: tier::Writer::start(queue, room).map_err(SetupError::TierWriter)?,
         hit_bytes: AtomicU64::new(0),
         bad_extents: AtomicU64::new(0),
+        passthrough_opens: AtomicU64::new(0),
+        passthrough: Mutex::new(Passthrough::Pending),
     }))
 }

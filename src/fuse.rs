@@ -10,7 +10,7 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
-use crate::fs::{Attr, FsError, MountFs};
+use crate::fs::{Attr, FsError, MountFs, Passthrough};
 use crate::model::ReadError;
 
 /// The files never change while mounted, so the kernel may cache names and attributes
@@ -49,13 +49,38 @@ pub struct FuseAdapter {
     fs: std::sync::Arc<MountFs>,
     uid: u32,
     gid: u32,
+    /// The kernel accepted FUSE passthrough and no backing open has failed.
+    passthrough: std::sync::atomic::AtomicBool,
+    opens: std::sync::Mutex<Opens>,
+}
+
+/// File handles: how an open was answered.
+const FH_DAEMON: FileHandle = FileHandle(1);
+const FH_PASSTHROUGH: FileHandle = FileHandle(2);
+
+/// Open files per inode. The kernel fails (EIO) a passthrough open of an inode that is
+/// open through the daemon, and a daemon open of one open for passthrough.
+#[derive(Default)]
+struct Opens {
+    /// One backing file per inode once used, kept for the mount's life (the kernel
+    /// requires the same one for every passthrough open of an inode).
+    backing: std::collections::HashMap<u64, std::sync::Arc<fuser::BackingId>>,
+    /// Opens served through the daemon and not yet released.
+    daemon: std::collections::HashMap<u64, u32>,
 }
 
 impl FuseAdapter {
-    pub fn new(fs: std::sync::Arc<MountFs>) -> FuseAdapter {
+    /// `passthrough`: offer whole disk tier files to the kernel as backing files.
+    pub fn new(fs: std::sync::Arc<MountFs>, passthrough: bool) -> FuseAdapter {
         let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
         let (uid, gid) = (uid.as_raw(), gid.as_raw());
-        FuseAdapter { fs, uid, gid }
+        FuseAdapter {
+            fs,
+            uid,
+            gid,
+            passthrough: std::sync::atomic::AtomicBool::new(passthrough),
+            opens: Default::default(),
+        }
     }
 
     fn attr(&self, a: Attr) -> FileAttr {
@@ -88,6 +113,25 @@ impl Filesystem for FuseAdapter {
         // The kernel caps this at 128 KiB here; the daemon raises the bdi read-ahead
         // through sysfs after mounting (DESIGN.md, "FUSE facts").
         let _ = config.set_max_readahead(1 << 20);
+        // Whole files of the disk tier are handed to the kernel (docs/TIER.md).
+        use std::sync::atomic::Ordering::Relaxed;
+        let wanted = self.passthrough.load(Relaxed) && self.fs.tier().is_some();
+        let granted = wanted
+            && config
+                .add_capabilities(fuser::InitFlags::FUSE_PASSTHROUGH)
+                .is_ok()
+            && config.set_max_stack_depth(1).is_ok();
+        self.passthrough.store(granted, Relaxed);
+        self.fs.set_passthrough(match (wanted, granted) {
+            (_, true) => Passthrough::On,
+            (false, _) => Passthrough::Off,
+            (true, false) => {
+                tracing::info!(
+                    "FUSE passthrough is not available here: tier files are served through the daemon"
+                );
+                Passthrough::Unavailable("the kernel does not offer it".into())
+            }
+        });
         Ok(())
     }
 
@@ -110,11 +154,67 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
-        match self.fs.open(ino.0, write) {
-            // Contents never change: keep the page cache across opens.
-            Ok(()) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
-            Err(e) => reply.error(errno(&e)),
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Err(e) = self.fs.open(ino.0, write) {
+            return reply.error(errno(&e));
         }
+        let mut opens = self.opens.lock().unwrap();
+        let daemon_open = opens.daemon.get(&ino.0).is_some_and(|&n| n > 0);
+        if self.passthrough.load(Relaxed) && !daemon_open {
+            let id = match opens.backing.get(&ino.0) {
+                Some(id) => Some(id.clone()),
+                None => match self.fs.backing_file(ino.0).map(|f| reply.open_backing(&f)) {
+                    Some(Ok(id)) => {
+                        let id = std::sync::Arc::new(id);
+                        opens.backing.insert(ino.0, id.clone());
+                        Some(id)
+                    }
+                    Some(Err(e)) => {
+                        tracing::info!("FUSE passthrough refused ({e}): tier files are served through the daemon");
+                        self.passthrough.store(false, Relaxed);
+                        self.fs
+                            .set_passthrough(Passthrough::Unavailable(e.to_string()));
+                        None
+                    }
+                    None => None,
+                },
+            };
+            if let Some(id) = id {
+                // The kernel refuses KEEP_CACHE with passthrough (the page cache is the
+                // backing file's).
+                self.fs.passthrough_opened(ino.0);
+                return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
+            }
+        }
+        if opens.backing.contains_key(&ino.0) && !daemon_open {
+            // Passthrough opens of this inode may still be alive: a daemon open now
+            // would fail in the kernel. Serve it the same way instead.
+            let id = opens.backing[&ino.0].clone();
+            self.fs.passthrough_opened(ino.0);
+            return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
+        }
+        *opens.daemon.entry(ino.0).or_default() += 1;
+        // Contents never change: keep the page cache across opens.
+        reply.opened(FH_DAEMON, FopenFlags::FOPEN_KEEP_CACHE)
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if fh == FH_DAEMON {
+            let mut opens = self.opens.lock().unwrap();
+            if let Some(n) = opens.daemon.get_mut(&ino.0) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        reply.ok();
     }
 
     fn read(

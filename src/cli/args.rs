@@ -228,6 +228,10 @@ pub struct MountArgs {
     /// filesystem's free space, at most 64GiB).
     #[arg(long, value_parser = cawsfs::mount::parse_size, requires = "disk_cache")]
     pub disk_cache_size: Option<u64>,
+    /// Serve whole disk tier files through the daemon rather than handing them to the
+    /// kernel (FUSE passthrough, kernel >= 6.9 and root).
+    #[arg(long)]
+    pub no_passthrough: bool,
     /// FUSE request threads.
     #[arg(long, default_value_t = 4)]
     pub threads: usize,

@@ -50,6 +50,7 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
         socket: a.socket.clone(),
         pin_infra_layers: a.pin_infra.then_some(a.pin_infra_layers),
         pin_prompt: a.pin_prompt.clone(),
+        passthrough: !a.no_passthrough,
     }
 }
 

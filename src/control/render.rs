@@ -133,13 +133,15 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
-            "tier     {} of {} present ({} whole)  served {}  written {}  bad {}",
+            "tier     {} of {} present ({} whole)  served {}  written {}  bad {}  passthrough {} ({} opens)",
             bytes(t.present_bytes),
             bytes(t.max_bytes),
             count(t.whole_files),
             bytes(t.hit_bytes),
             bytes(t.written_bytes),
             count(t.bad_extents),
+            t.passthrough.as_deref().unwrap_or("-"),
+            count(t.passthrough_opens),
         );
     }
     if let Some(r) = rates {
@@ -153,7 +155,7 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
 
 /// The per-file rows of the stat table, most served first, under a header.
 fn file_table(out: &mut String, files: &[FileStat]) {
-    let mut rows: Vec<(String, u64, [String; 5])> = files
+    let mut rows: Vec<(String, u64, [String; 6])> = files
         .iter()
         .map(|f| {
             let name = clip(f.name.as_deref().unwrap_or("?"), 48);
@@ -163,6 +165,12 @@ fn file_table(out: &mut String, files: &[FileStat]) {
                 count(f.misses),
                 ratio(f.hits, f.misses),
                 bytes(f.bytes_served),
+                // Who reads the file: the daemon, or the kernel from the tier file.
+                match f.passthrough {
+                    Some(true) => "kernel".into(),
+                    Some(false) => "daemon".into(),
+                    None => "-".into(),
+                },
             ];
             (name, f.bytes_served.unwrap_or(0), cells)
         })
@@ -177,14 +185,14 @@ fn file_table(out: &mut String, files: &[FileStat]) {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<w$}  {:>10}  {:>9}  {:>9}  {:>6}  {:>10}",
-        "FILE", "SIZE", "HITS", "MISSES", "RATIO", "SERVED"
+        "{:<w$}  {:>10}  {:>9}  {:>9}  {:>6}  {:>10}  {:>6}",
+        "FILE", "SIZE", "HITS", "MISSES", "RATIO", "SERVED", "VIA"
     );
-    for (name, _, [size, h, m, r, served]) in rows {
+    for (name, _, [size, h, m, r, served, via]) in rows {
         let pad = w - name.chars().count();
         let _ = writeln!(
             out,
-            "{name}{:pad$}  {size:>10}  {h:>9}  {m:>9}  {r:>6}  {served:>10}",
+            "{name}{:pad$}  {size:>10}  {h:>9}  {m:>9}  {r:>6}  {served:>10}  {via:>6}",
             ""
         );
     }
@@ -277,7 +285,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
-    let simple: [(&str, &str, &str, Option<u64>); 19] = [
+    let simple: [(&str, &str, &str, Option<u64>); 20] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -391,6 +399,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "gauge",
             "The disk tier's size bound.",
             t.max_bytes,
+        ),
+        (
+            "cawsfs_tier_passthrough_opens_total",
+            "counter",
+            "Opens answered with FUSE passthrough of a whole tier file.",
+            t.passthrough_opens,
         ),
     ];
     for (name, kind, help, value) in simple {
@@ -529,7 +543,7 @@ mod tests {
             "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
             "files": [
                 {"name": "config.json", "size": 700, "hits": 3, "misses": 1, "bytes_served": 2100},
-                {"name": "model.gguf", "size": 283115520u64, "hits": 1200, "misses": 50, "bytes_served": 1200000000u64}
+                {"name": "model.gguf", "size": 283115520u64, "hits": 1200, "misses": 50, "bytes_served": 1200000000u64, "passthrough": true}
             ]
         }))
     }
@@ -568,7 +582,7 @@ mod tests {
         let cfg = s.find("config.json").unwrap();
         assert!(gguf < cfg, "{s}");
         let row = s.lines().find(|l| l.starts_with("model.gguf")).unwrap();
-        for want in ["270.0 MiB", "1200", "50", "96.0%", "1.12 GiB"] {
+        for want in ["270.0 MiB", "1200", "50", "96.0%", "1.12 GiB", "kernel"] {
             assert!(row.contains(want), "{row}");
         }
         let header = s.lines().find(|l| l.starts_with("FILE")).unwrap();

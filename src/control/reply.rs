@@ -69,6 +69,14 @@ pub struct TierStat {
     /// This mount's files wholly present.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub whole_files: Option<u64>,
+    /// Whether whole files are handed to the kernel: `on`, `off`, `pending` or
+    /// `unavailable (why)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<String>,
+    /// Opens answered with FUSE passthrough: the kernel reads the tier file itself and
+    /// none of those reads reach the daemon.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passthrough_opens: Option<u64>,
 }
 
 /// `stat`'s `cache` section: counters since mount (chunk lookups, bytes) and gauges.
@@ -188,6 +196,10 @@ pub struct FileStat {
     pub misses: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes_served: Option<u64>,
+    /// Opened with FUSE passthrough in this mount (its reads then bypass the daemon,
+    /// so the counters above stop growing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<bool>,
 }
 
 /// `prefetch`: chunks queued for background loading.

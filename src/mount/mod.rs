@@ -38,6 +38,8 @@ pub struct MountOptions {
     pub pin_infra_layers: Option<u32>,
     /// With `pin_infra_layers`: also pin the embedding blocks holding this text's tokens.
     pub pin_prompt: Option<String>,
+    /// Hand whole disk tier files to the kernel (FUSE passthrough) where it can.
+    pub passthrough: bool,
 }
 
 /// How often the daemon returns freed heap pages to the system.

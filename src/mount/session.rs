@@ -38,7 +38,7 @@ pub(super) fn mount(
     };
     config.n_threads = Some(opts.threads.max(1));
     config.clone_fd = true;
-    let session = fuser::spawn_mount(FuseAdapter::new(fs), mountpoint, &config)?;
+    let session = fuser::spawn_mount(FuseAdapter::new(fs, opts.passthrough), mountpoint, &config)?;
     raise_readahead(mountpoint);
     Ok(session)
 }

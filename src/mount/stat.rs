@@ -25,6 +25,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 prefetch_hits: Some(f.map_or(0, |f| f.prefetch_hits)),
                 misses: Some(f.map_or(0, |f| f.misses)),
                 bytes_served: Some(f.map_or(0, |f| f.bytes_served)),
+                passthrough: Some(fs.is_passthrough(e.ino)),
             }
         })
         .collect();
@@ -97,6 +98,8 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 write_errors: Some(w.errors),
                 present_bytes: Some(tiered.clone().map(|e| e.present_bytes()).sum()),
                 whole_files: Some(tiered.filter(|e| e.is_whole()).count() as u64),
+                passthrough: Some(t.passthrough().to_string()),
+                passthrough_opens: Some(t.passthrough_opens()),
             }
         }),
     }

@@ -67,12 +67,16 @@ def test_restart_serves_from_the_tier_without_decoding(cawsfs, archives, work, e
         drop_page_cache(m.mp / GGUF)
         assert same(m.mp / GGUF, ref)
         st = m.stat()
-        # Every byte of model.gguf came from the tier: nothing was decoded.
+        # Every byte of model.gguf came from the tier: nothing was decoded, and the
+        # daemon served nothing (the kernel reads the tier file through passthrough).
         assert st["archive"]["bytes_decoded"] == 0, st["archive"]
-        assert st["tier"]["hit_bytes"] == ref.stat().st_size, st["tier"]
+        assert st["cache"]["bytes_served"] == 0, st["cache"]
         assert st["tier"]["bad_extents"] == 0
+        assert st["tier"]["passthrough"] == "on" and st["tier"]["passthrough_opens"] >= 1, st["tier"]
+        assert [f["passthrough"] for f in st["files"] if f["name"] == GGUF] == [True], st["files"]
         human = run([cawsfs, "stat", m.mp]).stdout
-        assert "tier " in human and "whole" in human, human
+        assert "tier " in human and "whole" in human and "passthrough on" in human, human
+        assert any(l.startswith(GGUF) and l.endswith("kernel") for l in human.splitlines()), human
     finally:
         m.close()
 
@@ -154,5 +158,41 @@ def test_another_archive_at_the_same_path_does_not_meet_the_old_entries(
     try:
         st = m.stat()["tier"]
         assert st["present_bytes"] == 0 and st["whole_files"] == 0, st
+    finally:
+        m.close()
+
+
+def test_without_passthrough_the_daemon_serves_the_tier(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """The path where passthrough is unavailable (older kernel, not root), taken on
+    purpose: every byte through the daemon, from the tier, nothing decoded."""
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    fill(cawsfs, path, work / "mnt-nopt", tier, ref)
+    m = mount(cawsfs, path, work / "mnt-nopt", tier, "--no-passthrough")
+    try:
+        drop_page_cache(m.mp / GGUF)
+        assert same(m.mp / GGUF, ref)
+        st = m.stat()
+        assert st["archive"]["bytes_decoded"] == 0, st["archive"]
+        assert st["tier"]["hit_bytes"] == ref.stat().st_size, st["tier"]
+        assert st["cache"]["bytes_served"] >= ref.stat().st_size, st["cache"]
+        assert st["tier"]["passthrough"] == "off" and st["tier"]["passthrough_opens"] == 0, st["tier"]
+    finally:
+        m.close()
+
+
+def test_llama_generates_from_a_passthrough_file(cawsfs, archives, work, exported, tier, llama_bin):  # noqa: F811
+    """llama.cpp maps the restarted mount's model.gguf (a passthrough backing file) and
+    generates the same greedy tokens as from the exported copy."""
+    from conftest import llama_generate
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    fill(cawsfs, path, work / "mnt-llama", tier, ref)
+    m = mount(cawsfs, path, work / "mnt-llama", tier)
+    try:
+        got, _ = llama_generate(llama_bin, m.mp / GGUF)
+        want, _ = llama_generate(llama_bin, ref)
+        assert got == want and len(got) > 20, (got, want)
+        assert m.stat()["cache"]["bytes_served"] == 0
     finally:
         m.close()
