@@ -40,6 +40,9 @@ pub struct TierOptions {
     pub dir: PathBuf,
     /// Bound on the tier directory's data, all mounts' entries together.
     pub max_bytes: u64,
+    /// Asked for by the user: a tier that cannot be opened fails the mount. The default
+    /// tier is only logged and left out.
+    pub required: bool,
 }
 
 impl Default for FsOptions {
@@ -216,7 +219,15 @@ impl MountFs {
             })
             .collect();
         let tier = match &opts.tier {
-            Some(t) => Some(open_tier(&*archive, &mut entries, t, opts)?),
+            Some(t) => match open_tier(&*archive, &mut entries, t, opts) {
+                Ok(tier) => Some(tier),
+                Err(e) if !t.required => {
+                    tracing::warn!("{e}; mounting without a disk tier");
+                    entries.iter_mut().for_each(|e| e.tier = None);
+                    None
+                }
+                Err(e) => return Err(e),
+            },
             None => None,
         };
         for e in entries.iter().filter(|e| e.cached) {
@@ -552,8 +563,9 @@ fn open_tier(
         .map(|e| e.disk_bytes + tier::ENTRY_OVERHEAD)
         .sum();
     let room = t.max_bytes.saturating_sub(used);
-    // Copies wait here, outside the cache budget: a quarter of it, at most 16 MiB.
-    let queue = (opts.cache_bytes / 4).clamp(opts.chunk_size, 16 << 20);
+    // Copies wait here, outside the cache budget: a sixteenth of it (one chunk at
+    // least, 16 MiB at most); the writer keeps up with reconstruction by far.
+    let queue = (opts.cache_bytes / 16).clamp(opts.chunk_size, 16 << 20);
     Ok(Arc::new(FsTier {
         dir: t.dir.clone(),
         max_bytes: t.max_bytes,

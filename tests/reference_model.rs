@@ -899,6 +899,7 @@ fn run_case(kind: Kind, setup: &Setup, ops: &[Op], tally: &Tally) -> Result<(), 
         tier: tier_dir.as_ref().map(|d| TierOptions {
             dir: d.path().to_path_buf(),
             max_bytes: 1 << 30,
+            required: true,
         }),
         ..opts
     };

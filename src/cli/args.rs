@@ -221,13 +221,17 @@ pub struct MountArgs {
     #[arg(long, value_parser = cawsfs::mount::parse_size)]
     pub cache_size: Option<u64>,
     /// Keep reconstructed bytes in this directory, checked, across mounts and restarts
-    /// (the disk tier, docs/TIER.md).
+    /// (the disk tier, docs/TIER.md; default: $CAWSFS_TIER_DIR, else tier/ under
+    /// $CAWSFS_CACHE, $XDG_CACHE_HOME/cawsfs or ~/.cache/cawsfs).
     #[arg(long, value_name = "DIR")]
     pub disk_cache: Option<PathBuf>,
     /// Bound on the disk tier directory, e.g. 20GiB (default: a fifth of its
     /// filesystem's free space, at most 64GiB).
-    #[arg(long, value_parser = cawsfs::mount::parse_size, requires = "disk_cache")]
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
     pub disk_cache_size: Option<u64>,
+    /// Keep no reconstructed bytes on disk: every mount reconstructs from the archive.
+    #[arg(long, conflicts_with_all = ["disk_cache", "disk_cache_size", "no_passthrough"])]
+    pub no_disk_cache: bool,
     /// Serve whole disk tier files through the daemon rather than handing them to the
     /// kernel (FUSE passthrough, kernel >= 6.9 and root).
     #[arg(long)]

@@ -37,12 +37,18 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
             prefetch_threads: a.prefetch_threads,
             readahead_chunks: a.readahead_chunks,
             router_eviction: a.eviction == Eviction::Router,
-            tier: a.disk_cache.as_ref().map(|dir| cawsfs::fs::TierOptions {
-                dir: dir.clone(),
-                max_bytes: a
-                    .disk_cache_size
-                    .unwrap_or_else(|| cawsfs::mount::default_tier_bytes(dir)),
-            }),
+            tier: a
+                .disk_cache
+                .clone()
+                .or_else(cawsfs::mount::default_tier_dir)
+                .filter(|_| !a.no_disk_cache)
+                .map(|dir| cawsfs::fs::TierOptions {
+                    max_bytes: a
+                        .disk_cache_size
+                        .unwrap_or_else(|| cawsfs::mount::default_tier_bytes(&dir)),
+                    required: a.disk_cache.is_some(),
+                    dir,
+                }),
             ..Default::default()
         },
         threads: a.threads,

@@ -172,6 +172,23 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     Ok(())
 }
 
+/// Where the disk tier lives unless `--disk-cache` says: `$CAWSFS_TIER_DIR`, else
+/// `tier/` under `$CAWSFS_CACHE`, `$XDG_CACHE_HOME/cawsfs` or `~/.cache/cawsfs` (the
+/// first that is set); None when none is.
+pub fn default_tier_dir() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("CAWSFS_TIER_DIR").or_else(|| {
+        var("CAWSFS_CACHE")
+            .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("cawsfs")))
+            .or_else(|| var("HOME").map(|d| d.join(".cache/cawsfs")))
+            .map(|d| d.join("tier"))
+    })
+}
+
 /// The disk tier's default bound: a fifth of the free space where `dir` is (or would
 /// be), at most 64 GiB; 1 GiB when that cannot be read.
 pub fn default_tier_bytes(dir: &Path) -> u64 {

@@ -74,6 +74,21 @@ def work(tmp_path):
     return tmp_path
 
 
+# Mounts keep a disk tier by default (docs/TIER.md). Each test's mounts get one of their
+# own, so what one test reconstructed never serves another; mounts made by module
+# fixtures, set up before any test's, share the session's.
+@pytest.fixture(scope="session", autouse=True)
+def session_tier(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tier")
+    os.environ["CAWSFS_TIER_DIR"] = str(d)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def own_tier(tmp_path, monkeypatch, session_tier):
+    monkeypatch.setenv("CAWSFS_TIER_DIR", str(tmp_path / "tier"))
+
+
 def convert(cawsfs, src, out, *args):
     report = Path(str(out) + ".report.json")
     p = run([cawsfs, "convert", src, "-o", out, "--report-json", report, *args])
