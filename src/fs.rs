@@ -548,13 +548,32 @@ fn open_tier(
             ),
             tier::Found::New => {}
         }
+        if !matches!(found, tier::Found::Existing(_)) {
+            tier::write_label(
+                &entry,
+                &tier::Label {
+                    file: e.name.clone(),
+                    view: view.clone(),
+                    archive: archive.path().display().to_string(),
+                },
+            );
+        }
         keys.push(entry.key());
         e.tier = Some(Arc::new(entry));
     }
-    for key in tier::gc(&t.dir, t.max_bytes, &keys)? {
+    let gc = tier::gc(&t.dir, t.max_bytes, &keys)?;
+    for e in &gc.removed {
         tracing::info!(
-            "disk tier: removed entry {key} to stay within {} bytes",
+            "disk tier: removed entry {} ({}) to stay within {} bytes",
+            e.key,
+            e.label.as_ref().map_or("?", |l| l.file.as_str()),
             t.max_bytes
+        );
+    }
+    if !gc.busy.is_empty() {
+        tracing::info!(
+            "disk tier: {} entries over the bound are open in other mounts; kept",
+            gc.busy.len()
         );
     }
     // New extents fill what the bound leaves (other mounts' later writes are not seen).

@@ -53,6 +53,12 @@ pub enum Cmd {
     Mount(MountArgs),
     /// Unmount a cawsfs mount and wait for its daemon to exit.
     Umount { mountpoint: PathBuf },
+    /// See and reclaim the disk tier: list its entries, trim it to a size, or empty it
+    /// (entries a mount has open are kept).
+    Tier {
+        #[command(subcommand)]
+        cmd: TierCmd,
+    },
     /// Show a mount's cache and read statistics.
     Stat {
         mountpoint: PathBuf,
@@ -103,6 +109,32 @@ pub enum Cmd {
         /// Write y as little-endian f32 here instead of printing it.
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TierCmd {
+    /// List the entries, least recently used first.
+    Ls {
+        /// The tier directory (default: the one mounts use by default).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove least recently used entries until the tier's data fits a size.
+    Gc {
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The size to fit, e.g. 10GiB (default: the bound a mount would use).
+        #[arg(long, value_parser = cawsfs::mount::parse_size)]
+        max_size: Option<u64>,
+    },
+    /// Remove every entry no mount has open.
+    Clear {
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
 }
 

@@ -7,6 +7,7 @@ mod args;
 mod control;
 mod convert;
 mod mount;
+mod tier;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -27,6 +28,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Cmd::Export(a) => archive::cmd_export(a),
         Cmd::Mount(a) => mount::cmd_mount(a),
         Cmd::Umount { mountpoint } => mount::cmd_umount(&mountpoint),
+        Cmd::Tier { cmd } => tier::cmd_tier(cmd),
         Cmd::Stat {
             mountpoint,
             socket,

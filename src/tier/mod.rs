@@ -8,6 +8,8 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 mod writer;
@@ -103,7 +105,8 @@ pub struct Entry {
     key: u128,
     data_path: PathBuf,
     idx_path: PathBuf,
-    data: File,
+    /// Locked shared for the entry's life: `gc` and `clear` in any process skip it.
+    data: Flock<File>,
     sums: Mutex<Sums>,
 }
 
@@ -126,6 +129,8 @@ impl Entry {
         let data_path = dir.join(format!("{key:032x}.data"));
         let idx_path = dir.join(format!("{key:032x}.idx"));
         let n = spec.n_extents();
+        // Locked before the index is read: a remover holds its lock while it unlinks.
+        let data = open_locked(&data_path)?;
         let mut found = Found::New;
         let mut listed = vec![0u64; n as usize];
         match std::fs::read(&idx_path) {
@@ -137,20 +142,14 @@ impl Entry {
                 }
                 Err(why) => {
                     let _ = std::fs::remove_file(&idx_path);
-                    let _ = std::fs::remove_file(&data_path);
+                    // Emptied in place (the file is ours, locked): nothing old is kept.
+                    data.set_len(0).map_err(io(&data_path))?;
                     found = Found::Dropped(why);
                 }
             },
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(io(&idx_path)(e)),
         }
-        let data = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&data_path)
-            .map_err(io(&data_path))?;
         let len = data.metadata().map_err(io(&data_path))?.len();
         if len != spec.size {
             if len > 0 && found != Found::New {
@@ -324,6 +323,48 @@ impl Entry {
     }
 }
 
+/// Open (creating) a data file and lock it shared, retrying when a remover unlinked
+/// it between our open and our lock (the name then points elsewhere, or nowhere).
+fn open_locked(path: &Path) -> Result<Flock<File>, TierError> {
+    for _ in 0..16 {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io(path))?;
+        let f = Flock::lock(f, FlockArg::LockShared)
+            .map_err(|(_, e)| io(path)(std::io::Error::from(e)))?;
+        let ours = f.metadata().map_err(io(path))?;
+        match std::fs::metadata(path) {
+            Ok(now) if now.ino() == ours.ino() && now.dev() == ours.dev() => return Ok(f),
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(io(path)(e)),
+        }
+    }
+    Err(io(path)(std::io::Error::other(
+        "removed again and again while being opened",
+    )))
+}
+
+/// Lock entry `key`'s data file exclusively if no mount has it open: `None` when one
+/// does (or the file is gone).
+fn lock_unused(dir: &Path, key: &str) -> Result<Option<Flock<File>>, TierError> {
+    let path = dir.join(format!("{key}.data"));
+    let f = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(&path)(e)),
+    };
+    match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(Some(l)),
+        Err((_, Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(io(&path)(std::io::Error::from(e))),
+    }
+}
+
 fn encode_index(key: u128, spec: &EntrySpec, sums: &[u64], whole: bool) -> Vec<u8> {
     let mut b = Vec::with_capacity(HEADER + 8 * sums.len() + 8);
     b.extend_from_slice(MAGIC);
@@ -379,6 +420,25 @@ fn parse_index(b: &[u8], key: u128, spec: &EntrySpec) -> Result<(Vec<u64>, bool)
     Ok((sums, whole))
 }
 
+/// What an entry holds, for people (`cawsfs tier ls`): `KEY.json`, written when the
+/// entry is made. Never used to serve: the key alone decides what an entry is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct Label {
+    pub file: String,
+    pub view: String,
+    /// The archive's path when the entry was made.
+    pub archive: String,
+}
+
+/// Write `entry`'s label (best effort: a label is only a help).
+pub fn write_label(entry: &Entry, label: &Label) {
+    let path = entry.idx_path.with_extension("json");
+    if let Ok(text) = serde_json::to_vec(label) {
+        let _ = std::fs::write(path, text);
+    }
+}
+
 /// One entry found in a tier directory.
 #[derive(Clone, Debug)]
 pub struct EntryInfo {
@@ -387,10 +447,15 @@ pub struct EntryInfo {
     pub disk_bytes: u64,
     pub size: u64,
     pub whole: bool,
+    /// When its index last changed (or its data, before the first publish).
     pub last_used: std::time::SystemTime,
+    /// A mount has it open (it holds the data file's lock).
+    pub in_use: bool,
+    pub label: Option<Label>,
 }
 
-/// The entries of a tier directory, least recently used first.
+/// The entries of a tier directory, least recently used first: every `KEY.idx` and
+/// every `KEY.data` without one (written, never published, or left by a crash).
 pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
     let mut out = Vec::new();
     let rd = match std::fs::read_dir(dir) {
@@ -398,42 +463,71 @@ pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(out),
         Err(e) => return Err(io(dir)(e)),
     };
+    let mut keys = std::collections::BTreeSet::new();
     for ent in rd {
-        let ent = ent.map_err(io(dir))?;
-        let name = ent.file_name().to_string_lossy().into_owned();
-        let Some(key) = name.strip_suffix(".idx") else {
-            continue;
+        let name = ent.map_err(io(dir))?.file_name();
+        let name = name.to_string_lossy();
+        if let Some(key) = name
+            .strip_suffix(".idx")
+            .or_else(|| name.strip_suffix(".data"))
+        {
+            if key.len() == 32 && key.bytes().all(|b| b.is_ascii_hexdigit()) {
+                keys.insert(key.to_string());
+            }
+        }
+    }
+    for key in keys {
+        let data = std::fs::metadata(dir.join(format!("{key}.data"))).ok();
+        let idx_path = dir.join(format!("{key}.idx"));
+        let (idx_meta, idx) = match std::fs::read(&idx_path) {
+            Ok(b) => (std::fs::metadata(&idx_path).ok(), Some(b)),
+            Err(_) => (None, None),
         };
-        let idx = ent.path();
-        let (Ok(meta), Ok(bytes)) = (ent.metadata(), std::fs::read(&idx)) else {
-            continue;
+        let field = |r: std::ops::Range<usize>| {
+            idx.as_ref()
+                .and_then(|b| b.get(r))
+                .map(|f| f.iter().rev().fold(0u64, |a, &x| a << 8 | u64::from(x)))
         };
-        let data = dir.join(format!("{key}.data"));
-        let dmeta = std::fs::metadata(&data).ok();
-        let flags = bytes
-            .get(12..16)
-            .map(|f| u32::from_le_bytes(f.try_into().unwrap()));
+        let in_use = data.is_some() && lock_unused(dir, &key)?.is_none();
+        let label = std::fs::read(dir.join(format!("{key}.json")))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
         out.push(EntryInfo {
-            key: key.to_string(),
-            disk_bytes: dmeta.as_ref().map_or(0, |m| m.blocks() * 512),
-            size: bytes
-                .get(32..40)
-                .map_or(0, |s| u64::from_le_bytes(s.try_into().unwrap())),
-            whole: flags.is_some_and(|f| f & FLAG_WHOLE != 0),
-            last_used: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+            disk_bytes: data.as_ref().map_or(0, |m| m.blocks() * 512),
+            size: field(32..40)
+                .or(data.as_ref().map(|m| m.len()))
+                .unwrap_or(0),
+            whole: field(12..16).is_some_and(|f| f as u32 & FLAG_WHOLE != 0),
+            last_used: idx_meta
+                .or(data)
+                .and_then(|m| m.modified().ok())
+                .unwrap_or(std::time::UNIX_EPOCH),
+            in_use,
+            label,
+            key,
         });
     }
     out.sort_by_key(|e| e.last_used);
     Ok(out)
 }
 
-/// Remove least recently used entries (not those in `keep`) until the data files
-/// occupy at most `max_bytes`. Returns the keys removed.
-pub fn gc(dir: &Path, max_bytes: u64, keep: &[u128]) -> Result<Vec<String>, TierError> {
+/// What [`gc`] did.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub removed: Vec<EntryInfo>,
+    /// Entries that would have gone but a mount has open.
+    pub busy: Vec<EntryInfo>,
+    /// Data bytes left.
+    pub left_bytes: u64,
+}
+
+/// Remove least recently used entries (not those in `keep`, nor any a mount has
+/// open) until the data files occupy at most `max_bytes`.
+pub fn gc(dir: &Path, max_bytes: u64, keep: &[u128]) -> Result<Collected, TierError> {
     let entries = list(dir)?;
     let mut total: u64 = entries.iter().map(|e| e.disk_bytes).sum();
     let keep: Vec<String> = keep.iter().map(|k| format!("{k:032x}")).collect();
-    let mut removed = Vec::new();
+    let mut done = Collected::default();
     for e in entries {
         if total <= max_bytes {
             break;
@@ -441,18 +535,41 @@ pub fn gc(dir: &Path, max_bytes: u64, keep: &[u128]) -> Result<Vec<String>, Tier
         if keep.contains(&e.key) {
             continue;
         }
-        for ext in ["idx", "data"] {
-            let p = dir.join(format!("{}.{ext}", e.key));
-            match std::fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(err) if err.kind() == ErrorKind::NotFound => {}
-                Err(err) => return Err(io(&p)(err)),
+        // Held while the files go, so that no mount opens the entry half removed.
+        let Some(_lock) = lock_unused(dir, &e.key)? else {
+            if e.disk_bytes > 0 || std::fs::metadata(dir.join(format!("{}.data", e.key))).is_ok() {
+                done.busy.push(e);
+                continue;
             }
-        }
+            // No data file at all: only an index or a label is left.
+            remove_files(dir, &e.key)?;
+            done.removed.push(e);
+            continue;
+        };
+        remove_files(dir, &e.key)?;
         total -= e.disk_bytes;
-        removed.push(e.key);
+        done.removed.push(e);
     }
-    Ok(removed)
+    done.left_bytes = total;
+    Ok(done)
+}
+
+/// Remove every entry no mount has open.
+pub fn clear(dir: &Path) -> Result<Collected, TierError> {
+    gc(dir, 0, &[])
+}
+
+fn remove_files(dir: &Path, key: &str) -> Result<(), TierError> {
+    // The index first: without it the data is never served.
+    for ext in ["idx", "idx.tmp", "data", "json"] {
+        let p = dir.join(format!("{key}.{ext}"));
+        match std::fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(err) if err.kind() == ErrorKind::NotFound => {}
+            Err(err) => return Err(io(&p)(err)),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -233,8 +233,10 @@ fn gc_removes_least_recently_used_entries_down_to_the_bound() {
         .iter()
         .all(|e| e.whole && e.size == big && e.disk_bytes >= big));
     // Room for about two: the oldest ("a") goes, unless kept; then "b".
-    let removed = gc(dir.path(), 2 * big + big / 2, &[keys[0]]).unwrap();
+    let done = gc(dir.path(), 2 * big + big / 2, &[keys[0]]).unwrap();
+    let removed: Vec<_> = done.removed.iter().map(|e| e.key.clone()).collect();
     assert_eq!(removed, vec![format!("{:032x}", keys[1])]);
+    assert!(done.busy.is_empty() && done.left_bytes >= 2 * big);
     let left: Vec<String> = list(dir.path())
         .unwrap()
         .into_iter()
@@ -242,8 +244,55 @@ fn gc_removes_least_recently_used_entries_down_to_the_bound() {
         .collect();
     assert_eq!(left.len(), 2);
     assert!(!dir.path().join(format!("{:032x}.data", keys[1])).exists());
-    assert!(gc(dir.path(), 0, &[]).unwrap().len() == 2);
+    assert!(clear(dir.path()).unwrap().removed.len() == 2);
     assert!(list(dir.path()).unwrap().is_empty());
+}
+
+#[test]
+fn gc_and_clear_leave_entries_a_mount_has_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (open, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&open, &[0, 1]);
+    open.publish().unwrap();
+    let closed_spec = EntrySpec {
+        file: "model.safetensors".into(),
+        ..spec(SIZE)
+    };
+    {
+        let (closed, _) = Entry::open(dir.path(), closed_spec.clone()).unwrap();
+        fill(&closed, &[0]);
+        closed.publish().unwrap();
+    }
+    // Written but never published: still listed, so that it can be reclaimed.
+    let (unpublished, _) = Entry::open(
+        dir.path(),
+        EntrySpec {
+            file: "config.json".into(),
+            ..spec(SIZE)
+        },
+    )
+    .unwrap();
+    unpublished.write(0, &extent_bytes(0, 4096)).unwrap();
+    let key = unpublished.key();
+    drop(unpublished);
+    let listed = list(dir.path()).unwrap();
+    assert_eq!(listed.len(), 3);
+    let in_use: Vec<_> = listed.iter().filter(|e| e.in_use).map(|e| &e.key).collect();
+    assert_eq!(in_use, vec![&format!("{:032x}", open.key())]);
+
+    let done = clear(dir.path()).unwrap();
+    assert_eq!((done.removed.len(), done.busy.len()), (2, 1));
+    assert!(!dir.path().join(format!("{key:032x}.data")).exists());
+    // The open entry still serves what it holds.
+    let mut buf = vec![0u8; 4096];
+    assert!(open.read(1, &mut buf).unwrap());
+    assert_eq!(buf, extent_bytes(1, 4096));
+    drop(open);
+    assert_eq!(clear(dir.path()).unwrap().removed.len(), 1);
+    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    // A cleared entry opens empty.
+    let (again, found) = Entry::open(dir.path(), closed_spec).unwrap();
+    assert_eq!((found, again.present_bytes()), (Found::New, 0));
 }
 
 #[test]

@@ -2,6 +2,7 @@
 after a restart without decoding, byte-identical to `cawsfs export`; a flipped byte in
 the tier is caught and the read still returns the right bytes; a damaged index is
 dropped; the size bound holds; the tier follows the archive, not its path."""
+import json
 import os
 import shutil
 import subprocess
@@ -194,5 +195,37 @@ def test_llama_generates_from_a_passthrough_file(cawsfs, archives, work, exporte
         want, _ = llama_generate(llama_bin, ref)
         assert got == want and len(got) > 20, (got, want)
         assert m.stat()["cache"]["bytes_served"] == 0
+    finally:
+        m.close()
+
+
+def test_tier_ls_gc_clear_keep_what_a_mount_has_open(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """`cawsfs tier ls` names each entry's file and archive and whether a mount has it
+    open; `clear` keeps those, removes the rest; after unmount it removes everything,
+    and the next mount reconstructs again."""
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    m = mount(cawsfs, path, work / "mnt-ls", tier)
+    try:
+        assert same(m.mp / GGUF, ref)
+        m.stat()
+        entries = json.loads(run([cawsfs, "tier", "ls", "--dir", tier, "--json"]).stdout)
+        gguf_entry = next(e for e in entries if e["file"] == GGUF)
+        assert gguf_entry["in_use"] and gguf_entry["archive"] == str(path), gguf_entry
+        assert gguf_entry["size"] == ref.stat().st_size
+        out = run([cawsfs, "tier", "clear", "--dir", tier]).stdout
+        assert "in use by a mount, kept" in out, out
+        assert same(m.mp / GGUF, ref)
+    finally:
+        m.close()
+    human = run([cawsfs, "tier", "ls", "--dir", tier]).stdout
+    assert GGUF in human and str(path) in human, human
+    out = run([cawsfs, "tier", "clear", "--dir", tier]).stdout
+    assert "removed" in out and "in use" not in out, out
+    assert json.loads(run([cawsfs, "tier", "ls", "--dir", tier, "--json"]).stdout) == []
+    m = mount(cawsfs, path, work / "mnt-ls", tier)
+    try:
+        assert same(m.mp / GGUF, ref)
+        assert m.stat()["archive"]["bytes_decoded"] > 0
     finally:
         m.close()
