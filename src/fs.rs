@@ -8,7 +8,7 @@
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -126,6 +126,55 @@ pub struct FsTier {
     passthrough_opens: AtomicU64,
     /// Whether whole files are handed to the kernel, or why not.
     passthrough: Mutex<Passthrough>,
+    /// The last (or running) `materialize`.
+    materializing: Mutex<Option<Arc<Materializing>>>,
+}
+
+/// A `materialize` run: whole files reconstructed into the disk tier in the
+/// background, so that their next open is a passthrough open.
+pub struct Materializing {
+    pub files: Vec<String>,
+    /// Bytes missing from the tier when it started.
+    pub total_bytes: u64,
+    pub done_bytes: AtomicU64,
+    pub running: AtomicBool,
+    pub error: Mutex<Option<String>>,
+    started: Instant,
+    elapsed_ms: AtomicU64,
+}
+
+impl Materializing {
+    /// Seconds it ran (so far, while running).
+    pub fn elapsed_s(&self) -> f64 {
+        if self.running.load(Ordering::Acquire) {
+            self.started.elapsed().as_secs_f64()
+        } else {
+            self.elapsed_ms.load(Ordering::Relaxed) as f64 / 1000.0
+        }
+    }
+
+    fn fail(&self, why: String) {
+        self.error.lock().unwrap().get_or_insert(why);
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().unwrap().is_some()
+    }
+}
+
+/// Why `materialize` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MaterializeError {
+    #[error("this mount has no disk tier (mounted with --no-disk-cache, or its directory could not be opened)")]
+    NoTier,
+    #[error("no file named {0} in this mount's disk tier")]
+    NoFile(String),
+    #[error("a materialize is already running ({0})")]
+    Running(String),
+    #[error("the disk tier's bound leaves {room} bytes; {files} need {need} more (raise --disk-cache-size, or free space with `cawsfs tier gc`)")]
+    NoRoom { files: String, need: u64, room: u64 },
+    #[error("cannot start the materialize thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// Whether a mount hands whole tier files to the kernel (FUSE passthrough).
@@ -167,6 +216,10 @@ impl FsTier {
     }
     pub fn passthrough(&self) -> Passthrough {
         self.passthrough.lock().unwrap().clone()
+    }
+    /// The last (or running) `materialize`, if any.
+    pub fn materializing(&self) -> Option<Arc<Materializing>> {
+        self.materializing.lock().unwrap().clone()
     }
 }
 
@@ -450,6 +503,148 @@ impl MountFs {
         })
     }
 
+    /// Start reconstructing into the disk tier every extent it lacks of `file` (every
+    /// tensor file when None), on `threads` threads in the background; progress is
+    /// in the returned record (and `stat`). Reads go on meanwhile; extents are written
+    /// through the tier's writer, waiting for its queue rather than dropping copies.
+    pub fn materialize(
+        self: &Arc<Self>,
+        file: Option<&str>,
+        threads: usize,
+    ) -> Result<Arc<Materializing>, MaterializeError> {
+        let t = self.tier.as_ref().ok_or(MaterializeError::NoTier)?;
+        let mut slot = t.materializing.lock().unwrap();
+        if let Some(m) = slot.as_ref().filter(|m| m.running.load(Ordering::Acquire)) {
+            return Err(MaterializeError::Running(m.files.join(", ")));
+        }
+        let picked: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| self.entries[i].tier.is_some())
+            .filter(|&i| file.is_none_or(|f| self.entries[i].name == f))
+            .collect();
+        if let (Some(f), true) = (file, picked.is_empty()) {
+            return Err(MaterializeError::NoFile(f.to_string()));
+        }
+        let (mut work, mut total, mut charge) = (Vec::new(), 0u64, 0u64);
+        for &i in &picked {
+            let te = self.entries[i]
+                .tier
+                .as_ref()
+                .expect("picked with a tier entry");
+            for x in (0..te.spec().n_extents()).filter(|&x| !te.has(x)) {
+                let len = te.extent_len(x).unwrap_or(0) as u64;
+                total += len;
+                charge += tier::disk_charge(len);
+                work.push((i, x));
+            }
+        }
+        let files: Vec<String> = picked
+            .iter()
+            .map(|&i| self.entries[i].name.clone())
+            .collect();
+        let room = t.writer.room();
+        if charge > room {
+            return Err(MaterializeError::NoRoom {
+                files: files.join(", "),
+                need: charge,
+                room,
+            });
+        }
+        let job = Arc::new(Materializing {
+            files,
+            total_bytes: total,
+            done_bytes: AtomicU64::new(0),
+            running: AtomicBool::new(true),
+            error: Mutex::new(None),
+            started: Instant::now(),
+            elapsed_ms: AtomicU64::new(0),
+        });
+        let (fs, j) = (self.clone(), job.clone());
+        std::thread::Builder::new()
+            .name("cawsfs-materialize".into())
+            .spawn(move || fs.run_materialize(&j, &picked, &work, threads.max(1)))
+            .map_err(MaterializeError::Thread)?;
+        *slot = Some(job.clone());
+        Ok(job)
+    }
+
+    fn run_materialize(
+        &self,
+        job: &Materializing,
+        picked: &[usize],
+        work: &[(usize, u64)],
+        threads: usize,
+    ) {
+        let t = self.tier.as_ref().expect("materialize checked the tier");
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let cs = self.cache.chunk_size();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    let mut buf = vec![0u8; cs as usize];
+                    while !job.failed() {
+                        let Some(&(i, x)) = work.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                            break;
+                        };
+                        let e = &self.entries[i];
+                        let te = e.tier.as_ref().expect("picked with a tier entry");
+                        let len = te.extent_len(x).unwrap_or(0);
+                        // A read may have filled it meanwhile.
+                        if !te.has(x) {
+                            match e.file.read_at(&*self.archive, x * cs, &mut buf[..len]) {
+                                Ok(n) if n == len => {}
+                                Ok(n) => {
+                                    job.fail(format!(
+                                        "{}: short read at extent {x} ({n} of {len} bytes)",
+                                        e.name
+                                    ));
+                                    break;
+                                }
+                                Err(err) => {
+                                    job.fail(format!("{}: {err}", e.name));
+                                    break;
+                                }
+                            }
+                            if !t.writer.offer_wait(te, x, &buf[..len]) {
+                                job.fail("the disk tier's size bound was reached".into());
+                                break;
+                            }
+                        }
+                        job.done_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        t.writer.flush();
+        if !job.failed() {
+            for &i in picked {
+                let te = self.entries[i]
+                    .tier
+                    .as_ref()
+                    .expect("picked with a tier entry");
+                if !te.is_whole() {
+                    job.fail(format!(
+                        "{}: {} of {} bytes in the tier after writing (write errors are in the log)",
+                        self.entries[i].name,
+                        te.present_bytes(),
+                        te.spec().size
+                    ));
+                }
+            }
+        }
+        job.elapsed_ms
+            .store(job.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        job.running.store(false, Ordering::Release);
+        match job.error.lock().unwrap().as_deref() {
+            None => tracing::info!(
+                "materialize: {} whole in the disk tier ({} bytes written in {:.1} s)",
+                job.files.join(", "),
+                job.total_bytes,
+                job.elapsed_s()
+            ),
+            Some(why) => tracing::warn!("materialize of {} failed: {why}", job.files.join(", ")),
+        }
+    }
+
     /// Time since the filesystem was built (the mount's uptime).
     pub fn uptime(&self) -> std::time::Duration {
         self.started.elapsed()
@@ -593,5 +788,6 @@ fn open_tier(
         bad_extents: AtomicU64::new(0),
         passthrough_opens: AtomicU64::new(0),
         passthrough: Mutex::new(Passthrough::Pending),
+        materializing: Mutex::new(None),
     }))
 }

@@ -89,6 +89,19 @@ pub enum Cmd {
     Evict(EvictArgs),
     /// Rank the shards a prompt will need (the archive's router); optionally prefetch them.
     Route(RouteArgs),
+    /// Reconstruct whole files of a mount into its disk tier, so that their next open
+    /// is served by the kernel from local disk (FUSE passthrough).
+    Materialize {
+        mountpoint: PathBuf,
+        /// One virtual file (default: every tensor file).
+        #[arg(long)]
+        file: Option<String>,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Start it and return; progress shows in `cawsfs stat`.
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Record which chunks are read, in order (`on`), and print the record (`off`, JSON).
     Trace {
         mountpoint: PathBuf,

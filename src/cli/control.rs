@@ -5,8 +5,8 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use cawsfs::control::reply::{
-    EvictReply, PinReply, PrefetchReply, RouteReply, StatReply, TraceOffReply, TraceOnReply,
-    UnpinReply,
+    EvictReply, MaterializeReply, PinReply, PrefetchReply, RouteReply, StatReply, TraceOffReply,
+    TraceOnReply, UnpinReply,
 };
 use cawsfs::control::{self, Request};
 use serde::de::DeserializeOwned;
@@ -90,6 +90,61 @@ fn echo<T: DeserializeOwned>(sock: &Path, req: &Request) -> Result<String> {
     let v = control::request(sock, req, std::time::Duration::from_secs(30))?;
     control::decode::<T>(sock, req, &v)?;
     Ok(serde_json::to_string(&v)?)
+}
+
+/// Ask the mount to fill its tier with whole files, then follow its progress in `stat`
+/// with a progress bar until it is done (unless `no_wait`).
+pub fn cmd_materialize(
+    mp: &Path,
+    file: Option<String>,
+    socket: Option<&Path>,
+    no_wait: bool,
+) -> Result<()> {
+    let sock = socket
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| control::find_socket(mp));
+    let timeout = std::time::Duration::from_secs(30);
+    let r: MaterializeReply = control::request_as(&sock, &Request::Materialize { file }, timeout)?;
+    let what = r.files.join(", ");
+    if no_wait {
+        println!(
+            "materializing {what}: {} to reconstruct",
+            human(r.missing_bytes)
+        );
+        return Ok(());
+    }
+    let pb = super::bar(
+        r.missing_bytes,
+        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    );
+    pb.set_message(what.clone());
+    let mut client = control::ControlClient::connect(&sock, timeout)?;
+    let m = loop {
+        let st = client.call_as::<StatReply>(&Request::Stat)?;
+        let m = st
+            .tier
+            .and_then(|t| t.materialize)
+            .ok_or_else(|| anyhow::anyhow!("the mount stopped reporting its materialize"))?;
+        pb.set_position(m.done_bytes.min(r.missing_bytes));
+        if !m.running {
+            break m;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    pb.finish_and_clear();
+    if let Some(why) = m.error {
+        bail!("materialize of {what}: {why}");
+    }
+    println!(
+        "{what}: whole in the disk tier ({} reconstructed in {:.1} s); the next open of each is served from local disk",
+        human(m.total_bytes),
+        m.elapsed_s
+    );
+    Ok(())
+}
+
+fn human(n: u64) -> String {
+    bytesize::ByteSize::b(n).display().iec().to_string()
 }
 
 pub fn cmd_route(a: RouteArgs) -> Result<()> {

@@ -65,6 +65,12 @@ pub fn run(cli: Cli) -> Result<()> {
             cawsfs::control::Request::Evict(a.what.target()),
         ),
         Cmd::Route(a) => control::cmd_route(a),
+        Cmd::Materialize {
+            mountpoint,
+            file,
+            socket,
+            no_wait,
+        } => control::cmd_materialize(&mountpoint, file, socket.as_deref(), no_wait),
         Cmd::Trace {
             mountpoint,
             state,
@@ -96,7 +102,7 @@ fn init_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-fn bar(len: u64, template: &str) -> ProgressBar {
+pub(crate) fn bar(len: u64, template: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(
         ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),

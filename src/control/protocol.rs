@@ -16,7 +16,15 @@ pub const MAX_ERROR_LEN: usize = 1000;
 
 /// Every verb, in the order error messages list them.
 pub const VERBS: &[&str] = &[
-    "ping", "stat", "prefetch", "pin", "unpin", "evict", "trace", "route",
+    "ping",
+    "stat",
+    "prefetch",
+    "pin",
+    "unpin",
+    "evict",
+    "trace",
+    "route",
+    "materialize",
 ];
 
 /// What a prefetch / pin / unpin / evict applies to.
@@ -54,6 +62,12 @@ pub enum Request {
         /// Virtual file whose chunks the route names (default `model.gguf`).
         file: Option<String>,
     },
+    /// Reconstruct whole files into the disk tier in the background (progress in
+    /// `stat`'s `tier.materialize`).
+    Materialize {
+        /// One virtual file; None: every tensor file.
+        file: Option<String>,
+    },
 }
 
 impl Request {
@@ -68,6 +82,7 @@ impl Request {
             Request::Evict(_) => "evict",
             Request::Trace { .. } => "trace",
             Request::Route { .. } => "route",
+            Request::Materialize { .. } => "materialize",
         }
     }
 
@@ -96,6 +111,11 @@ impl Request {
             },
             Request::Trace { on } => {
                 m.insert("on".into(), (*on).into());
+            }
+            Request::Materialize { file } => {
+                if let Some(f) = file {
+                    m.insert("file".into(), f.clone().into());
+                }
             }
             Request::Route {
                 prompt,
@@ -146,6 +166,7 @@ impl Request {
             "prefetch" | "pin" | "unpin" | "evict" => &["file", "range", "tensor", "layer"],
             "trace" => &["on"],
             "route" => &["prompt", "top_k", "budget_bytes", "prefetch", "file"],
+            "materialize" => &["file"],
             _ => {
                 return Err(format!(
                     "unknown verb {} (expected one of: {})",
@@ -197,6 +218,9 @@ impl Request {
                     file: f.string("file")?,
                 }
             }
+            "materialize" => Request::Materialize {
+                file: f.string("file")?,
+            },
             _ => unreachable!("verb checked above"),
         })
     }
@@ -478,6 +502,10 @@ mod tests {
                 prefetch: false,
                 file: None,
             },
+            Request::Materialize { file: None },
+            Request::Materialize {
+                file: Some("model.gguf".into()),
+            },
         ];
         for r in all {
             let line = serde_json::to_string(&r).unwrap();
@@ -556,6 +584,14 @@ mod tests {
                 r#"{"verb":"route","prompt":"p","budget_bytes":1.5}"#,
                 "non-negative integer",
             ),
+            (
+                r#"{"verb":"materialize","file":7}"#,
+                "\"file\" must be a string",
+            ),
+            (
+                r#"{"verb":"materialize","range":[0,1]}"#,
+                "unknown field \"range\"",
+            ),
         ];
         for (line, want) in cases {
             let e = parse(line).unwrap_err();
@@ -574,6 +610,7 @@ mod tests {
             r#"{"verb":"prefetch","file":"model.gguf","range":[0,4096]}"#,
             r#"{"verb":"route","prompt":"p","top_k":3,"budget_bytes":9,"prefetch":true}"#,
             r#"{"verb":"trace","on":true}"#,
+            r#"{"verb":"materialize","file":"model.gguf"}"#,
         ];
         let mut x = 0x9e3779b97f4a7c15u64;
         let mut next = || {

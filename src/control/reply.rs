@@ -77,6 +77,8 @@ pub struct TierStat {
     /// none of those reads reach the daemon.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub passthrough_opens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub materialize: Option<MaterializeStat>,
 }
 
 /// `stat`'s `cache` section: counters since mount (chunk lookups, bytes) and gauges.
@@ -304,6 +306,27 @@ pub enum Reply {
     TraceOn(TraceOnReply),
     TraceOff(TraceOffReply),
     Route(RouteReply),
+    Materialize(MaterializeReply),
+}
+
+/// `materialize`: the files being filled and the bytes they lack.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MaterializeReply {
+    pub files: Vec<String>,
+    pub missing_bytes: u64,
+}
+
+/// `stat`'s `tier.materialize`: the last (or running) materialize.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MaterializeStat {
+    pub files: Vec<String>,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+    pub running: bool,
+    pub elapsed_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 macro_rules! into_reply {
@@ -326,6 +349,7 @@ into_reply!(
     TraceOnReply => TraceOn,
     TraceOffReply => TraceOff,
     RouteReply => Route,
+    MaterializeReply => Materialize,
 );
 
 #[cfg(test)]

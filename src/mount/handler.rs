@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use crate::cache::ChunkKey;
 use crate::control::reply::{
-    EvictReply, PinReply, PingReply, PrefetchReply, Reply, RouteReply, RoutedShard, TraceOffReply,
-    TraceOnReply, TracedLookup, UnpinReply,
+    EvictReply, MaterializeReply, PinReply, PingReply, PrefetchReply, Reply, RouteReply,
+    RoutedShard, TraceOffReply, TraceOnReply, TracedLookup, UnpinReply,
 };
 use crate::control::{Handler, Request, Target};
 use crate::fs::{file_id, MountFs};
@@ -409,6 +409,18 @@ impl Handler for ControlHandler {
             } => self
                 .route(&prompt, top_k, budget_bytes, prefetch, file.as_deref())?
                 .into(),
+            Request::Materialize { file } => {
+                let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+                let m = self
+                    .fs
+                    .materialize(file.as_deref(), threads)
+                    .map_err(|e| e.to_string())?;
+                MaterializeReply {
+                    files: m.files.clone(),
+                    missing_bytes: m.total_bytes,
+                }
+                .into()
+            }
         })
     }
 }

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use crate::control::reply::MaterializeStat;
 use crate::control::{ArchiveStat, CacheStat, FileStat, LatencyStat, StatReply, TierStat};
 use crate::fs::{file_id, MountFs};
 
@@ -100,6 +101,14 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 whole_files: Some(tiered.filter(|e| e.is_whole()).count() as u64),
                 passthrough: Some(t.passthrough().to_string()),
                 passthrough_opens: Some(t.passthrough_opens()),
+                materialize: t.materializing().map(|m| MaterializeStat {
+                    files: m.files.clone(),
+                    done_bytes: m.done_bytes.load(std::sync::atomic::Ordering::Relaxed),
+                    total_bytes: m.total_bytes,
+                    running: m.running.load(std::sync::atomic::Ordering::Acquire),
+                    elapsed_s: m.elapsed_s(),
+                    error: m.error.lock().unwrap().clone(),
+                }),
             }
         }),
     }

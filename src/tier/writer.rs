@@ -53,6 +53,8 @@ struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
     done: Condvar,
+    /// Signalled when a job leaves the queue (room for `offer_wait`).
+    taken: Condvar,
     max_bytes: u64,
     /// Disk bytes new extents may still take (the size bound less what is there).
     room: AtomicU64,
@@ -72,6 +74,7 @@ impl Writer {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
             done: Condvar::new(),
+            taken: Condvar::new(),
             max_bytes: max_queued_bytes,
             room: AtomicU64::new(room),
             counters: Counters::default(),
@@ -122,6 +125,49 @@ impl Writer {
         true
     }
 
+    /// Like [`Writer::offer`], but waits for room in the queue rather than dropping the
+    /// copy (for `materialize`, which fills the tier on purpose and may wait); false
+    /// when the size bound has no room or the writer is closing.
+    pub fn offer_wait(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
+        let len = bytes.len() as u64;
+        let charge = super::disk_charge(len);
+        let reserved = self
+            .shared
+            .room
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+                r.checked_sub(charge)
+            });
+        if reserved.is_err() {
+            self.shared
+                .counters
+                .over_bound_extents
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let mut q = self.shared.queue.lock().unwrap();
+        // An extent larger than the whole queue goes in alone.
+        while !q.closed && q.bytes > 0 && q.bytes + len > self.shared.max_bytes {
+            q = self.shared.taken.wait(q).unwrap();
+        }
+        if q.closed {
+            self.shared.room.fetch_add(charge, Ordering::Relaxed);
+            return false;
+        }
+        q.bytes += len;
+        q.jobs.push_back(Job {
+            entry: entry.clone(),
+            extent,
+            bytes: bytes.to_vec(),
+        });
+        self.shared.wake.notify_one();
+        true
+    }
+
+    /// Disk bytes new extents may still take under the size bound.
+    pub fn room(&self) -> u64 {
+        self.shared.room.load(Ordering::Relaxed)
+    }
+
     /// Wait until everything queued so far is written and every entry published.
     pub fn flush(&self) {
         let mut q = self.shared.queue.lock().unwrap();
@@ -151,6 +197,7 @@ impl Drop for Writer {
         self.flush();
         self.shared.queue.lock().unwrap().closed = true;
         self.shared.wake.notify_all();
+        self.shared.taken.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -167,6 +214,7 @@ fn run(s: &Shared) {
             loop {
                 if let Some(job) = q.jobs.pop_front() {
                     q.bytes -= job.bytes.len() as u64;
+                    s.taken.notify_all();
                     break (Some(job), None);
                 }
                 if q.flush_asked > q.flush_done {

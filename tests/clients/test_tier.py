@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import run
+from conftest import run, run_status
 from test_mount import Mount, exported  # noqa: F401 (fixture)
 from test_router import drop_page_cache
 
@@ -227,5 +227,38 @@ def test_tier_ls_gc_clear_keep_what_a_mount_has_open(cawsfs, archives, work, exp
     try:
         assert same(m.mp / GGUF, ref)
         assert m.stat()["archive"]["bytes_decoded"] > 0
+    finally:
+        m.close()
+
+
+def test_materialize_fills_the_tier_for_passthrough(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """`cawsfs materialize` reconstructs whole files into the tier without any read; the
+    next open of each is a passthrough open with the export's bytes, nothing decoded.
+    Errors are one line: an unknown file, and a mount without a tier."""
+    path, _ = archives["default"]
+    m = mount(cawsfs, path, work / "mnt-mat", tier)
+    try:
+        out = run([cawsfs, "materialize", m.mp]).stdout
+        assert "whole in the disk tier" in out, out
+        st = m.stat()
+        mat = st["tier"]["materialize"]
+        assert not mat["running"] and "error" not in mat, mat
+        assert mat["done_bytes"] == mat["total_bytes"] > 0, mat
+        assert st["tier"]["whole_files"] == 2 and st["cache"]["bytes_served"] == 0, st
+        again = run([cawsfs, "materialize", m.mp, "--file", GGUF]).stdout
+        assert "(0 B reconstructed" in again, again
+        bad = run_status([cawsfs, "materialize", m.mp, "--file", "nope.bin"])
+        assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
+            "cawsfs: error: no file named nope.bin in this mount's disk tier"], bad.stderr
+        for f in (GGUF, "model.safetensors"):
+            assert same(m.mp / f, exported / f)
+        st = m.stat()
+        assert st["cache"]["bytes_served"] == 0 and st["tier"]["passthrough_opens"] == 2, st
+    finally:
+        m.close()
+    m = Mount(cawsfs, path, work / "mnt-mat", "--no-disk-cache")
+    try:
+        p = run_status([cawsfs, "materialize", m.mp])
+        assert p.returncode != 0 and "has no disk tier" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
     finally:
         m.close()
