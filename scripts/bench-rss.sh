@@ -13,7 +13,7 @@ trap 'rm -rf "$W"' EXIT
 "$B" convert "$MODEL" -o "$W/a.cawsf" >/dev/null
 mkdir "$W/m"
 # shellcheck disable=SC2086
-out=$("$B" mount "$W/a.cawsf" "$W/m" --cache-size 16MiB ${EXTRA:-})
+out=$("$B" mount "$W/a.cawsf" "$W/m" --cache-size 16MiB --no-disk-cache ${EXTRA:-})
 pid=$(echo "$out" | grep -o 'pid [0-9]*' | cut -d' ' -f2)
 sleep 3  # past the trim after setup
 idle=$(awk '/RssAnon/{print $2}' "/proc/$pid/status")

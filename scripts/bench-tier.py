@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""The disk tier and FUSE passthrough against the exported file, measured in one run.
+
+  scripts/bench-tier.py [--archive PATH] [--runs 5] [--out docs/MOUNT.md]
+
+Every comparison is paired and interleaved (mount, file, mount, file, ...) and reports
+the ratio of medians; "file" is `cawsfs export` of the same view on the same disk.
+
+1. First pass (fresh tier, page cache dropped, default options): one sequential read of
+   model.gguf; archive bytes decoded per archive byte, daemon CPU seconds against the
+   CPU `cawsfs export` spends writing the same file.
+2. After a restart (umount, mount with default options: the tier is whole, opens are
+   passthrough): sequential read bytes/s, cold (page cache dropped) and warm.
+3. Warm llama.cpp generation tokens/s (llama-completion, 64 tokens) with 1 thread and
+   with every core.
+4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
+   time, against generating from the exported file after dropping the page cache.
+
+Needs root (it drops the page cache), target/release/cawsfs and the llama.cpp build
+(scripts/build-llama-cpp.sh). Work files go to $CAWSFS_CACHE/bench-tier (default
+~/.cache/cawsfs), the archive defaults to the demo's (scripts/demo.sh makes it) or the
+test model converted there once. With --out, the section between the tier markers of
+that file is rewritten.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
+CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
+MiB = 1 << 20
+BEGIN, END = "<!-- tier:begin -->", "<!-- tier:end -->"
+PROMPT = "The capital of France is"
+GGUF = "model.gguf"
+
+
+def sh(*args, **kw):
+    return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True, **kw).stdout
+
+
+def drop_page_cache():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def cpu_s(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Mount:
+    def __init__(self, archive, mp, tier):
+        os.makedirs(mp, exist_ok=True)
+        out = sh(CAWSFS, "mount", archive, mp, "--disk-cache", tier)
+        self.mp = mp
+        self.pid = int(re.search(r"pid (\d+)", out).group(1))
+
+    def stat(self):
+        return json.loads(sh(CAWSFS, "stat", self.mp, "--json"))
+
+    def close(self):
+        sh(CAWSFS, "umount", self.mp)
+
+
+def read_all(path):
+    """Seconds to read `path` sequentially in 1 MiB reads."""
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(MiB):
+            pass
+    return time.perf_counter() - t
+
+
+def llama(bin_dir, model, threads, n):
+    """(generation tokens/s, process wall seconds)."""
+    t = time.perf_counter()
+    out = subprocess.run(
+        [os.path.join(bin_dir, "llama-completion"), "-m", model, "-t", str(threads), "-no-cnv",
+         "--no-warmup", "--temp", "0", "-n", str(n), "-p", PROMPT],
+        capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-completion failed: {out.stderr[-500:]}")
+    tps = float(re.search(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", out.stderr).group(1))
+    return tps, wall
+
+
+def paired(runs, a, b):
+    """Run a() and b() interleaved `runs` times; (median a, median b)."""
+    xs, ys = [], []
+    for _ in range(runs):
+        xs.append(a())
+        ys.append(b())
+    return statistics.median(xs), statistics.median(ys)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--archive")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench-tier: needs root (it drops the page cache)")
+    work = os.path.join(CACHE, "bench-tier")
+    os.makedirs(work, exist_ok=True)
+    bin_dir = sh(os.path.join(ROOT, "scripts/build-llama-cpp.sh")).strip()
+    archive = a.archive or os.path.join(CACHE, "demo", "smol.cawsf")
+    if not os.path.exists(archive):
+        model = sh(os.path.join(ROOT, "scripts/fetch-test-model.sh")).strip()
+        archive = os.path.join(work, "smol.cawsf")
+        if not os.path.exists(archive):
+            sh(CAWSFS, "convert", model, "-o", archive)
+    exported = os.path.join(work, "exported.gguf")
+    t = os.times()
+    sh(CAWSFS, "export", archive, "--format", "gguf", "-o", exported)
+    t2 = os.times()
+    export_cpu = (t2.children_user - t.children_user) + (t2.children_system - t.children_system)
+    tier, mp = os.path.join(work, "tier"), os.path.join(work, "mnt")
+    shutil.rmtree(tier, ignore_errors=True)
+    size = os.path.getsize(exported)
+    archive_bytes = os.path.getsize(archive)
+    rows = []
+
+    # 1. First pass through a fresh tier.
+    drop_page_cache()
+    m = Mount(archive, mp, tier)
+    try:
+        c0 = cpu_s(m.pid)
+        first_s = read_all(os.path.join(mp, GGUF))
+        c1 = cpu_s(m.pid)
+        st = m.stat()
+    finally:
+        m.close()  # returns after the tier is flushed
+    decoded = st["archive"]["bytes_decoded"]
+    rows.append(("first pass: sequential read of model.gguf", f"{size / MiB / first_s:.0f} MiB/s", "", ""))
+    rows.append(("first pass: archive bytes decoded / archive bytes", f"{decoded / archive_bytes:.2f}", "", ""))
+    rows.append(("first pass: daemon CPU / export CPU", f"{c1 - c0:.2f} s", f"{export_cpu:.2f} s",
+                 f"{(c1 - c0) / export_cpu:.2f}"))
+    listed = json.loads(sh(CAWSFS, "tier", "ls", "--dir", tier, "--json"))
+    whole = [e["file"] for e in listed if e["whole"]]
+    if GGUF not in whole:
+        sys.exit(f"bench-tier: model.gguf is not whole in the tier after one pass: {listed}")
+
+    # 2-3. After a restart: passthrough.
+    m = Mount(archive, mp, tier)
+    try:
+        served = os.path.join(mp, GGUF)
+
+        def cold(p):
+            drop_page_cache()
+            return read_all(p)
+
+        cm, cf = paired(a.runs, lambda: cold(served), lambda: cold(exported))
+        rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
+                     f"{size / MiB / cf:.0f} MiB/s", f"{cf / cm:.2f}"))
+        read_all(served), read_all(exported)
+        wm, wf = paired(a.runs, lambda: read_all(served), lambda: read_all(exported))
+        rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
+                     f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
+        for threads in sorted({1, os.cpu_count() or 1}):
+            tm, tf = paired(a.runs, lambda: llama(bin_dir, served, threads, 64)[0],
+                            lambda: llama(bin_dir, exported, threads, 64)[0])
+            rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
+                         f"{tm / tf:.3f}"))
+        st = m.stat()
+        assert st["tier"]["passthrough"] == "on", st["tier"]
+        assert st["cache"]["bytes_served"] == 0, st["cache"]
+    finally:
+        m.close()
+
+    # 4. Restart then load, both from a cold page cache.
+    def restart_load():
+        drop_page_cache()
+        t = time.perf_counter()
+        mm = Mount(archive, mp, tier)
+        try:
+            llama(bin_dir, os.path.join(mp, GGUF), os.cpu_count() or 1, 8)
+            return time.perf_counter() - t
+        finally:
+            mm.close()
+
+    def file_load():
+        drop_page_cache()
+        return llama(bin_dir, exported, os.cpu_count() or 1, 8)[1]
+
+    rm, rf = paired(a.runs, restart_load, file_load)
+    rows.append(("mount + load + 8 tokens vs file, cold page cache", f"{rm:.2f} s", f"{rf:.2f} s",
+                 f"{rm / rf:.2f}"))
+
+    head = ("| measure | mount | exported file | ratio |\n|---|---|---|---|\n")
+    table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |\n" for r in rows)
+    cmd = "scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "") + f" --runs {a.runs}"
+    text = (f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
+            f"`{cmd}`, archive {os.path.basename(archive)} ({archive_bytes / MiB:.1f} MiB), "
+            f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs. Ratios: "
+            "bytes/s and tokens/s mount/file, times mount/file.\n\n" + table)
+    print(text)
+    if a.out:
+        doc = open(a.out).read()
+        if BEGIN in doc and END in doc:
+            pre, rest = doc.split(BEGIN, 1)
+            post = rest.split(END, 1)[1]
+            open(a.out, "w").write(pre + BEGIN + "\n" + text + END + post)
+        else:
+            sys.exit(f"bench-tier: {a.out} has no {BEGIN} ... {END} section")
+
+
+if __name__ == "__main__":
+    main()
