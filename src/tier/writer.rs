@@ -91,44 +91,17 @@ impl Writer {
 
     /// Queue a copy of extent `extent`'s bytes for `entry`; false when there is no room.
     pub fn offer(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
-        let len = bytes.len() as u64;
-        let charge = super::disk_charge(len);
-        let reserved = self
-            .shared
-            .room
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
-                r.checked_sub(charge)
-            });
-        if reserved.is_err() {
-            self.shared
-                .counters
-                .over_bound_extents
-                .fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        let mut q = self.shared.queue.lock().unwrap();
-        if q.closed || q.bytes + len > self.shared.max_bytes {
-            self.shared.room.fetch_add(charge, Ordering::Relaxed);
-            self.shared
-                .counters
-                .dropped_extents
-                .fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        q.bytes += bytes.len() as u64;
-        q.jobs.push_back(Job {
-            entry: entry.clone(),
-            extent,
-            bytes: bytes.to_vec(),
-        });
-        self.shared.wake.notify_one();
-        true
+        self.enqueue(entry, extent, bytes, false)
     }
 
     /// Like [`Writer::offer`], but waits for room in the queue rather than dropping the
     /// copy (for `materialize`, which fills the tier on purpose and may wait); false
     /// when the size bound has no room or the writer is closing.
     pub fn offer_wait(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
+        self.enqueue(entry, extent, bytes, true)
+    }
+
+    fn enqueue(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8], wait: bool) -> bool {
         let len = bytes.len() as u64;
         let charge = super::disk_charge(len);
         let reserved = self
@@ -145,12 +118,19 @@ impl Writer {
             return false;
         }
         let mut q = self.shared.queue.lock().unwrap();
-        // An extent larger than the whole queue goes in alone.
-        while !q.closed && q.bytes > 0 && q.bytes + len > self.shared.max_bytes {
+        let full = |q: &Queue| q.bytes + len > self.shared.max_bytes;
+        // Waiting, an extent larger than the whole queue goes in alone.
+        while wait && !q.closed && q.bytes > 0 && full(&q) {
             q = self.shared.taken.wait(q).unwrap();
         }
-        if q.closed {
+        if q.closed || (!wait && full(&q)) {
             self.shared.room.fetch_add(charge, Ordering::Relaxed);
+            if !wait {
+                self.shared
+                    .counters
+                    .dropped_extents
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             return false;
         }
         q.bytes += len;
