@@ -325,10 +325,12 @@ fn at_the_cap_the_longest_idle_connection_makes_room() {
     let srv = ControlServer::bind_with(&p, Arc::new(Mock), opts).unwrap();
     let mut a = Raw::new(&p);
     let mut b = Raw::new(&p);
+    // A connection counts as idle again only after its reply is written: give each
+    // server thread time to get there (on a loaded machine `a`'s thread, still about
+    // to, could otherwise mark `a` idle after `b`).
     assert_eq!(a.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
+    std::thread::sleep(Duration::from_millis(300));
     assert_eq!(b.send(b"{\"verb\":\"ping\"}\n")["ok"], true);
-    // A connection counts as idle again only after its reply is written: let both
-    // server threads get there (on a loaded machine `a`'s may still be about to).
     std::thread::sleep(Duration::from_millis(100));
     // `a` has been idle longest: it is closed and `c` served.
     let mut c = Raw::new(&p);
