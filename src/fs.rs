@@ -249,6 +249,11 @@ impl MountFs {
             }
         }
         files.sort_by(|a, b| a.name.cmp(&b.name));
+        // Blocks kept for the rest of their rows live outside the cache budget: a
+        // sixteenth of it at most.
+        crate::archive::set_block_memo_bytes(
+            (opts.cache_bytes / 16).min(crate::archive::store::BLOCK_MEMO_BYTES as u64) as usize,
+        );
         let mut cfg = CacheConfig::new(opts.cache_bytes, opts.chunk_size);
         cfg.readahead_chunks = opts.readahead_chunks;
         cfg.router_eviction = opts.router_eviction;

@@ -30,6 +30,6 @@ pub use container::Compression;
 pub use error::ArchiveError;
 pub use open::open;
 pub use store::{
-    block_jobs, check_read, decode_failures, rel_err_of, BlockJob, Kind, ReadCounterSnapshot,
-    ReadCounters, SectionInfo, Store, TensorSummary,
+    block_jobs, check_read, decode_failures, rel_err_of, set_block_memo_bytes, BlockJob, BlockMemo,
+    Kind, ReadCounterSnapshot, ReadCounters, SectionInfo, Store, TensorSummary,
 };

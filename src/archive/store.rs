@@ -205,3 +205,111 @@ pub fn decode_failures(store: &dyn Store) -> Vec<String> {
         })
         .collect()
 }
+
+/// Bytes of verified, decoded blocks a [`BlockMemo`] keeps at most, by default.
+pub const BLOCK_MEMO_BYTES: usize = 4 << 20;
+
+static MEMO_CAP: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(BLOCK_MEMO_BYTES);
+
+/// Bound every [`BlockMemo`] of this process at `bytes` (the mount sizes it from its
+/// cache budget: the memo is memory outside that budget). A sequential pass needs only
+/// the blocks cut at the edges of the chunks in flight, a few per reader.
+pub fn set_block_memo_bytes(bytes: usize) {
+    MEMO_CAP.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn memo_cap() -> usize {
+    MEMO_CAP.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Row blocks read only in part (their checked, decompressed payloads, or what a kind
+/// decodes them to), kept until the rest of their rows is read, so that the next read
+/// of the same block (a sequential pass cuts blocks at every chunk boundary) neither
+/// reads, checks nor decodes it again. Only blocks that passed their checks enter; a
+/// block is dropped once reads have taken as many rows as it has (a sequential pass
+/// keeps only the blocks cut at the boundaries of chunks in flight), or when the bound
+/// ([`set_block_memo_bytes`], [`BLOCK_MEMO_BYTES`] by default) is reached (least
+/// recently used first); one larger than a quarter of it is not kept.
+pub struct BlockMemo<T = u8> {
+    inner: std::sync::Mutex<MemoInner<T>>,
+}
+
+struct MemoEntry<T> {
+    data: std::sync::Arc<Vec<T>>,
+    /// Rows of the block no read has taken yet.
+    left: u64,
+}
+
+struct MemoInner<T> {
+    lru: lru::LruCache<(usize, usize), MemoEntry<T>>,
+    bytes: usize,
+}
+
+impl<T> Default for BlockMemo<T> {
+    fn default() -> Self {
+        BlockMemo {
+            inner: std::sync::Mutex::new(MemoInner {
+                lru: lru::LruCache::unbounded(),
+                bytes: 0,
+            }),
+        }
+    }
+}
+
+impl<T> BlockMemo<T> {
+    /// Block `key` (tensor, block) for a read of `rows` of its `block_rows` rows: from
+    /// the memo, else from `load` (and kept when the read takes only some rows).
+    pub fn get_or_load<E>(
+        &self,
+        key: (usize, usize),
+        (rows, block_rows): (u64, u64),
+        load: impl FnOnce() -> Result<Vec<T>, E>,
+    ) -> Result<std::sync::Arc<Vec<T>>, E> {
+        {
+            let mut m = self.lock();
+            if let Some(e) = m.lru.get_mut(&key) {
+                let data = e.data.clone();
+                // Approximate: a row read twice counts twice, which only drops the
+                // block early (it is then read again), never serves it wrongly.
+                e.left = e.left.saturating_sub(rows);
+                if e.left == 0 {
+                    m.bytes -= std::mem::size_of_val(data.as_slice());
+                    m.lru.pop(&key);
+                }
+                return Ok(data);
+            }
+        }
+        let data = std::sync::Arc::new(load()?);
+        let size = std::mem::size_of_val(data.as_slice());
+        let cap = memo_cap();
+        if rows < block_rows && size <= cap / 4 {
+            let mut m = self.lock();
+            let entry = MemoEntry {
+                data: data.clone(),
+                left: block_rows - rows,
+            };
+            match m.lru.put(key, entry) {
+                Some(old) => m.bytes = m.bytes - std::mem::size_of_val(old.data.as_slice()) + size,
+                None => m.bytes += size,
+            }
+            while m.bytes > cap {
+                match m.lru.pop_lru() {
+                    Some((_, old)) => m.bytes -= std::mem::size_of_val(old.data.as_slice()),
+                    None => break,
+                }
+            }
+        }
+        Ok(data)
+    }
+
+    /// Bytes held now.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner<T>> {
+        // The memo holds no invariant a panic elsewhere could break.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

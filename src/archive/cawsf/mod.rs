@@ -13,7 +13,7 @@ mod writer;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::archive::container::*;
 use crate::archive::file::ArchiveFile;
 use crate::archive::{
-    block_jobs, check_read, parse_routing, rel_err_of, ArchiveError, BlockJob, Kind,
+    block_jobs, check_read, parse_routing, rel_err_of, ArchiveError, BlockJob, BlockMemo, Kind,
     ReadCounterSnapshot, ReadCounters, Routing, SectionInfo, Store, TensorSummary,
 };
 use crate::codec::{self, DecodedGlobal, TensorCodec};
@@ -56,6 +56,8 @@ struct TensorEntry {
 /// An opened archive (read with `pread`, see [`ArchiveFile`]). Implements [`RowSource`].
 pub struct CawsfArchive {
     counters: ReadCounters,
+    /// Payloads of blocks a read needed only in part.
+    memo: BlockMemo,
     pub path: PathBuf,
     file: ArchiveFile,
     toc: Vec<TocRecord>,
@@ -112,6 +114,7 @@ impl CawsfArchive {
             globals,
             file: c.file,
             counters: ReadCounters::default(),
+            memo: BlockMemo::default(),
         })
     }
 
@@ -188,6 +191,19 @@ impl CawsfArchive {
                 r0: 0,
                 r1: 0,
             })
+    }
+
+    /// [`Self::payload`] through the memo of partly read blocks, for a read of `rows`
+    /// (rows it takes, rows the block has): one that takes only some keeps the payload
+    /// for the read of the rest.
+    fn read_payload(
+        &self,
+        tensor: usize,
+        block: usize,
+        rows: (u64, u64),
+    ) -> Result<Arc<Vec<u8>>, ReadError> {
+        self.memo
+            .get_or_load((tensor, block), rows, || self.payload(tensor, block))
     }
 
     /// Checksum, header check and decompression of one block (indices already valid).
@@ -543,7 +559,7 @@ impl RowSource for CawsfArchive {
         let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), t.cols as usize, out);
         let run = |(b, first, n, lo, hi, dst): (usize, u64, u64, u64, u64, &mut [f32])| {
             // The block's own checksum first, then the (cached) global blob.
-            let payload = self.payload(tensor, b)?;
+            let payload = self.read_payload(tensor, b, (hi - lo, n))?;
             let g = self
                 .global(tensor)
                 .map_err(|f| self.global_error(tensor, b, f))?;
@@ -591,7 +607,7 @@ impl RowSource for CawsfArchive {
         }
         let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), rb as usize, out);
         let run = |(b, _first, n, lo, hi, dst): BlockJob<'_, u8>| {
-            let payload = self.payload(tensor, b)?;
+            let payload = self.read_payload(tensor, b, (hi - lo, n))?;
             let raw =
                 codec::raw_block_rows(&t.codec, &payload, n, t.cols, lo, hi).map_err(|e| {
                     ReadError::Corrupt {

@@ -152,6 +152,40 @@ fn round_trip_all_compressions() {
 }
 
 #[test]
+fn reads_cut_mid_block_read_each_block_once() {
+    let (_dir, p) = tmp();
+    write(&p, Compression::Zstd(3));
+    let a = CawsfArchive::open(&p).unwrap();
+    let m = model();
+    // Tensor 0: 10 rows of 4 in 3-row blocks, read 2 rows at a time, so blocks 0..3 are
+    // each cut by a read boundary (as chunk boundaries cut them in a sequential pass).
+    let want = tensor_values(&m, 0);
+    let mut got = Vec::new();
+    for r in (0..10).step_by(2) {
+        let mut out = vec![0f32; 8];
+        a.read_rows(0, r, r + 2, &mut out).unwrap();
+        got.extend(out);
+    }
+    assert_eq!(got, want);
+    assert_eq!(a.read_counters().blocks, a.tensor_info(0).n_blocks as u64);
+    // Each block cut by a read was dropped once its last row was taken.
+    assert_eq!(a.memo.bytes(), 0);
+    // A block read in part stays until the rest is read, and then goes.
+    let mut out = vec![0f32; 4];
+    a.read_rows(0, 4, 5, &mut out).unwrap();
+    assert_eq!(out, want[16..20]);
+    assert!(a.memo.bytes() > 0);
+    a.read_rows(0, 3, 4, &mut out).unwrap();
+    a.read_rows(0, 5, 6, &mut out).unwrap();
+    assert_eq!(out, want[20..24]);
+    assert_eq!(a.memo.bytes(), 0);
+    assert_eq!(
+        a.read_counters().blocks,
+        a.tensor_info(0).n_blocks as u64 + 1
+    );
+}
+
+#[test]
 fn compression_shrinks_blocks() {
     let (_d1, p1) = tmp();
     let (_d2, p2) = tmp();

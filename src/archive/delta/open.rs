@@ -71,6 +71,8 @@ impl DeltaArchive {
                 bytes: 0,
             }),
             counters: ReadCounters::default(),
+            memo_blobs: Default::default(),
+            memo_rows: Default::default(),
             file: c.file,
         })
     }

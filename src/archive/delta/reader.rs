@@ -17,8 +17,8 @@ use super::format::*;
 use crate::archive::file::ArchiveFile;
 use crate::archive::SectionInfo;
 use crate::archive::{
-    block_jobs, check_read, rel_err_of, BlockJob, Kind, ReadCounterSnapshot, ReadCounters, Store,
-    TensorSummary,
+    block_jobs, check_read, rel_err_of, BlockJob, BlockMemo, Kind, ReadCounterSnapshot,
+    ReadCounters, Store, TensorSummary,
 };
 use crate::codec::delta::{decode_base_block, f16_to_f32};
 use crate::codec::{self, TensorCodec};
@@ -80,6 +80,10 @@ pub struct DeltaArchive {
     pub(super) data_offset: u64,
     pub(super) cache: Mutex<SharedCache>,
     pub(super) counters: ReadCounters,
+    /// Blobs of passthrough blocks, and delta blocks decoded (Base + U·Vᵀ, the whole
+    /// block's product), that a read needed only in part.
+    pub(super) memo_blobs: BlockMemo<u8>,
+    pub(super) memo_rows: BlockMemo<f32>,
 }
 
 /// Does the file at `path` start with the delta archive's magic?
@@ -170,11 +174,10 @@ impl DeltaArchive {
         let cols = t.cols as usize;
         let first = b as u64 * t.rows_per_block;
         let n = (t.rows_per_block.min(t.rows - first)) as usize;
+        let rows = ((hi - lo) as u64, n as u64);
         match t.kind {
             TensorKind::Pass { format } => {
-                let payload = self
-                    .blob(t.first_blob + b)
-                    .map_err(|f| self.fault(ti, b, None, f))?;
+                let payload = self.memo_blob(ti, b, rows)?;
                 let codec = TensorCodec::Passthrough { format };
                 let g = codec::decode_global(&codec, &[], t.rows, t.cols).map_err(|e| {
                     ReadError::Corrupt {
@@ -197,54 +200,78 @@ impl DeltaArchive {
                 rank,
                 vt_blob,
             } => {
-                // The block's own U first, then the shared parts it needs.
-                let u = self
-                    .blob(t.first_blob + b)
-                    .map_err(|f| self.fault(ti, b, None, f))?;
-                let dtype = self.base_dtype;
-                let bb = self
-                    .shared(self.bases[base].first_blob + b, |p| {
-                        let mut v = vec![0f32; n * cols];
-                        decode_base_block(dtype, p, n, cols, &mut v);
-                        v
-                    })
-                    .map_err(|f| {
-                        self.fault(
-                            ti,
-                            b,
-                            Some(format!("{} block {b}", self.base_label(base))),
-                            f,
-                        )
-                    })?;
-                if rank == 0 || hi == lo {
-                    dst.copy_from_slice(&bb[lo * cols..hi * cols]);
-                    return Ok(());
-                }
-                let vt = self
-                    .shared(vt_blob, |p| {
-                        let mut v = vec![0f32; rank * cols];
-                        f16_to_f32(p, &mut v);
-                        v
-                    })
-                    .map_err(|f| self.fault(ti, b, Some("Vt blob".into()), f))?;
-                // Always the whole block's product: the GEMM's summation order depends on
-                // its shape, and a row must come out bit-identical whatever range asked
-                // for it (mounted files equal `export`).
-                let mut uf = vec![0f32; n * rank];
-                f16_to_f32(&u, &mut uf);
-                let mut full = bb.as_slice().to_vec();
-                faer::linalg::matmul::matmul(
-                    MatMut::from_row_major_slice_mut(&mut full, n, cols),
-                    Accum::Add,
-                    MatRef::from_row_major_slice(&uf, n, rank),
-                    MatRef::from_row_major_slice(&vt, rank, cols),
-                    1.0f32,
-                    Par::Seq,
-                );
+                let full = self.memo_rows.get_or_load((ti, b), rows, || {
+                    self.delta_block(ti, b, (base, rank, vt_blob), n)
+                })?;
                 dst.copy_from_slice(&full[lo * cols..hi * cols]);
                 Ok(())
             }
         }
+    }
+
+    /// Block `b` of delta tensor `ti` (`n` rows), decoded whole: Base + U·Vᵀ.
+    fn delta_block(
+        &self,
+        ti: usize,
+        b: usize,
+        (base, rank, vt_blob): (usize, usize, usize),
+        n: usize,
+    ) -> Result<Vec<f32>, ReadError> {
+        let t = &self.tensors[ti];
+        let cols = t.cols as usize;
+        // The block's own U first, then the shared parts it needs.
+        let u = self
+            .blob(t.first_blob + b)
+            .map_err(|f| self.fault(ti, b, None, f))?;
+        let dtype = self.base_dtype;
+        let bb = self
+            .shared(self.bases[base].first_blob + b, |p| {
+                let mut v = vec![0f32; n * cols];
+                decode_base_block(dtype, p, n, cols, &mut v);
+                v
+            })
+            .map_err(|f| {
+                self.fault(
+                    ti,
+                    b,
+                    Some(format!("{} block {b}", self.base_label(base))),
+                    f,
+                )
+            })?;
+        let mut full = bb.as_slice().to_vec();
+        if rank == 0 {
+            return Ok(full);
+        }
+        let vt = self
+            .shared(vt_blob, |p| {
+                let mut v = vec![0f32; rank * cols];
+                f16_to_f32(p, &mut v);
+                v
+            })
+            .map_err(|f| self.fault(ti, b, Some("Vt blob".into()), f))?;
+        // Always the whole block's product: the GEMM's summation order depends on its
+        // shape, and a row must come out bit-identical whatever range asked for it
+        // (mounted files equal `export`).
+        let mut uf = vec![0f32; n * rank];
+        f16_to_f32(&u, &mut uf);
+        faer::linalg::matmul::matmul(
+            MatMut::from_row_major_slice_mut(&mut full, n, cols),
+            Accum::Add,
+            MatRef::from_row_major_slice(&uf, n, rank),
+            MatRef::from_row_major_slice(&vt, rank, cols),
+            1.0f32,
+            Par::Seq,
+        );
+        Ok(full)
+    }
+
+    /// Blob of passthrough block `b` of tensor `ti` through the memo, for a read of
+    /// `rows` (rows it takes, rows the block has).
+    fn memo_blob(&self, ti: usize, b: usize, rows: (u64, u64)) -> Result<Arc<Vec<u8>>, ReadError> {
+        let blob = self.tensors[ti].first_blob + b;
+        self.memo_blobs
+            .get_or_load((ti, b), rows, || self.blob(blob))
+            .map_err(|f| self.fault(ti, b, None, f))
     }
 
     /// Every integrity failure, one line each.
@@ -328,9 +355,7 @@ impl RowSource for DeltaArchive {
         }
         let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), rb as usize, out);
         let run = |(b, _first, n, lo, hi, dst): BlockJob<'_, u8>| {
-            let payload = self
-                .blob(t.first_blob + b)
-                .map_err(|f| self.fault(tensor, b, None, f))?;
+            let payload = self.memo_blob(tensor, b, (hi - lo, n))?;
             let raw = codec::raw_block_rows(&codec, &payload, n, t.cols, lo, hi)
                 .map_err(|e| corrupt(b, e))?;
             dst.copy_from_slice(raw);

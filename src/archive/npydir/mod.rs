@@ -33,7 +33,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::archive::container::{invalid, io_error as io_err};
 use crate::archive::{
-    check_read, rel_err_of, Kind, ReadCounterSnapshot, ReadCounters, Store, TensorSummary,
+    check_read, rel_err_of, BlockMemo, Kind, ReadCounterSnapshot, ReadCounters, Store,
+    TensorSummary,
 };
 use crate::archive::{ArchiveError, SectionInfo};
 use crate::codec::intq as quant;
@@ -125,6 +126,8 @@ pub struct NpyDir {
     identity: u128,
     counters: ReadCounters,
     whole: Mutex<WholeCache>,
+    /// Blocks (dequantized) a read needed only in part.
+    memo: BlockMemo<f32>,
 }
 
 /// The directory's identity (docs/TIER.md): XXH3-128 of its manifest, its
@@ -243,6 +246,7 @@ impl NpyDir {
             checksummed: o.checksummed,
             identity,
             counters: ReadCounters::default(),
+            memo: BlockMemo::default(),
             whole: Mutex::new(WholeCache::new()),
         })
     }
@@ -323,7 +327,13 @@ impl RowSource for NpyDir {
         }
         let (e0, e1) = (r0 * g.cols, r1 * g.cols);
         for b in r0 / g.rows_per_block..=(r1 - 1) / g.rows_per_block {
-            let (vals, start) = self.decode_block(tensor, b as usize).map_err(|be| {
+            let first = b * g.rows_per_block;
+            let last = (first + g.rows_per_block).min(g.rows);
+            let rows = (r1.min(last) - r0.max(first), last - first);
+            let start = g.block_ranges(b as usize).1;
+            let key = (tensor, b as usize);
+            let load = || self.decode_block(tensor, b as usize).map(|(v, _)| v);
+            let vals = self.memo.get_or_load(key, rows, load).map_err(|be| {
                 // A changed file has logged itself once; a line per read would bury it.
                 if !matches!(be.err, ReadError::Changed(_)) {
                     tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
