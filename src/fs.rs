@@ -249,8 +249,11 @@ impl MountFs {
             }
         }
         files.sort_by(|a, b| a.name.cmp(&b.name));
-        // Blocks kept for the rest of their rows live outside the cache budget: a
-        // sixteenth of it at most.
+        // Decode buffers kept between reads live outside the cache budget: a
+        // sixty-fourth of it at most (none under 64 MiB).
+        let kept = opts.cache_bytes / 64 / layout::SCRATCH_BUFFER_BYTES;
+        layout::keep_scratch_buffers(kept.min(16) as usize);
+        // So are blocks kept for the rest of their rows: a sixteenth of it at most.
         crate::archive::set_block_memo_bytes(
             (opts.cache_bytes / 16).min(crate::archive::store::BLOCK_MEMO_BYTES as u64) as usize,
         );

@@ -45,7 +45,7 @@ pub enum LayoutError {
 
 /// At most this many bytes of f32 rows are decoded at once by one `read_at` step, so a
 /// large read (an 8 MiB export chunk) is a few row runs and memory stays bounded.
-const SCRATCH_F32_BYTES: u64 = 4 << 20;
+const SCRATCH_F32_BYTES: u64 = 1 << 20;
 
 /// A single row larger than this is refused when a layout is built: one row is the
 /// smallest unit a read decodes, so it bounds the memory of any read.
@@ -332,8 +332,12 @@ impl Rows {
     ) -> Result<(), ReadError> {
         match self {
             Rows::Values(v) => {
+                let n = ((s1 - s0) * t.cols) as usize;
                 v.clear();
-                v.resize(((s1 - s0) * t.cols) as usize, 0.0);
+                // The whole scratch size at once, so that the buffer kept for the next
+                // read (`give_scratch`) never moves: only its touched pages are resident.
+                v.reserve_exact(n.max((SCRATCH_F32_BYTES / 4) as usize));
+                v.resize(n, 0.0);
                 src.read_rows(t.tensor, s0, s1, v)
             }
             Rows::Raw(v) => {
@@ -378,9 +382,59 @@ fn read_tensor(
     let mut rows = if t.raw {
         Rows::Raw(Vec::new())
     } else {
-        Rows::Values(Vec::new())
+        Rows::Values(take_scratch())
     };
+    let result = read_tensor_rows(src, t, (rel, end), &mut rows, out);
+    if let Rows::Values(v) = rows {
+        give_scratch(v);
+    }
+    result
+}
 
+/// f32 row buffers of finished reads, for the next: a fresh one per chunk was a fresh
+/// mapping, page faults and zeroing included (a tenth of a cold read's CPU). Shared
+/// rather than per thread because the mount loads the chunks of one read on threads
+/// spawned for it. Each holds at most [`SCRATCH_F32_BYTES`], of which only the pages a
+/// read touched are resident; how many are kept is [`keep_scratch_buffers`]'s.
+static SCRATCH: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+static SCRATCH_KEPT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(16);
+
+/// Keep at most `n` row buffers between reads (16 by default; 0 keeps none), for a
+/// process whose memory outside its cache budget is bounded (the mount keeps a
+/// sixty-fourth of its budget).
+pub fn keep_scratch_buffers(n: usize) {
+    SCRATCH_KEPT.store(n, std::sync::atomic::Ordering::Relaxed);
+    let mut pool = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+    pool.truncate(n);
+}
+
+/// The largest buffer [`keep_scratch_buffers`] counts with.
+pub const SCRATCH_BUFFER_BYTES: u64 = SCRATCH_F32_BYTES;
+
+fn take_scratch() -> Vec<f32> {
+    let mut pool = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+    pool.pop().unwrap_or_default()
+}
+
+fn give_scratch(v: Vec<f32>) {
+    // A run is at most SCRATCH_F32_BYTES unless one row (or head) is larger; such a
+    // buffer is not kept.
+    if v.capacity() > 0 && v.capacity() * 4 <= SCRATCH_F32_BYTES as usize {
+        let mut pool = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < SCRATCH_KEPT.load(std::sync::atomic::Ordering::Relaxed) {
+            pool.push(v);
+        }
+    }
+}
+
+fn read_tensor_rows(
+    src: &dyn RowSource,
+    t: &TensorPiece,
+    (rel, end): (u64, u64),
+    rows: &mut Rows,
+    out: &mut [u8],
+) -> Result<(), ReadError> {
     // A permuted 1-D tensor: one small row whose elements are reordered.
     if let (Some(heads), 1, false) = (t.permute, t.rows, t.raw) {
         let mut vals = vec![0f32; t.cols as usize];
@@ -429,11 +483,11 @@ fn read_tensor(
         };
         rows.read(src, t, s0, s1)?;
         match t.permute {
-            None => place(&rows, out, (0, s1 - s0), r * row_bytes, r_end * row_bytes)?,
+            None => place(rows, out, (0, s1 - s0), r * row_bytes, r_end * row_bytes)?,
             Some(heads) => {
                 for g in r..r_end {
                     let s = crate::model::names::gguf_row_to_hf(g, t.rows, heads) - s0;
-                    place(&rows, out, (s, s + 1), g * row_bytes, (g + 1) * row_bytes)?;
+                    place(rows, out, (s, s + 1), g * row_bytes, (g + 1) * row_bytes)?;
                 }
             }
         }
