@@ -22,6 +22,10 @@ struct Job {
 struct Queue {
     jobs: std::collections::VecDeque<Job>,
     bytes: u64,
+    /// Buffers of written jobs, for the next copies (fresh ones cost page faults on
+    /// every extent); with the queued ones they hold at most `max_bytes`.
+    spare: Vec<Vec<u8>>,
+    spare_bytes: u64,
     closed: bool,
     /// Bumped by `flush` callers; the thread publishes everything and echoes it.
     flush_asked: u64,
@@ -134,10 +138,19 @@ impl Writer {
             return false;
         }
         q.bytes += len;
+        let mut copy = match q.spare.pop() {
+            Some(v) => {
+                q.spare_bytes -= v.capacity() as u64;
+                v
+            }
+            None => Vec::new(),
+        };
+        copy.clear();
+        copy.extend_from_slice(bytes);
         q.jobs.push_back(Job {
             entry: entry.clone(),
             extent,
-            bytes: bytes.to_vec(),
+            bytes: copy,
         });
         self.shared.wake.notify_one();
         true
@@ -184,6 +197,17 @@ impl Drop for Writer {
     }
 }
 
+/// Keep a written job's buffer for the next copy while queued and spare bytes stay
+/// within the queue's bound.
+fn keep_spare(s: &Shared, buf: Vec<u8>) {
+    let mut q = s.queue.lock().unwrap();
+    let cap = buf.capacity() as u64;
+    if q.bytes + q.spare_bytes + cap <= s.max_bytes {
+        q.spare_bytes += cap;
+        q.spare.push(buf);
+    }
+}
+
 fn run(s: &Shared) {
     // Entries written to since their last publish.
     let mut dirty: Vec<Arc<Entry>> = Vec::new();
@@ -217,11 +241,12 @@ fn run(s: &Shared) {
         };
         let wrote = job.is_some();
         if let Some(job) = job {
-            match job.entry.write(job.extent, &job.bytes) {
+            let result = job.entry.write(job.extent, &job.bytes);
+            let len = job.bytes.len() as u64;
+            keep_spare(s, job.bytes);
+            match result {
                 Ok(()) => {
-                    s.counters
-                        .written_bytes
-                        .fetch_add(job.bytes.len() as u64, Ordering::Relaxed);
+                    s.counters.written_bytes.fetch_add(len, Ordering::Relaxed);
                     s.counters.written_extents.fetch_add(1, Ordering::Relaxed);
                     if !dirty.iter().any(|e| Arc::ptr_eq(e, &job.entry)) {
                         dirty.push(job.entry.clone());
