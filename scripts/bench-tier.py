@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The disk tier and FUSE passthrough against the exported file, measured in one run.
 
-  scripts/bench-tier.py [--archive PATH] [--runs 5] [--out docs/MOUNT.md]
+  scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--out docs/MOUNT.md
+                        [--section tier]]
 
 Every comparison is paired and interleaved (mount, file, mount, file, ...) and reports
 the ratio of medians; "file" is `cawsfs export` of the same view on the same disk.
@@ -15,12 +16,15 @@ the ratio of medians; "file" is `cawsfs export` of the same view on the same dis
    with every core.
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
+   `--load-only` measures 1 and 4 only (for a large model, whose warm generation adds
+   minutes and no new question).
 
 Needs root (it drops the page cache), target/release/cawsfs and the llama.cpp build
 (scripts/build-llama-cpp.sh). Work files go to $CAWSFS_CACHE/bench-tier (default
 ~/.cache/cawsfs), the archive defaults to the demo's (scripts/demo.sh makes it) or the
 test model converted there once. With --out, the section between the tier markers of
-that file is rewritten.
+that file is rewritten (`<!-- SECTION:begin -->` … `<!-- SECTION:end -->`, SECTION
+`tier` unless `--section` names another).
 """
 
 import argparse
@@ -39,7 +43,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
 MiB = 1 << 20
-BEGIN, END = "<!-- tier:begin -->", "<!-- tier:end -->"
 PROMPT = "The capital of France is"
 GGUF = "model.gguf"
 
@@ -106,11 +109,44 @@ def paired(runs, a, b):
     return statistics.median(xs), statistics.median(ys)
 
 
+def passthrough_rows(archive, mp, tier, exported, bin_dir, runs):
+    """Steps 2-3 on a restarted mount whose tier holds model.gguf whole."""
+    rows, size = [], os.path.getsize(exported)
+    m = Mount(archive, mp, tier)
+    try:
+        served = os.path.join(mp, GGUF)
+
+        def cold(p):
+            drop_page_cache()
+            return read_all(p)
+
+        cm, cf = paired(runs, lambda: cold(served), lambda: cold(exported))
+        rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
+                     f"{size / MiB / cf:.0f} MiB/s", f"{cf / cm:.2f}"))
+        read_all(served), read_all(exported)
+        wm, wf = paired(runs, lambda: read_all(served), lambda: read_all(exported))
+        rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
+                     f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
+        for threads in sorted({1, os.cpu_count() or 1}):
+            tm, tf = paired(runs, lambda: llama(bin_dir, served, threads, 64)[0],
+                            lambda: llama(bin_dir, exported, threads, 64)[0])
+            rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
+                         f"{tm / tf:.3f}"))
+        st = m.stat()
+        assert st["tier"]["passthrough"] == "on", st["tier"]
+        assert st["cache"]["bytes_served"] == 0, st["cache"]
+    finally:
+        m.close()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--archive")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--load-only", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--section", default="tier")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench-tier: needs root (it drops the page cache)")
@@ -144,9 +180,9 @@ def main():
         st = m.stat()
     finally:
         m.close()  # returns after the tier is flushed
-    decoded = st["archive"]["bytes_decoded"]
+    decoded = st["archive"]["bytes_read"]
     rows.append(("first pass: sequential read of model.gguf", f"{size / MiB / first_s:.0f} MiB/s", "", ""))
-    rows.append(("first pass: archive bytes decoded / archive bytes", f"{decoded / archive_bytes:.2f}", "", ""))
+    rows.append(("first pass: archive bytes read and decoded / archive bytes", f"{decoded / archive_bytes:.2f}", "", ""))
     rows.append(("first pass: daemon CPU / export CPU", f"{c1 - c0:.2f} s", f"{export_cpu:.2f} s",
                  f"{(c1 - c0) / export_cpu:.2f}"))
     listed = json.loads(sh(CAWSFS, "tier", "ls", "--dir", tier, "--json"))
@@ -155,31 +191,8 @@ def main():
         sys.exit(f"bench-tier: model.gguf is not whole in the tier after one pass: {listed}")
 
     # 2-3. After a restart: passthrough.
-    m = Mount(archive, mp, tier)
-    try:
-        served = os.path.join(mp, GGUF)
-
-        def cold(p):
-            drop_page_cache()
-            return read_all(p)
-
-        cm, cf = paired(a.runs, lambda: cold(served), lambda: cold(exported))
-        rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
-                     f"{size / MiB / cf:.0f} MiB/s", f"{cf / cm:.2f}"))
-        read_all(served), read_all(exported)
-        wm, wf = paired(a.runs, lambda: read_all(served), lambda: read_all(exported))
-        rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
-                     f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
-        for threads in sorted({1, os.cpu_count() or 1}):
-            tm, tf = paired(a.runs, lambda: llama(bin_dir, served, threads, 64)[0],
-                            lambda: llama(bin_dir, exported, threads, 64)[0])
-            rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
-                         f"{tm / tf:.3f}"))
-        st = m.stat()
-        assert st["tier"]["passthrough"] == "on", st["tier"]
-        assert st["cache"]["bytes_served"] == 0, st["cache"]
-    finally:
-        m.close()
+    if not a.load_only:
+        rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs)
 
     # 4. Restart then load, both from a cold page cache.
     def restart_load():
@@ -202,13 +215,15 @@ def main():
 
     head = ("| measure | mount | exported file | ratio |\n|---|---|---|---|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |\n" for r in rows)
-    cmd = "scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "") + f" --runs {a.runs}"
+    cmd = ("scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "")
+           + f" --runs {a.runs}" + (" --load-only" if a.load_only else ""))
     text = (f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
             f"`{cmd}`, archive {os.path.basename(archive)} ({archive_bytes / MiB:.1f} MiB), "
             f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs. Ratios: "
             "bytes/s and tokens/s mount/file, times mount/file.\n\n" + table)
     print(text)
     if a.out:
+        BEGIN, END = f"<!-- {a.section}:begin -->", f"<!-- {a.section}:end -->"
         doc = open(a.out).read()
         if BEGIN in doc and END in doc:
             pre, rest = doc.split(BEGIN, 1)
