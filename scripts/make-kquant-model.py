@@ -2,13 +2,16 @@
 256 values, so llama.cpp's K-quants (Q4_K, Q6_K …) apply to every weight without falling
 back. Called by scripts/make-kquant-model.sh, which supplies the tokenizer side files.
 
-    python3 scripts/make-kquant-model.py TOKENIZER_HF_DIR OUT_DIR
+    python3 scripts/make-kquant-model.py TOKENIZER_HF_DIR OUT_DIR [k256|1b]
 
-Shape: hidden 256, intermediate 768, 4 heads of 64 with 1 KV head (GQA ratio 4, which
-some llama-quantize presets test), 8 layers (so the medium mixes' first/last-eighth
-rules pick distinct layers), an untied output head (the test model's is tied), and the
-tokenizer and vocabulary of TOKENIZER_HF_DIR (49152 tokens for SmolLM2) so llama.cpp
-tokenizes real text. Weights come from numpy's PCG64 with a fixed seed, not from torch's
+Shape `k256` (the default): hidden 256, intermediate 768, 4 heads of 64 with 1 KV head
+(GQA ratio 4, which some llama-quantize presets test), 8 layers (so the medium mixes'
+first/last-eighth rules pick distinct layers), an untied output head (the test model's
+is tied), and the tokenizer and vocabulary of TOKENIZER_HF_DIR (49152 tokens for
+SmolLM2) so llama.cpp tokenizes real text. Shape `1b`: TinyLlama's (hidden 2048,
+intermediate 5632, 22 layers, 32 heads of 64 with 4 KV heads, untied), 1.17 B
+parameters with this vocabulary, 2.3 GB in bf16: the large model the disk-tier
+benchmark loads. Weights come from numpy's PCG64 with a fixed seed, not from torch's
 initializers, so the bytes do not depend on the torch or transformers version.
 """
 import json
@@ -25,17 +28,20 @@ SIDE_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "generation_config.json"]
 
 
-def main(tok_dir, out):
+SHAPES = {
+    "k256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=64),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, head_dim=64),
+}
+
+
+def main(tok_dir, out, shape="k256"):
     tok_dir, out = Path(tok_dir), Path(out)
     src = json.loads((tok_dir / "config.json").read_text())
     config = LlamaConfig(
         vocab_size=src["vocab_size"],
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
+        **SHAPES[shape],
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_theta=src.get("rope_theta", 10000.0),
@@ -44,6 +50,8 @@ def main(tok_dir, out):
         eos_token_id=src.get("eos_token_id"),
         pad_token_id=src.get("pad_token_id"),
     )
+    # Built in bf16 (the large shape would take 4.7 GB in f32); values are drawn in f32.
+    torch.set_default_dtype(torch.bfloat16)
     model = LlamaForCausalLM(config)
     rng = np.random.default_rng(SEED)
     with torch.no_grad():
@@ -57,7 +65,7 @@ def main(tok_dir, out):
             else:
                 v = 0.02 * rng.standard_normal(p.shape)
             p.copy_(torch.from_numpy(v.astype(np.float32)))
-    model = model.to(torch.bfloat16)
+            del v
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     (out / "model.safetensors").chmod(0o644)
@@ -73,6 +81,6 @@ def main(tok_dir, out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4) or (len(sys.argv) == 4 and sys.argv[3] not in SHAPES):
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
