@@ -2,7 +2,8 @@
 """What llama.cpp holds and how fast it runs for each `model.gguf` view, as ratios
 against the original quantized GGUF file measured in the same run.
 
-  scripts/bench-views.py [--runs 3] [--limit-mib 160] [--out docs/MOUNT.md]
+  scripts/bench-views.py [--runs 3] [--limit-mib 160] [--mount-args "--no-disk-cache"]
+                         [--out docs/MOUNT.md [--section views]]
 
 1. Unconstrained, warm: llama-completion (-n 32, greedy, -c 512) on the original file and
    on each mounted view; peak RSS (getrusage of the child) and generation tokens/s.
@@ -12,6 +13,10 @@ against the original quantized GGUF file measured in the same run.
    charged) inside the cgroup.
 3. Serving cost: CPU seconds (user + sys) of `cawsfs export` of model.gguf per view,
    against the F16 view of the same archive (the same weights).
+
+Mounts use the default options (the disk tier on: once the warm-up run has read a view
+whole, later opens are FUSE passthrough opens of the tier file) plus --mount-args;
+`--mount-args=--no-disk-cache` measures the daemon serving every read.
 
 Every measurement is repeated --runs times, cases interleaved (A B C A B C ...), medians.
 Needs root (cgroups, drop_caches), target/release/cawsfs, the llama.cpp build
@@ -36,7 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
 MiB = 1 << 20
-BEGIN, END = "<!-- views:begin -->", "<!-- views:end -->"
 PROMPT = "The capital of France is"
 
 
@@ -48,11 +52,21 @@ class Mount:
     def __init__(self, archive, mp, *args):
         os.makedirs(mp, exist_ok=True)
         self.mp = mp
-        out = sh(CAWSFS, "mount", archive, mp, "--cache-size", "1GiB", *args)
+        out = sh(CAWSFS, "mount", archive, mp, "--cache-size", "1GiB", *args, *MOUNT_ARGS)
         self.pid = int(re.search(r"pid (\d+)", out).group(1))
 
     def close(self):
         subprocess.run([CAWSFS, "umount", self.mp], capture_output=True)
+
+    def served_by(self):
+        """How llama.cpp's opens were answered: by the kernel from the tier file
+        (passthrough) or by the daemon."""
+        import json
+        tier = json.loads(sh(CAWSFS, "stat", self.mp, "--json")).get("tier") or {}
+        return "passthrough" if tier.get("passthrough_opens") else "daemon"
+
+
+MOUNT_ARGS = []
 
 
 class Cgroup:
@@ -138,8 +152,13 @@ def main():
                     help="views of the default archive to measure")
     ap.add_argument("--cost-views", default="q8_0,q6_k,q5_k,q5_0,q4_k,q4_0,q4_k_m,auto",
                     help="views whose export CPU is compared with f16's")
+    ap.add_argument("--mount-args", default="", help="more options for every mount")
     ap.add_argument("--out")
+    ap.add_argument("--section", default="views", help="marker name of the section --out rewrites")
     a = ap.parse_args()
+    MOUNT_ARGS.extend(shlex.split(a.mount_args))
+    global BEGIN, END
+    BEGIN, END = f"<!-- {a.section}:begin -->", f"<!-- {a.section}:end -->"
     bin_dir = sh(os.path.join(ROOT, "scripts/build-llama-cpp.sh")).strip()
     model = sh(os.path.join(ROOT, "scripts/fetch-test-model.sh")).strip()
     arcs = ensure_archives(model)
@@ -184,6 +203,9 @@ def main():
             med = [statistics.median(x) for x in zip(*res[path])]
             rows.append((label, view, sizes[path] / MiB, med[0], med[0] / base[0], med[1], med[1] / base[1],
                          med[2], med[2] / base[2]))
+        # Each case row names how its mount answered llama.cpp's opens.
+        served = {(label, view): m.served_by() for (label, view, _), m in zip(cases[1:], mounts)}
+        rows = [(f"{r[0]} ({served[r[:2]]})",) + r[1:] if r[:2] in served else r for r in rows]
     finally:
         for m in mounts:
             m.close()

@@ -916,7 +916,8 @@ fn views_fall_back_per_tensor_where_rows_do_not_fit() {
 }
 
 /// Auto serves a lossy tensor from the llama-quantize mix whose main type's error is at
-/// most half the archive's (Q5_K_M near NDSQ's 9 %, Q8_0 for 1-2 %, F16 below), unknown
+/// most half the archive's (Q5_K_M near NDSQ's 9 %, Q8_0 for 1-2 % and for any archive
+/// less precise than Q8_0, F16 below), unknown
 /// errors as Q8_0, stored blocks raw, and notes no fallbacks of its own.
 #[test]
 fn auto_picks_the_mix_by_the_archive_error() {
@@ -939,6 +940,9 @@ fn auto_picks_the_mix_by_the_archive_error() {
     assert_eq!(q(Some(0.05)).0, GgmlType::Q6_K);
     assert_eq!(q(Some(0.015)).0, GgmlType::Q8_0);
     assert_eq!(q(None).0, GgmlType::Q8_0);
+    // Int8 rows (about 0.85 %): less precise than Q8_0 itself, so Q8_0, not F16.
+    assert_eq!(q(Some(0.0085)).0, GgmlType::Q8_0);
+    assert_eq!(q(Some(0.004)).0, GgmlType::F16);
     assert_eq!(q(Some(0.001)).0, GgmlType::F16);
     assert_eq!(q(Some(0.3)).0, GgmlType::Q4_K);
 }

@@ -182,14 +182,19 @@ const AUTO_MIXES: [(Preset, f64); 4] = [
 const AUTO_ERR_FRACTION: f64 = 0.5;
 
 /// Which of [`AUTO_MIXES`] (index) a lossy tensor with error `err` is served from;
-/// None: F16 (the archive is too close to exact for any of them).
+/// None: F16 (the archive is more precise than Q8_0 itself).
 fn auto_mix(err: Option<f64>) -> Option<usize> {
+    let q8 = AUTO_MIXES.len() - 1;
     match err {
         Some(e) => AUTO_MIXES
             .iter()
-            .position(|(_, q)| *q <= AUTO_ERR_FRACTION * e),
+            .position(|(_, q)| *q <= AUTO_ERR_FRACTION * e)
+            // Q8_0 is the floor for an archive already less precise than Q8_0 (int8
+            // rows, 1 % deltas): F16 would double llama.cpp's memory to keep an error
+            // below the archive's own.
+            .or((e >= AUTO_MIXES[q8].1).then_some(q8)),
         // Unknown loss: Q8_0 adds a tenth of what any lossy codec here loses.
-        None => Some(AUTO_MIXES.len() - 1),
+        None => Some(q8),
     }
 }
 
