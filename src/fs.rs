@@ -128,6 +128,8 @@ pub struct FsTier {
     passthrough: Mutex<Passthrough>,
     /// The last (or running) `materialize`.
     materializing: Mutex<Option<Arc<Materializing>>>,
+    /// Extents the writer dropped and [`MountFs::refill_tier`] made again.
+    refilled_extents: AtomicU64,
 }
 
 /// A `materialize` run: whole files reconstructed into the disk tier in the
@@ -207,6 +209,9 @@ impl FsTier {
     }
     pub fn hit_bytes(&self) -> u64 {
         self.hit_bytes.load(Ordering::Relaxed)
+    }
+    pub fn refilled_extents(&self) -> u64 {
+        self.refilled_extents.load(Ordering::Relaxed)
     }
     pub fn bad_extents(&self) -> u64 {
         self.bad_extents.load(Ordering::Relaxed)
@@ -339,6 +344,63 @@ impl MountFs {
         }
     }
 
+    /// Make again the extents whose copies the tier's writer dropped (its queue was
+    /// full), once its queue is empty, so that a file read whole ends up whole in the
+    /// tier and its next open is a passthrough one. Returns how many were written.
+    pub fn refill_tier(&self) -> u64 {
+        let Some(t) = &self.tier else { return 0 };
+        let dropped = t.writer.take_dropped_when_idle();
+        let mut buf = Vec::new();
+        let mut done = 0;
+        for (te, x) in dropped {
+            let Some(e) = self
+                .entries
+                .iter()
+                .find(|e| e.tier.as_ref().is_some_and(|t| Arc::ptr_eq(t, &te)))
+            else {
+                continue;
+            };
+            // A read may have written it since.
+            let Some(len) = te.extent_len(x).ok().filter(|_| !te.has(x)) else {
+                continue;
+            };
+            buf.resize(len, 0);
+            let cs = self.cache.chunk_size();
+            match e.file.read_at(&*self.archive, x * cs, &mut buf) {
+                Ok(n) if n == len => {}
+                // The read path has logged what went wrong; the extent stays missing.
+                _ => continue,
+            }
+            if !t.writer.offer_wait(&te, x, &buf) {
+                break; // the size bound is reached, or the writer is closing
+            }
+            done += 1;
+        }
+        t.refilled_extents.fetch_add(done, Ordering::Relaxed);
+        done
+    }
+
+    /// Run [`MountFs::refill_tier`] every quarter second on a thread of its own until
+    /// the filesystem is dropped.
+    pub fn start_tier_refill(self: &Arc<Self>) -> std::io::Result<()> {
+        if self.tier.is_none() {
+            return Ok(());
+        }
+        let fs = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("cawsfs-tier-refill".into())
+            .spawn(move || loop {
+                std::thread::sleep(std::time::Duration::from_millis(250));
+                match fs.upgrade() {
+                    Some(fs) => {
+                        fs.refill_tier();
+                    }
+                    None => break,
+                }
+            })
+            .map(|_| ())
+    }
+
     pub fn entry_by_name(&self, name: &str) -> Option<&Entry> {
         self.entries.iter().find(|e| e.name == name)
     }
@@ -443,7 +505,7 @@ impl MountFs {
             return None;
         }
         if !e.verified.load(Ordering::Acquire) {
-            match t.verify_all() {
+            match t.verify_all_once() {
                 Ok(bad) if bad.is_empty() => e.verified.store(true, Ordering::Release),
                 Ok(bad) => {
                     if let Some(ft) = &self.tier {
@@ -786,7 +848,8 @@ fn open_tier(
         .sum();
     let room = t.max_bytes.saturating_sub(used);
     // Copies wait here, outside the cache budget: a sixteenth of it (one chunk at
-    // least, 16 MiB at most); the writer keeps up with reconstruction by far.
+    // least, 16 MiB at most); what a full queue drops is made again later
+    // (`MountFs::refill_tier`).
     let queue = (opts.cache_bytes / 16).clamp(opts.chunk_size, 16 << 20);
     Ok(Arc::new(FsTier {
         dir: t.dir.clone(),
@@ -797,5 +860,6 @@ fn open_tier(
         passthrough_opens: AtomicU64::new(0),
         passthrough: Mutex::new(Passthrough::Pending),
         materializing: Mutex::new(None),
+        refilled_extents: AtomicU64::new(0),
     }))
 }

@@ -133,12 +133,14 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
-            "tier     {} of {} present ({} whole)  served {}  written {}  bad {}  passthrough {} ({} opens)",
+            "tier     {} of {} present ({} whole)  served {}  written {}  dropped {} (refilled {})  bad {}  passthrough {} ({} opens)",
             bytes(t.present_bytes),
             bytes(t.max_bytes),
             count(t.whole_files),
             bytes(t.hit_bytes),
             bytes(t.written_bytes),
+            count(t.dropped_extents),
+            count(t.refilled_extents),
             count(t.bad_extents),
             t.passthrough.as_deref().unwrap_or("-"),
             count(t.passthrough_opens),
@@ -285,7 +287,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
-    let simple: [(&str, &str, &str, Option<u64>); 20] = [
+    let simple: [(&str, &str, &str, Option<u64>); 22] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -381,6 +383,18 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Bytes written to the disk tier.",
             t.written_bytes,
+        ),
+        (
+            "cawsfs_tier_dropped_extents_total",
+            "counter",
+            "Reconstructed extents the disk tier's writer had no room to queue.",
+            t.dropped_extents,
+        ),
+        (
+            "cawsfs_tier_refilled_extents_total",
+            "counter",
+            "Dropped extents made again and written once the writer's queue was empty.",
+            t.refilled_extents,
         ),
         (
             "cawsfs_tier_bad_extents_total",

@@ -55,6 +55,9 @@ pub struct TierStat {
     /// Reconstructed extents not written because the writer's queue was full.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped_extents: Option<u64>,
+    /// Dropped extents made again and written once the writer's queue was empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refilled_extents: Option<u64>,
     /// Reconstructed extents not written because the size bound was reached.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub over_bound_extents: Option<u64>,

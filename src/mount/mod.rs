@@ -111,6 +111,11 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
             err,
         })?,
     );
+    if let Err(e) = fs.start_tier_refill() {
+        tracing::warn!(
+            "disk tier: cannot start the refill thread ({e}); dropped extents stay missing"
+        );
+    }
     let session = session::mount(fs.clone(), archive_path, mountpoint, opts)
         .map_err(|e| mount_err(format!("mount failed: {e}")))?;
 

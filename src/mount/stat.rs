@@ -94,6 +94,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 hit_bytes: Some(t.hit_bytes()),
                 written_bytes: Some(w.written_bytes),
                 dropped_extents: Some(w.dropped_extents),
+                refilled_extents: Some(t.refilled_extents()),
                 over_bound_extents: Some(w.over_bound_extents),
                 bad_extents: Some(t.bad_extents()),
                 write_errors: Some(w.errors),

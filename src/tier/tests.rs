@@ -101,6 +101,39 @@ fn verify_all_finds_every_bad_extent() {
     assert!(!e.is_whole());
 }
 
+/// A clean full check leaves a stamp that spares the next one only while neither file
+/// has changed: a byte written into the data file afterwards is still found, even by
+/// a later process that reopens the entry.
+#[test]
+fn verification_is_skipped_only_for_unchanged_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    let stamp = e.idx_path.with_extension("ok");
+    // Files changed a moment ago are checked but not stamped: a write in the same tick
+    // of the file system's clock would not move their change time.
+    assert_eq!(e.verify_all_once().unwrap(), Vec::<u64>::new());
+    assert!(!stamp.exists());
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    assert_eq!(e.verify_all_once().unwrap(), Vec::<u64>::new());
+    assert!(stamp.exists());
+    drop(e);
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(e.verify_all_once().unwrap(), Vec::<u64>::new());
+    // The change time moves with any write, even one that restores the mtime.
+    let f = OpenOptions::new().write(true).open(e.data_path()).unwrap();
+    let mtime = f.metadata().unwrap().modified().unwrap();
+    f.write_all_at(&[0xee; 1], 4096 * 2 + 7).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop((f, e));
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(e.verify_all_once().unwrap(), vec![2]);
+    // Extents waiting for their index are never vouched for.
+    e.write(2, &extent_bytes(2, 4096)).unwrap();
+    assert!(e.stamp().is_none());
+}
+
 #[test]
 fn a_damaged_or_foreign_index_is_dropped_with_its_data() {
     let dir = tempfile::tempdir().unwrap();
@@ -347,4 +380,12 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
     let w = Writer::start(1000, 1 << 30).unwrap();
     assert!(!w.offer(&e, 3, &extent_bytes(3, 2048)));
     assert_eq!(w.stats().dropped_extents, 1);
+    // The dropped extent is handed out (once) for a refill, which may wait for room.
+    let dropped = w.take_dropped_when_idle();
+    assert_eq!(dropped.len(), 1);
+    assert!(std::sync::Arc::ptr_eq(&dropped[0].0, &e) && dropped[0].1 == 3);
+    assert!(w.take_dropped_when_idle().is_empty());
+    assert!(w.offer_wait(&e, 3, &extent_bytes(3, 2048)));
+    w.flush();
+    assert!(e.has(3));
 }

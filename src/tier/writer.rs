@@ -1,7 +1,9 @@
 //! The background writer: copies of freshly reconstructed extents go into a bounded
 //! queue and one thread writes them to their entries, publishing each entry's index
 //! now and then, when the queue runs dry, and at [`Writer::flush`]. A full queue drops
-//! the copy: the tier must never delay a read.
+//! the copy: the tier must never delay a read. Dropped extents are remembered
+//! ([`Writer::take_dropped_when_idle`]) so the mount can make them again once the queue
+//! is empty, and a file read whole becomes whole in the tier.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -11,6 +13,10 @@ use super::Entry;
 
 /// How long an entry's written extents may wait for their index.
 const PUBLISH_EVERY: Duration = Duration::from_secs(2);
+
+/// Dropped extents remembered for a later refill at most (16 bytes and a pointer each);
+/// past it, `materialize` still fills what is missing.
+const DROPPED_KEPT: usize = 1 << 16;
 
 struct Job {
     entry: Arc<Entry>,
@@ -26,6 +32,8 @@ struct Queue {
     /// every extent); with the queued ones they hold at most `max_bytes`.
     spare: Vec<Vec<u8>>,
     spare_bytes: u64,
+    /// Extents whose copy a full queue dropped, to be made again when it is idle.
+    dropped: Vec<(Arc<Entry>, u64)>,
     closed: bool,
     /// Bumped by `flush` callers; the thread publishes everything and echoes it.
     flush_asked: u64,
@@ -134,6 +142,9 @@ impl Writer {
                     .counters
                     .dropped_extents
                     .fetch_add(1, Ordering::Relaxed);
+                if !q.closed && q.dropped.len() < DROPPED_KEPT {
+                    q.dropped.push((entry.clone(), extent));
+                }
             }
             return false;
         }
@@ -154,6 +165,18 @@ impl Writer {
         });
         self.shared.wake.notify_one();
         true
+    }
+
+    /// The extents whose copies a full queue dropped since the last call, once the
+    /// queue is empty (none while it is not: making them again then would only compete
+    /// with fresh copies).
+    pub fn take_dropped_when_idle(&self) -> Vec<(Arc<Entry>, u64)> {
+        let mut q = self.shared.queue.lock().unwrap();
+        if q.jobs.is_empty() {
+            std::mem::take(&mut q.dropped)
+        } else {
+            Vec::new()
+        }
     }
 
     /// Disk bytes new extents may still take under the size bound.

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -124,6 +126,37 @@ def test_a_damaged_index_is_dropped_and_rebuilt(cawsfs, archives, work, exported
         assert m.stat()["archive"]["bytes_decoded"] > 0
     finally:
         m.close()
+
+
+def test_extents_a_full_queue_dropped_are_made_again(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """A 4 MiB budget gives the tier's writer a queue of one chunk, so a fast read drops
+    copies; they are made again once the queue is empty and the file becomes whole in
+    the tier without `materialize`, its bytes those of the export."""
+    path, _ = archives["default"]
+    ref = exported / GGUF
+    m = Mount(cawsfs, path, work / "mnt-refill", "--cache-size", "4MiB", "--disk-cache", tier)
+    try:
+        with ThreadPoolExecutor(4) as pool:  # four readers at once outrun one writer
+            quarter = ref.stat().st_size // 4 + 1
+            assert all(pool.map(lambda i: read_range(m.mp / GGUF, ref, i * quarter, quarter), range(4)))
+        for _ in range(300):
+            t = m.stat()["tier"]
+            if t["whole_files"] >= 1:
+                break
+            time.sleep(0.1)
+        assert t["dropped_extents"] > 0, t
+        assert t["refilled_extents"] > 0 and t["whole_files"] >= 1, t
+        assert "refilled" in run([cawsfs, "stat", m.mp]).stdout
+    finally:
+        m.close()
+    assert entry_of(tier, ref.stat().st_size).read_bytes() == ref.read_bytes()
+
+
+def read_range(path, ref, off, n):
+    with open(path, "rb") as f, open(ref, "rb") as r:
+        f.seek(off)
+        r.seek(off)
+        return f.read(n) == r.read(n)
 
 
 def test_the_size_bound_holds(cawsfs, archives, work, exported, tier):  # noqa: F811
