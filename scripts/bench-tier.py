@@ -150,7 +150,7 @@ def main():
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench-tier: needs root (it drops the page cache)")
-    work = os.path.join(CACHE, "bench-tier")
+    work = os.path.join(CACHE, "bench-tier", os.path.splitext(os.path.basename(a.archive))[0] if a.archive else "demo")
     os.makedirs(work, exist_ok=True)
     bin_dir = sh(os.path.join(ROOT, "scripts/build-llama-cpp.sh")).strip()
     archive = a.archive or os.path.join(CACHE, "demo", "smol.cawsf")

@@ -132,7 +132,8 @@ fn spawn_daemon(a: &MountArgs) -> Result<()> {
                 log.display()
             );
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        // Short: the wait is part of every restart's time to a served file.
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
