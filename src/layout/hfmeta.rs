@@ -123,7 +123,7 @@ pub(super) fn build(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutE
     if has_vocab {
         match tokenizer::hf_tokenizer(&model.gguf_meta, a.context_length) {
             Ok(t) => {
-                files.push(("tokenizer.json".to_string(), pretty(&t.tokenizer_json)?));
+                files.push(("tokenizer.json".to_string(), t.tokenizer_json));
                 files.push((
                     "tokenizer_config.json".to_string(),
                     pretty(&t.tokenizer_config)?,

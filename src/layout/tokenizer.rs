@@ -374,8 +374,73 @@ fn chat_template(model: &ModelDesc, tc: &Value) -> Option<String> {
 
 /// Hugging Face tokenizer files derived from GGUF metadata.
 pub(super) struct HfTokenizer {
-    pub tokenizer_json: Value,
+    /// The file's bytes, pretty-printed as `serde_json::to_vec_pretty` would, with a
+    /// final newline.
+    pub tokenizer_json: Vec<u8>,
     pub tokenizer_config: Value,
+}
+
+/// Stand-ins for the vocabulary and merges in the document built as JSON values; their
+/// pretty-printed text is put in their place by [`splice_pretty`].
+const VOCAB_MARK: &str = "\u{1}cawsfs:vocab\u{1}";
+const MERGES_MARK: &str = "\u{1}cawsfs:merges\u{1}";
+
+/// `doc` pretty-printed with its two marks replaced by the vocabulary (token → first id;
+/// a duplicate string keeps its first id, as a JSON object holds one) and the merges
+/// (`"a b"` → `["a", "b"]`), both at `model`'s depth, byte for byte as serde_json's
+/// pretty printer writes them, and a final newline.
+fn splice_pretty(doc: &Value, tokens: &StrList, merges: &StrList) -> Result<Vec<u8>, LayoutError> {
+    let fail = |e: serde_json::Error| LayoutError::Metadata(format!("serializing JSON: {e}"));
+    let text = serde_json::to_vec_pretty(doc).map_err(fail)?;
+    // The two values sit inside "model", itself inside the top-level object.
+    let (inner, outer) = ("      ", "    ");
+    let mut vocab = Vec::with_capacity(tokens.len() * 24);
+    let mut seen = std::collections::HashSet::with_capacity(tokens.len());
+    for (id, tok) in tokens.iter().enumerate() {
+        if seen.insert(tok) {
+            let sep = if seen.len() == 1 { "{\n" } else { ",\n" };
+            vocab.extend_from_slice(format!("{sep}{inner}").as_bytes());
+            serde_json::to_writer(&mut vocab, tok).map_err(fail)?;
+            vocab.extend_from_slice(format!(": {id}").as_bytes());
+        }
+    }
+    let close = |v: &mut Vec<u8>, empty: &str, end: char, any: bool| {
+        let tail = if any {
+            format!("\n{outer}{end}")
+        } else {
+            empty.to_string()
+        };
+        v.extend_from_slice(tail.as_bytes());
+    };
+    close(&mut vocab, "{}", '}', !seen.is_empty());
+    let mut pairs = Vec::with_capacity(merges.len() * 32);
+    for (i, m) in merges.iter().enumerate() {
+        let (a, b) = m.split_once(' ').expect("merges checked above");
+        let sep = if i == 0 { "[\n" } else { ",\n" };
+        pairs.extend_from_slice(format!("{sep}{inner}[\n{inner}  ").as_bytes());
+        serde_json::to_writer(&mut pairs, a).map_err(fail)?;
+        pairs.extend_from_slice(format!(",\n{inner}  ").as_bytes());
+        serde_json::to_writer(&mut pairs, b).map_err(fail)?;
+        pairs.extend_from_slice(format!("\n{inner}]").as_bytes());
+    }
+    close(&mut pairs, "[]", ']', !merges.is_empty());
+    // The marks are the document's last two strings ("model" is its last key), so they
+    // are found from the end: a token that happens to read like one sits earlier.
+    let last = |hay: &[u8], mark: &str| -> Result<(usize, usize), LayoutError> {
+        let q = serde_json::to_vec(mark).map_err(fail)?;
+        let at = hay.windows(q.len()).rposition(|w| w == q);
+        Ok((at.expect("the document holds both marks"), q.len()))
+    };
+    let (m_at, m_len) = last(&text, MERGES_MARK)?;
+    let (v_at, v_len) = last(&text[..m_at], VOCAB_MARK)?;
+    let mut out = Vec::with_capacity(text.len() + vocab.len() + pairs.len() + 1);
+    out.extend_from_slice(&text[..v_at]);
+    out.extend_from_slice(&vocab);
+    out.extend_from_slice(&text[v_at + v_len..m_at]);
+    out.extend_from_slice(&pairs);
+    out.extend_from_slice(&text[m_at + m_len..]);
+    out.push(b'\n');
+    Ok(out)
 }
 
 fn meta_strings<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a StrList> {
@@ -422,13 +487,8 @@ pub(super) fn hf_tokenizer(
         .and_then(GgufValue::as_str)
         .unwrap_or("default");
 
-    let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
-        // Duplicate strings (rare) keep their first id, as a JSON object can only hold one.
-        if !vocab.contains_key(tok) {
-            vocab.insert(tok.to_string(), json!(id));
-        }
         if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
             added.push(json!({
                 "id": id, "content": tok, "single_word": false, "lstrip": false,
@@ -437,13 +497,11 @@ pub(super) fn hf_tokenizer(
             }));
         }
     }
-    let merges: Vec<Value> = merges
-        .iter()
-        .map(|m| match m.split_once(' ') {
-            Some((a, b)) => Ok(json!([a, b])),
-            None => Err(meta_err(format!("GGUF metadata: malformed merge {m:?}"))),
-        })
-        .collect::<Result<_, _>>()?;
+    // The vocabulary and merges (nearly all of the file) are written straight to text
+    // below; building them as JSON values first took half of a mount's setup.
+    if let Some(m) = merges.iter().find(|m| !m.contains(' ')) {
+        return Err(meta_err(format!("GGUF metadata: malformed merge {m:?}")));
+    }
 
     let tok_id = |key: &str| {
         meta_get(meta, key)
@@ -482,9 +540,10 @@ pub(super) fn hf_tokenizer(
             "type": "BPE", "dropout": null, "unk_token": null,
             "continuing_subword_prefix": null, "end_of_word_suffix": null,
             "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges,
+            "vocab": VOCAB_MARK, "merges": MERGES_MARK,
         },
     });
+    let tokenizer_json = splice_pretty(&tokenizer_json, tokens, merges)?;
 
     let mut tc = serde_json::Map::new();
     tc.insert("add_bos_token".into(), json!(add_bos));
@@ -526,4 +585,56 @@ pub(super) fn hf_tokenizer(
         tokenizer_json,
         tokenizer_config: Value::Object(tc),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spliced text is exactly what building the whole document as JSON values and
+    /// pretty-printing it gives: escapes, a duplicate token (first id kept), and empty
+    /// vocabularies and merge lists included.
+    #[test]
+    fn spliced_vocabulary_and_merges_equal_serde_json_pretty() {
+        let cases: [(&[&str], &[&str]); 3] = [
+            (
+                &["a", "b", "ab", "\"q\\", "ä\u{1}\n", "a", "Ġt"],
+                &["a b", "ab \"q\\", "Ġ t"],
+            ),
+            (&["x"], &[]),
+            (&[], &[]),
+        ];
+        for (toks, merges) in cases {
+            let doc = |vocab: Value, merges: Value| {
+                json!({"version": "1.0", "added_tokens": [{"content": VOCAB_MARK}],
+                       "model": {"type": "BPE", "vocab": vocab, "merges": merges}})
+            };
+            let mut map = serde_json::Map::new();
+            for (id, t) in toks.iter().enumerate() {
+                if !map.contains_key(*t) {
+                    map.insert(t.to_string(), json!(id));
+                }
+            }
+            let pairs: Vec<Value> = merges
+                .iter()
+                .map(|m| {
+                    let (a, b) = m.split_once(' ').unwrap();
+                    json!([a, b])
+                })
+                .collect();
+            let mut want =
+                serde_json::to_vec_pretty(&doc(Value::Object(map), json!(pairs))).unwrap();
+            want.push(b'\n');
+            let got = splice_pretty(
+                &doc(json!(VOCAB_MARK), json!(MERGES_MARK)),
+                &toks.iter().collect(),
+                &merges.iter().collect(),
+            )
+            .unwrap();
+            assert_eq!(
+                String::from_utf8(got).unwrap(),
+                String::from_utf8(want).unwrap()
+            );
+        }
+    }
 }
