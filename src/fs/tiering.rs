@@ -1,127 +1,23 @@
-//! The mounted filesystem as plain Rust, not tied to the FUSE bindings: a flat,
-//! read-only directory of virtual files (`model.safetensors`, `model.gguf`, the
-//! Hugging Face metadata files) whose bytes come from the layouts through the chunk
-//! cache. `fuse.rs` translates kernel requests into calls here and errors into errno.
-//!
-//! Inode numbers are stable: 1 is the root, files follow in name order from 2, and the
-//! set of files depends only on the archive and the mount options.
+//! The disk tier as the mounted filesystem uses it: opening each file's entry, the
+//! passthrough decision and its verification, `materialize`, and the refill of extents
+//! the writer dropped. Reads consult it in `load_chunk` (the parent module).
 
-use std::ffi::OsStr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
-use crate::archive::Store;
-use crate::cache::{CacheConfig, CacheError, ChunkCache};
-use crate::layout::{self, GgufView, LayoutError, VirtualFile};
-use crate::model::{FloatType, ReadError};
-use crate::tier;
-
-pub const ROOT_INO: u64 = 1;
-
-#[derive(Clone, Debug)]
-pub struct FsOptions {
-    pub cache_bytes: u64,
-    pub chunk_size: u64,
-    pub gguf_type: GgufView,
-    /// dtype of `model.safetensors` (None: the source's float type).
-    pub safetensors_dtype: Option<FloatType>,
-    pub readahead_chunks: u64,
-    pub prefetch_threads: usize,
-    /// Evict chunks a pending route names after other chunks (false: plain LRU).
-    pub router_eviction: bool,
-    /// Keep reconstructed bytes on disk (docs/TIER.md); None: no disk tier.
-    pub tier: Option<TierOptions>,
-}
-
-#[derive(Clone, Debug)]
-pub struct TierOptions {
-    pub dir: PathBuf,
-    /// Bound on the tier directory's data, all mounts' entries together.
-    pub max_bytes: u64,
-    /// Asked for by the user: a tier that cannot be opened fails the mount. The default
-    /// tier is only logged and left out.
-    pub required: bool,
-}
-
-impl Default for FsOptions {
-    fn default() -> Self {
-        FsOptions {
-            cache_bytes: 1 << 30,
-            chunk_size: crate::cache::DEFAULT_CHUNK_SIZE,
-            gguf_type: GgufView::Auto,
-            safetensors_dtype: None,
-            readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
-            prefetch_threads: 2,
-            router_eviction: true,
-            tier: None,
-        }
-    }
-}
-
-/// Why a filesystem operation failed. Mapped to errno in one place (`fuse.rs`).
-#[derive(Debug, thiserror::Error)]
-pub enum FsError {
-    #[error("no such file: {0}")]
-    NotFound(String),
-    #[error("inode {0} does not exist")]
-    NoInode(u64),
-    #[error("not a directory")]
-    NotADirectory,
-    #[error("is a directory")]
-    IsADirectory,
-    #[error("read-only file system")]
-    ReadOnly,
-    #[error(transparent)]
-    Read(#[from] ReadError),
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SetupError {
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    #[error("cache: {0}")]
-    Cache(#[from] CacheError),
-    #[error("disk tier: {0}")]
-    Tier(#[from] tier::TierError),
-    #[error("disk tier: cannot start its writer: {0}")]
-    TierWriter(std::io::Error),
-}
-
-/// What `getattr` reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Attr {
-    pub ino: u64,
-    pub size: u64,
-    pub is_dir: bool,
-    pub mtime: SystemTime,
-}
-
-pub struct Entry {
-    pub name: String,
-    pub ino: u64,
-    pub file: VirtualFile,
-    /// Small files made only of header bytes are served without the cache.
-    pub cached: bool,
-    /// This file's disk tier entry (cached files, when the tier is on).
-    pub tier: Option<Arc<tier::Entry>>,
-    /// The tier entry was verified whole in this mount (before passthrough).
-    verified: std::sync::atomic::AtomicBool,
-    /// Opened with FUSE passthrough at least once in this mount.
-    passthrough: std::sync::atomic::AtomicBool,
-}
+use super::*;
 
 /// The disk tier as the filesystem uses it: entries are read before reconstructing,
 /// and what is reconstructed is offered to the writer.
 pub struct FsTier {
     pub dir: PathBuf,
     pub max_bytes: u64,
-    writer: tier::Writer,
+    pub(super) writer: tier::Writer,
     /// Bytes served from the tier instead of reconstructed.
-    hit_bytes: AtomicU64,
+    pub(super) hit_bytes: AtomicU64,
     /// Extents that failed their check and were reconstructed.
-    bad_extents: AtomicU64,
+    pub(super) bad_extents: AtomicU64,
     /// Opens answered with FUSE passthrough (the kernel reads the data file itself).
     passthrough_opens: AtomicU64,
     /// Whether whole files are handed to the kernel, or why not.
@@ -228,115 +124,7 @@ impl FsTier {
     }
 }
 
-pub struct MountFs {
-    archive: Arc<dyn Store>,
-    entries: Vec<Entry>,
-    cache: Arc<ChunkCache>,
-    tier: Option<Arc<FsTier>>,
-    mtime: SystemTime,
-    started: Instant,
-}
-
 impl MountFs {
-    pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
-        let model = archive.model();
-        let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive))?;
-        for note in layout::gguf_notes(model, &plan) {
-            tracing::info!("{note}");
-        }
-        let mut files = vec![
-            layout::safetensors_file(model, opts.safetensors_dtype)?,
-            layout::gguf_file(model, &plan)?,
-        ];
-        for (name, bytes) in layout::hf_metadata_files(model)? {
-            if name != "model.safetensors" && name != "model.gguf" {
-                files.push(VirtualFile::from_bytes(&name, bytes));
-            }
-        }
-        files.sort_by(|a, b| a.name.cmp(&b.name));
-        // Decode buffers kept between reads live outside the cache budget: a
-        // sixty-fourth of it at most (none under 64 MiB).
-        let kept = opts.cache_bytes / 64 / layout::SCRATCH_BUFFER_BYTES;
-        layout::keep_scratch_buffers(kept.min(16) as usize);
-        // So are blocks kept for the rest of their rows: a sixteenth of it at most.
-        crate::archive::set_block_memo_bytes(
-            (opts.cache_bytes / 16).min(crate::archive::store::BLOCK_MEMO_BYTES as u64) as usize,
-        );
-        let mut cfg = CacheConfig::new(opts.cache_bytes, opts.chunk_size);
-        cfg.readahead_chunks = opts.readahead_chunks;
-        cfg.router_eviction = opts.router_eviction;
-        cfg.load_work_factor = files
-            .iter()
-            .map(|f| f.load_work_factor())
-            .max()
-            .unwrap_or(1);
-        let cache = Arc::new(ChunkCache::with_config(cfg)?);
-        let mut entries: Vec<Entry> = files
-            .into_iter()
-            .enumerate()
-            .map(|(i, file)| Entry {
-                name: file.name.clone(),
-                ino: ROOT_INO + 1 + i as u64,
-                cached: !file.tensor_ranges().is_empty(),
-                file,
-                tier: None,
-                verified: Default::default(),
-                passthrough: Default::default(),
-            })
-            .collect();
-        let tier = match &opts.tier {
-            Some(t) => match open_tier(&*archive, &mut entries, t, opts) {
-                Ok(tier) => Some(tier),
-                Err(e) if !t.required => {
-                    tracing::warn!("{e}; mounting without a disk tier");
-                    entries.iter_mut().for_each(|e| e.tier = None);
-                    None
-                }
-                Err(e) => return Err(e),
-            },
-            None => None,
-        };
-        for e in entries.iter().filter(|e| e.cached) {
-            let l = Loader {
-                archive: archive.clone(),
-                file: e.file.clone(),
-                chunk_size: opts.chunk_size,
-                tier: tier.clone().zip(e.tier.clone()),
-            };
-            cache.register_file(file_id(e.ino), Arc::new(move |idx, buf| l.load(idx, buf)));
-        }
-        if opts.prefetch_threads > 0 {
-            cache.start_prefetcher(opts.prefetch_threads);
-        }
-        let mtime = std::fs::metadata(archive.path())
-            .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH);
-        Ok(MountFs {
-            archive,
-            entries,
-            cache,
-            tier,
-            mtime,
-            started: Instant::now(),
-        })
-    }
-
-    pub fn entries(&self) -> &[Entry] {
-        &self.entries
-    }
-
-    pub fn cache(&self) -> &Arc<ChunkCache> {
-        &self.cache
-    }
-
-    pub fn archive(&self) -> &Arc<dyn Store> {
-        &self.archive
-    }
-
-    pub fn tier(&self) -> Option<&FsTier> {
-        self.tier.as_deref()
-    }
-
     /// Write what the disk tier has queued and publish its entries (at unmount).
     pub fn flush_tier(&self) {
         if let Some(t) = &self.tier {
@@ -401,79 +189,6 @@ impl MountFs {
             .map(|_| ())
     }
 
-    pub fn entry_by_name(&self, name: &str) -> Option<&Entry> {
-        self.entries.iter().find(|e| e.name == name)
-    }
-
-    fn entry(&self, ino: u64) -> Result<&Entry, FsError> {
-        ino.checked_sub(ROOT_INO + 1)
-            .and_then(|i| self.entries.get(i as usize))
-            .ok_or(FsError::NoInode(ino))
-    }
-
-    fn root_attr(&self) -> Attr {
-        Attr {
-            ino: ROOT_INO,
-            size: 0,
-            is_dir: true,
-            mtime: self.mtime,
-        }
-    }
-
-    fn file_attr(&self, e: &Entry) -> Attr {
-        Attr {
-            ino: e.ino,
-            size: e.file.size,
-            is_dir: false,
-            mtime: self.mtime,
-        }
-    }
-
-    pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, FsError> {
-        if parent != ROOT_INO {
-            self.entry(parent)?;
-            return Err(FsError::NotADirectory);
-        }
-        let name_str = name.to_string_lossy();
-        self.entries
-            .iter()
-            .find(|e| OsStr::new(&e.name) == name)
-            .map(|e| self.file_attr(e))
-            .ok_or_else(|| FsError::NotFound(name_str.into_owned()))
-    }
-
-    pub fn getattr(&self, ino: u64) -> Result<Attr, FsError> {
-        if ino == ROOT_INO {
-            return Ok(self.root_attr());
-        }
-        self.entry(ino).map(|e| self.file_attr(e))
-    }
-
-    /// `(ino, is_dir, name)` for `.`, `..` and every file.
-    pub fn readdir(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
-        if ino != ROOT_INO {
-            self.entry(ino)?;
-            return Err(FsError::NotADirectory);
-        }
-        let mut out = vec![
-            (ROOT_INO, true, ".".to_string()),
-            (ROOT_INO, true, "..".to_string()),
-        ];
-        out.extend(self.entries.iter().map(|e| (e.ino, false, e.name.clone())));
-        Ok(out)
-    }
-
-    pub fn open(&self, ino: u64, write: bool) -> Result<(), FsError> {
-        if ino == ROOT_INO {
-            return Err(FsError::IsADirectory);
-        }
-        self.entry(ino)?;
-        if write {
-            return Err(FsError::ReadOnly);
-        }
-        Ok(())
-    }
-
     /// Record whether whole tier files go to the kernel (the FUSE adapter decides at
     /// init, or when the kernel refuses a backing file).
     pub fn set_passthrough(&self, state: Passthrough) {
@@ -526,51 +241,6 @@ impl MountFs {
             }
         }
         std::fs::File::open(t.data_path()).ok()
-    }
-
-    /// Up to `size` bytes at `offset` (short only at end of file).
-    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
-        self.read_with(ino, offset, size, |b| b.to_vec())
-    }
-
-    /// Like [`MountFs::read`], handing the bytes to `reply` from a per-thread buffer:
-    /// a fresh 1 MiB allocation per request is mmap-backed here (see `mount.rs`) and
-    /// its page faults halved warm-read throughput.
-    pub fn read_with<R>(
-        &self,
-        ino: u64,
-        offset: u64,
-        size: u32,
-        reply: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R, FsError> {
-        thread_local! {
-            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-        }
-        if ino == ROOT_INO {
-            return Err(FsError::IsADirectory);
-        }
-        let e = self.entry(ino)?;
-        let len = (size as u64).min(e.file.size.saturating_sub(offset)) as usize;
-        BUF.with(|cell| {
-            let mut buf = cell.borrow_mut();
-            buf.resize(len, 0);
-            let got = if len == 0 {
-                0
-            } else if e.cached {
-                let tier = self.tier.as_deref().zip(e.tier.as_ref());
-                let cs = self.cache.chunk_size();
-                self.cache.read(
-                    file_id(e.ino),
-                    e.file.size,
-                    offset,
-                    &mut buf[..len],
-                    &|idx, chunk| load_chunk(&*self.archive, &e.file, cs, tier, idx, chunk),
-                )?
-            } else {
-                e.file.read_at(&*self.archive, offset, &mut buf[..len])?
-            };
-            Ok(reply(&buf[..got]))
-        })
     }
 
     /// Start reconstructing into the disk tier every extent it lacks of `file` (every
@@ -714,69 +384,11 @@ impl MountFs {
             Some(why) => tracing::warn!("materialize of {} failed: {why}", job.files.join(", ")),
         }
     }
-
-    /// Time since the filesystem was built (the mount's uptime).
-    pub fn uptime(&self) -> std::time::Duration {
-        self.started.elapsed()
-    }
-}
-
-/// Cache file ids are inode numbers (stable, small).
-pub fn file_id(ino: u64) -> u32 {
-    ino as u32
-}
-
-/// What background loads (prefetch, read-ahead) of one file need.
-struct Loader {
-    archive: Arc<dyn Store>,
-    file: VirtualFile,
-    chunk_size: u64,
-    tier: Option<(Arc<FsTier>, Arc<tier::Entry>)>,
-}
-
-impl Loader {
-    fn load(&self, idx: u64, buf: &mut [u8]) -> Result<usize, ReadError> {
-        let tier = self.tier.as_ref().map(|(t, e)| (&**t, e));
-        load_chunk(&*self.archive, &self.file, self.chunk_size, tier, idx, buf)
-    }
-}
-
-/// Chunk `idx` of `vf`: from the disk tier when it holds it intact, else reconstructed
-/// (and then offered to the tier's writer).
-fn load_chunk(
-    archive: &dyn Store,
-    vf: &VirtualFile,
-    chunk_size: u64,
-    tier: Option<(&FsTier, &Arc<tier::Entry>)>,
-    idx: u64,
-    buf: &mut [u8],
-) -> Result<usize, ReadError> {
-    if let Some((t, entry)) = tier {
-        if entry.has(idx) {
-            match entry.read(idx, buf) {
-                Ok(true) => {
-                    t.hit_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    return Ok(buf.len());
-                }
-                Ok(false) => {
-                    t.bad_extents.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => tracing::warn!("{e}; reconstructing instead"),
-            }
-        }
-    }
-    let n = vf.read_at(archive, idx * chunk_size, buf)?;
-    if let Some((t, entry)) = tier {
-        if n == buf.len() {
-            t.writer.offer(entry, idx, &buf[..n]);
-        }
-    }
-    Ok(n)
 }
 
 /// Open the tier's entry of every cached file and its writer; trim the directory to
 /// its bound, keeping this mount's entries.
-fn open_tier(
+pub(super) fn open_tier(
     archive: &dyn Store,
     entries: &mut [Entry],
     t: &TierOptions,
