@@ -127,6 +127,7 @@ pub struct MountFs {
 
 impl MountFs {
     pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
+        let t0 = Instant::now();
         let model = archive.model();
         let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive))?;
         for note in layout::gguf_notes(model, &plan) {
@@ -136,12 +137,19 @@ impl MountFs {
             layout::safetensors_file(model, opts.safetensors_dtype)?,
             layout::gguf_file(model, &plan)?,
         ];
+        let t_layouts = t0.elapsed();
         for (name, bytes) in layout::hf_metadata_files(model)? {
             if name != "model.safetensors" && name != "model.gguf" {
                 files.push(VirtualFile::from_bytes(&name, bytes));
             }
         }
         files.sort_by(|a, b| a.name.cmp(&b.name));
+        // What a restart spends before serving (docs/MOUNT.md, "Disk tier").
+        tracing::debug!(
+            "setup: GGUF and safetensors layouts {:?}, metadata files {:?}",
+            t_layouts,
+            t0.elapsed() - t_layouts
+        );
         // Decode buffers kept between reads live outside the cache budget: a
         // sixty-fourth of it at most (none under 64 MiB).
         let kept = opts.cache_bytes / 64 / layout::SCRATCH_BUFFER_BYTES;

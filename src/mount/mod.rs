@@ -104,7 +104,9 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // and only the wait below receives them.
     let sigs = signals::StopSignals::block()
         .map_err(|e| mount_err(format!("cannot block stop signals: {e}")))?;
+    let t0 = std::time::Instant::now();
     let archive = crate::archive::open(archive_path)?;
+    tracing::debug!("setup: archive opened in {:?}", t0.elapsed());
     let fs = Arc::new(
         MountFs::new(archive, &opts.fs).map_err(|err| MountError::Setup {
             archive: archive_path.display().to_string(),
@@ -141,10 +143,11 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     trim_heap();
     let mut last_trim = std::time::Instant::now();
     tracing::info!(
-        "serving {} at {} (control socket {})",
+        "serving {} at {} (control socket {}; set up in {:?})",
         archive_path.display(),
         mountpoint.display(),
-        server.path().display()
+        server.path().display(),
+        t0.elapsed()
     );
     let unmounted = loop {
         // Freed chunks and decode buffers come back to the allocator, not the system;
