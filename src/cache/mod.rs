@@ -421,24 +421,22 @@ impl ChunkCache {
         // Scoped threads, not rayon: a load may block on another load's flight, and a
         // blocked rayon worker can starve the rayon jobs that the archive's decoder
         // (running in a prefetch worker) is waiting for — a deadlock seen on a mount.
-        // The first chunk loads on this thread (it keeps its decode buffers between
-        // reads; a spawned thread starts without), the others beside it.
         let loaded: Vec<Result<Arc<[u8]>, ReadError>> = if missing.len() > 1 {
             sync::thread::scope(|s| {
-                let handles: Vec<_> = missing[1..]
+                let handles: Vec<_> = missing
                     .iter()
                     .map(|&i| (i, s.spawn(move || fetch_one(i))))
                     .collect();
-                let mine = fetch_one(missing[0]);
-                std::iter::once(mine)
-                    .chain(handles.into_iter().map(|(i, h)| {
+                handles
+                    .into_iter()
+                    .map(|(i, h)| {
                         h.join().unwrap_or_else(|_| {
                             Err(io_err(
                                 std::io::ErrorKind::Other,
                                 format!("loader for chunk {i} of file {file} panicked"),
                             ))
                         })
-                    }))
+                    })
                     .collect()
             })
         } else {
