@@ -28,6 +28,23 @@ pub struct FsTier {
     refilled_extents: AtomicU64,
 }
 
+/// Why an extent was not queued for the tier.
+enum NotQueued {
+    /// Reconstructing it failed (one line).
+    Read(String),
+    /// The size bound is reached, or the writer is closing.
+    Full,
+}
+
+impl std::fmt::Display for NotQueued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotQueued::Read(why) => f.write_str(why),
+            NotQueued::Full => f.write_str("the disk tier's size bound was reached"),
+        }
+    }
+}
+
 /// A `materialize` run: whole files reconstructed into the disk tier in the
 /// background, so that their next open is a passthrough open.
 pub struct Materializing {
@@ -153,19 +170,45 @@ impl MountFs {
                 continue;
             };
             buf.resize(len, 0);
-            let cs = self.cache.chunk_size();
-            match e.file.read_at(&*self.archive, x * cs, &mut buf) {
-                Ok(n) if n == len => {}
+            match self.extent_to_tier(e, &te, x, &mut buf) {
+                Ok(()) => done += 1,
+                Err(NotQueued::Full) => break,
                 // The read path has logged what went wrong; the extent stays missing.
-                _ => continue,
+                Err(NotQueued::Read(_)) => continue,
             }
-            if !t.writer.offer_wait(&te, x, &buf) {
-                break; // the size bound is reached, or the writer is closing
-            }
-            done += 1;
         }
         t.refilled_extents.fetch_add(done, Ordering::Relaxed);
         done
+    }
+
+    /// Reconstruct extent `x` of `e` into `buf` (its length) and queue it for the tier,
+    /// waiting for room in the writer's queue.
+    fn extent_to_tier(
+        &self,
+        e: &Entry,
+        te: &Arc<tier::Entry>,
+        x: u64,
+        buf: &mut [u8],
+    ) -> Result<(), NotQueued> {
+        let t = self.tier.as_ref().expect("called with a tier entry");
+        let len = buf.len();
+        match e
+            .file
+            .read_at(&*self.archive, x * self.cache.chunk_size(), buf)
+        {
+            Ok(n) if n == len => {}
+            Ok(n) => {
+                return Err(NotQueued::Read(format!(
+                    "{}: short read at extent {x} ({n} of {len} bytes)",
+                    e.name
+                )))
+            }
+            Err(err) => return Err(NotQueued::Read(format!("{}: {err}", e.name))),
+        }
+        if !t.writer.offer_wait(te, x, buf) {
+            return Err(NotQueued::Full);
+        }
+        Ok(())
     }
 
     /// Run [`MountFs::refill_tier`] every quarter second on a thread of its own until
@@ -330,22 +373,8 @@ impl MountFs {
                         let len = te.extent_len(x).unwrap_or(0);
                         // A read may have filled it meanwhile.
                         if !te.has(x) {
-                            match e.file.read_at(&*self.archive, x * cs, &mut buf[..len]) {
-                                Ok(n) if n == len => {}
-                                Ok(n) => {
-                                    job.fail(format!(
-                                        "{}: short read at extent {x} ({n} of {len} bytes)",
-                                        e.name
-                                    ));
-                                    break;
-                                }
-                                Err(err) => {
-                                    job.fail(format!("{}: {err}", e.name));
-                                    break;
-                                }
-                            }
-                            if !t.writer.offer_wait(te, x, &buf[..len]) {
-                                job.fail("the disk tier's size bound was reached".into());
+                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len]) {
+                                job.fail(why.to_string());
                                 break;
                             }
                         }
