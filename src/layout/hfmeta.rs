@@ -121,7 +121,13 @@ pub(super) fn build(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutE
         .and_then(GgufValue::as_str)
         .is_some();
     if has_vocab {
-        match tokenizer::hf_tokenizer(&model.gguf_meta, a.context_length) {
+        let t0 = std::time::Instant::now();
+        let made = tokenizer::hf_tokenizer(&model.gguf_meta, a.context_length);
+        tracing::debug!(
+            "setup: tokenizer.json derived from the GGUF vocabulary in {:?}",
+            t0.elapsed()
+        );
+        match made {
             Ok(t) => {
                 files.push(("tokenizer.json".to_string(), t.tokenizer_json));
                 files.push((
