@@ -119,9 +119,10 @@ impl Container {
         }
 
         // META: checksum against the TOC, decompress, parse, then compare.
-        let meta: MetaIn<K::Meta> = serde_json::from_slice(&c.load(&c.required(SEC_META)?)?)
-            .map_err(|e| bad(format!("META is not valid: {e}")))?;
-        check_meta_kind(&meta.format, meta.version, K::FORMAT).map_err(bad)?;
+        let meta = MetaIn::<K::Meta>::parse(&c.load(&c.required(SEC_META)?)?, |f, v| {
+            check_meta_kind(f, v, K::FORMAT)
+        })
+        .map_err(bad)?;
         K::agree(&header, &meta.kind).map_err(bad)?;
         // The integrity index must agree with the TOC.
         check_checksum_index(&c.toc, SEC_META, &meta.checksum_index, K::section_name)
@@ -182,7 +183,7 @@ impl Container {
     /// META's model, as [`model_from_meta`] rebuilds it.
     pub fn model(
         &self,
-        model: serde_json::Value,
+        model: ModelDesc,
         files: std::collections::BTreeMap<String, serde_json::Value>,
     ) -> Result<ModelDesc, ArchiveError> {
         model_from_meta(model, files).map_err(|e| self.invalid(format!("META is not valid: {e}")))

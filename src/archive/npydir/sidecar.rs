@@ -158,7 +158,9 @@ pub(super) fn open_with_sidecar(
 ) -> Result<Opened, ArchiveError> {
     let dir = op.dir;
     let sc = read_sidecar(side)?;
-    let mut model = crate::archive::container::model_from_meta(sc.model, BTreeMap::new())
+    let model = serde_json::from_value(sc.model).map_err(|e| format!("model: {e}"));
+    let mut model = model
+        .and_then(|m| crate::archive::container::model_from_meta(m, BTreeMap::new()))
         .map_err(|e| invalid(side, e))?;
     let mut parts = vec![
         (MANIFEST.to_string(), file_len(&dir.join(MANIFEST))),
