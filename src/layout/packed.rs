@@ -9,8 +9,9 @@
 const FRAME: usize = 64 << 10;
 /// Below this, frames are not worth their bookkeeping: kept as they are.
 const MIN_PACKED: usize = 2 * FRAME;
-/// Fast level: packing runs once per mount, on the whole header.
-const LEVEL: i32 = 3;
+/// Fast level: packing runs on every mount, before the file is served (level 3
+/// packed `tokenizer.json` 1 % smaller in 25 % more time).
+const LEVEL: i32 = 1;
 
 #[derive(Clone, Debug)]
 pub(super) enum Packed {
@@ -31,9 +32,16 @@ impl Packed {
         }
         let mut data = Vec::new();
         let mut ends = Vec::with_capacity(bytes.len().div_ceil(FRAME));
+        // One context for every frame: a fresh one per frame allocates its tables anew,
+        // and with the daemon's mmap threshold each allocation is fresh zeroed pages.
+        let mut cctx = zstd::bulk::Compressor::new(LEVEL).ok();
         for frame in bytes.chunks(FRAME) {
             // Compressing into memory cannot fail; a frame zstd cannot shrink stays raw.
-            match zstd::bulk::compress(frame, LEVEL) {
+            let packed = match cctx.as_mut() {
+                Some(c) => c.compress(frame),
+                None => zstd::bulk::compress(frame, LEVEL),
+            };
+            match packed {
                 Ok(z) if z.len() < frame.len() => data.extend_from_slice(&z),
                 _ => data.extend_from_slice(frame),
             }
