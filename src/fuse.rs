@@ -317,8 +317,8 @@ impl Filesystem for FuseAdapter {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let total: u64 = self.fs.entries().iter().map(|e| e.file.size).sum();
-        let n = self.fs.entries().len() as u64 + 1;
+        let total: u64 = self.fs.entries().map(|e| e.file.size).sum();
+        let n = self.fs.entries().count() as u64 + 1;
         reply.statfs(total.div_ceil(4096), 0, 0, n, 0, 4096, 255, 4096);
     }
 }

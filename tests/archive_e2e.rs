@@ -298,6 +298,56 @@ fn mountfs_random_reads_equal_export() {
     assert!(matches!(fs.getattr(999), Err(FsError::NoInode(999))));
 }
 
+/// The metadata files are made on first use, so that a restart serves `model.gguf`
+/// without deriving them; the inode numbers and the listing do not depend on when.
+#[test]
+fn metadata_files_are_made_when_first_named() {
+    use cawsfs::fs::{FsOptions, MountFs, ROOT_INO};
+    use std::ffi::OsStr;
+    use std::sync::Arc;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let path = converted(tmp.path(), &small_opts());
+    let ar = Arc::new(CawsfArchive::open(&path).unwrap());
+    let made = cawsfs::layout::hf_metadata_files(ar.model()).unwrap();
+    assert!(made.iter().any(|(n, _)| n == "config.json"));
+    let opts = FsOptions {
+        cache_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let fs = MountFs::new(ar.clone(), &opts).unwrap();
+    let gguf = fs.lookup(ROOT_INO, OsStr::new("model.gguf")).unwrap();
+    let st = fs
+        .lookup(ROOT_INO, OsStr::new("model.safetensors"))
+        .unwrap();
+    assert_eq!((gguf.ino, st.ino), (2, 3));
+    assert_eq!(fs.read(gguf.ino, 0, 4).unwrap(), b"GGUF");
+    assert!(
+        !fs.metadata_made(),
+        "reading model.gguf made the metadata files"
+    );
+    // An inode past the tensor files names a metadata file: asking for it makes them.
+    let first = fs.getattr(4).unwrap();
+    assert!(fs.metadata_made());
+    let listing = fs.readdir(ROOT_INO).unwrap();
+    let names: Vec<&str> = listing[2..].iter().map(|(_, _, n)| n.as_str()).collect();
+    let mut want: Vec<&str> = made.iter().map(|(n, _)| n.as_str()).collect();
+    want.extend(["model.gguf", "model.safetensors"]);
+    want.sort();
+    assert_eq!(names, want);
+    for (name, bytes) in &made {
+        let a = fs.lookup(ROOT_INO, OsStr::new(name)).unwrap();
+        assert!(a.ino > 3);
+        assert_eq!(fs.read(a.ino, 0, u32::MAX).unwrap(), *bytes, "{name}");
+    }
+    assert_eq!(first.ino, 4);
+    // The same numbers on the next mount, whichever file is named first.
+    let again = MountFs::new(ar.clone(), &opts).unwrap();
+    for (ino, _, name) in &listing[2..] {
+        assert_eq!(again.lookup(ROOT_INO, OsStr::new(name)).unwrap().ino, *ino);
+    }
+}
+
 /// A tensor NDSQ cannot code (sub-vectors that don't divide its width) is kept exact
 /// instead of failing the model; options no tensor could use fail before any work.
 #[test]

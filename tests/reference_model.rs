@@ -401,7 +401,7 @@ impl Case<'_> {
             }
         };
         let mut out = Vec::new();
-        for e in self.fs.entries().iter().filter(|e| e.cached) {
+        for e in self.fs.tensor_files() {
             for (t, a, b) in e.file.tensor_ranges() {
                 if want.contains(&t) {
                     out.push((file_id(e.ino), e.file.size, span(e.file.size, a, b)));
@@ -906,7 +906,6 @@ fn run_case(kind: Kind, setup: &Setup, ops: &[Op], tally: &Tally) -> Result<(), 
     let fs = MountFs::new(fx.store.clone(), &opts).map_err(|e| fail(e.to_string()))?;
     let files: Vec<(u64, String, bool)> = fs
         .entries()
-        .iter()
         .map(|e| (e.ino, e.name.clone(), e.cached))
         .collect();
     let names: HashSet<&String> = files.iter().map(|f| &f.1).collect();

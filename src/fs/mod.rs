@@ -3,13 +3,18 @@
 //! Hugging Face metadata files) whose bytes come from the layouts through the chunk
 //! cache. `fuse.rs` translates kernel requests into calls here and errors into errno.
 //!
-//! Inode numbers are stable: 1 is the root, files follow in name order from 2, and the
-//! set of files depends only on the archive and the mount options.
+//! Inode numbers are stable: 1 is the root, the tensor files (`model.gguf`,
+//! `model.safetensors`) follow in name order from 2, then the metadata files in name
+//! order; the set of files depends only on the archive and the mount options.
+//!
+//! The metadata files are made on first use, not at mount: deriving `tokenizer.json`
+//! from a GGUF vocabulary and packing it took 55 ms of a restart's 98 ms of setup
+//! (docs/MOUNT.md, "Disk tier"), and llama.cpp never opens it.
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime};
 
 use crate::archive::Store;
@@ -118,7 +123,10 @@ pub struct Entry {
 
 pub struct MountFs {
     archive: Arc<dyn Store>,
+    /// The tensor files, made before the mount is up.
     entries: Vec<Entry>,
+    /// The metadata files, made on first use ([`MountFs::metadata_files`]).
+    metadata: OnceLock<Vec<Entry>>,
     cache: Arc<ChunkCache>,
     tier: Option<Arc<FsTier>>,
     mtime: SystemTime,
@@ -137,22 +145,9 @@ impl MountFs {
             layout::safetensors_file(model, opts.safetensors_dtype)?,
             layout::gguf_file(model, &plan)?,
         ];
-        let t_layouts = t0.elapsed();
-        let meta = layout::hf_metadata_files(model)?;
-        let t_meta = t0.elapsed();
-        for (name, bytes) in meta {
-            if name != "model.safetensors" && name != "model.gguf" {
-                files.push(VirtualFile::from_bytes(&name, bytes));
-            }
-        }
         files.sort_by(|a, b| a.name.cmp(&b.name));
         // What a restart spends before serving (docs/MOUNT.md, "Disk tier").
-        tracing::debug!(
-            "setup: GGUF and safetensors layouts {:?}, metadata files made in {:?} and packed in {:?}",
-            t_layouts,
-            t_meta - t_layouts,
-            t0.elapsed() - t_meta
-        );
+        tracing::debug!("setup: GGUF and safetensors layouts {:?}", t0.elapsed());
         // Decode buffers kept between reads live outside the cache budget: a
         // sixty-fourth of it at most (none under 64 MiB).
         let kept = opts.cache_bytes / 64 / layout::SCRATCH_BUFFER_BYTES;
@@ -213,6 +208,7 @@ impl MountFs {
         Ok(MountFs {
             archive,
             entries,
+            metadata: OnceLock::new(),
             cache,
             tier,
             mtime,
@@ -220,8 +216,60 @@ impl MountFs {
         })
     }
 
-    pub fn entries(&self) -> &[Entry] {
+    /// Every file: the tensor files, then the metadata files (made now if not yet).
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter().chain(self.metadata_files())
+    }
+
+    /// The files served through the chunk cache (`model.gguf`, `model.safetensors`).
+    pub fn tensor_files(&self) -> &[Entry] {
         &self.entries
+    }
+
+    /// Whether the metadata files have been made (or their making has started).
+    pub fn metadata_made(&self) -> bool {
+        self.metadata.get().is_some()
+    }
+
+    /// The small metadata files (config.json, tokenizer.json ...), made on the first
+    /// call; a caller arriving meanwhile waits for them. A model they cannot be made
+    /// for is logged once and served without them: its tensor files stay readable.
+    fn metadata_files(&self) -> &[Entry] {
+        self.metadata.get_or_init(|| {
+            let t0 = Instant::now();
+            let made = layout::hf_metadata_files(self.archive.model());
+            let t_made = t0.elapsed();
+            let files = match made {
+                Ok(files) => files,
+                Err(e) => {
+                    tracing::error!(
+                        "{}: serving no metadata files (config.json, tokenizer.json ...): {e}",
+                        self.archive.path().display()
+                    );
+                    return Vec::new();
+                }
+            };
+            let first = ROOT_INO + 1 + self.entries.len() as u64;
+            let entries: Vec<Entry> = files
+                .into_iter()
+                .filter(|(name, _)| self.entries.iter().all(|e| e.name != *name))
+                .enumerate()
+                .map(|(i, (name, bytes))| Entry {
+                    ino: first + i as u64,
+                    file: VirtualFile::from_bytes(&name, bytes),
+                    name,
+                    cached: false,
+                    tier: None,
+                    verified: Default::default(),
+                    passthrough: Default::default(),
+                })
+                .collect();
+            tracing::debug!(
+                "metadata files made in {t_made:?} and packed in {:?}",
+                t0.elapsed() - t_made
+            );
+            entries
+        })
     }
 
     pub fn cache(&self) -> &Arc<ChunkCache> {
@@ -236,13 +284,20 @@ impl MountFs {
         self.tier.as_deref()
     }
 
+    /// The tensor files are looked at first: finding `model.gguf` makes no metadata file.
     pub fn entry_by_name(&self, name: &str) -> Option<&Entry> {
-        self.entries.iter().find(|e| e.name == name)
+        let named = |e: &&Entry| e.name == name;
+        (self.entries.iter().find(named)).or_else(|| self.metadata_files().iter().find(named))
     }
 
     fn entry(&self, ino: u64) -> Result<&Entry, FsError> {
-        ino.checked_sub(ROOT_INO + 1)
-            .and_then(|i| self.entries.get(i as usize))
+        let i = ino.checked_sub(ROOT_INO + 1).ok_or(FsError::NoInode(ino))? as usize;
+        let n = self.entries.len();
+        if i < n {
+            return Ok(&self.entries[i]);
+        }
+        self.metadata_files()
+            .get(i - n)
             .ok_or(FsError::NoInode(ino))
     }
 
@@ -270,9 +325,8 @@ impl MountFs {
             return Err(FsError::NotADirectory);
         }
         let name_str = name.to_string_lossy();
-        self.entries
-            .iter()
-            .find(|e| OsStr::new(&e.name) == name)
+        self.entry_by_name(&name_str)
+            .filter(|e| OsStr::new(&e.name) == name)
             .map(|e| self.file_attr(e))
             .ok_or_else(|| FsError::NotFound(name_str.into_owned()))
     }
@@ -294,7 +348,9 @@ impl MountFs {
             (ROOT_INO, true, ".".to_string()),
             (ROOT_INO, true, "..".to_string()),
         ];
-        out.extend(self.entries.iter().map(|e| (e.ino, false, e.name.clone())));
+        let mut files: Vec<&Entry> = self.entries().collect();
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        out.extend(files.iter().map(|e| (e.ino, false, e.name.clone())));
         Ok(out)
     }
 

@@ -124,7 +124,7 @@ pub(super) fn build(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutE
         let t0 = std::time::Instant::now();
         let made = tokenizer::hf_tokenizer(&model.gguf_meta, a.context_length);
         tracing::debug!(
-            "setup: tokenizer.json derived from the GGUF vocabulary in {:?}",
+            "tokenizer.json derived from the GGUF vocabulary in {:?}",
             t0.elapsed()
         );
         match made {

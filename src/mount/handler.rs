@@ -289,7 +289,7 @@ impl ControlHandler {
                 };
                 // The tensor's bytes in every file that holds it.
                 let mut out = Vec::new();
-                for e in self.fs.entries().iter().filter(|e| e.cached) {
+                for e in self.fs.tensor_files() {
                     for (t, a, b) in e.file.tensor_ranges() {
                         if want.contains(&t) {
                             out.push((file_id(e.ino), e.file.size, span(e.file.size, a, b)));
@@ -334,9 +334,8 @@ impl ControlHandler {
         let (events, dropped) = cache.trace_stop();
         let files = self
             .fs
-            .entries()
+            .tensor_files()
             .iter()
-            .filter(|e| e.cached)
             .map(|e| (file_id(e.ino), e.name.clone()))
             .collect();
         let events = events

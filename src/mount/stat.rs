@@ -15,7 +15,6 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
     let a = fs.archive().read_counters();
     let files = fs
         .entries()
-        .iter()
         .map(|e| {
             let f = c.files.iter().find(|f| f.file == file_id(e.ino));
             FileStat {
@@ -87,7 +86,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
         mountpoint: Some(mountpoint.display().to_string()),
         tier: fs.tier().map(|t| {
             let w = t.writer_stats();
-            let tiered = fs.entries().iter().filter_map(|e| e.tier.as_ref());
+            let tiered = fs.tensor_files().iter().filter_map(|e| e.tier.as_ref());
             TierStat {
                 dir: Some(t.dir.display().to_string()),
                 max_bytes: Some(t.max_bytes),
