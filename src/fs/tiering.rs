@@ -26,6 +26,9 @@ pub struct FsTier {
     materializing: Mutex<Option<Arc<Materializing>>>,
     /// Extents the writer dropped and [`MountFs::refill_tier`] made again.
     refilled_extents: AtomicU64,
+    /// Set by [`MountFs::stop_tier`]: no more refills.
+    stopping: AtomicBool,
+    refill_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Why an extent was not queued for the tier.
@@ -149,6 +152,21 @@ impl MountFs {
         }
     }
 
+    /// Before the daemon exits: stop the refill (waiting for the extent it is making),
+    /// then write and publish what is queued. Exiting with the refill or the writer in
+    /// the middle of an extent kept the tier files open (and locked) after the main
+    /// thread had exited, so `cawsfs umount` returned while they were still in use.
+    pub fn stop_tier(&self) {
+        let Some(t) = &self.tier else { return };
+        t.stopping.store(true, Ordering::Relaxed);
+        let refill = t.refill_thread.lock().unwrap().take();
+        if let Some(h) = refill {
+            h.thread().unpark();
+            let _ = h.join();
+        }
+        t.writer.flush();
+    }
+
     /// Make again the extents whose copies the tier's writer dropped (its queue was
     /// full), once its queue is empty, so that a file read whole ends up whole in the
     /// tier and its next open is a passthrough one. Returns how many were written.
@@ -158,6 +176,9 @@ impl MountFs {
         let mut buf = Vec::new();
         let mut done = 0;
         for (te, x) in dropped {
+            if t.stopping.load(Ordering::Relaxed) {
+                break;
+            }
             let Some(e) = self
                 .entries
                 .iter()
@@ -214,22 +235,27 @@ impl MountFs {
     /// Run [`MountFs::refill_tier`] every quarter second on a thread of its own until
     /// the filesystem is dropped.
     pub fn start_tier_refill(self: &Arc<Self>) -> std::io::Result<()> {
-        if self.tier.is_none() {
-            return Ok(());
-        }
+        let Some(t) = &self.tier else { return Ok(()) };
         let fs = Arc::downgrade(self);
-        std::thread::Builder::new()
+        let h = std::thread::Builder::new()
             .name("cawsfs-tier-refill".into())
             .spawn(move || loop {
-                std::thread::sleep(std::time::Duration::from_millis(250));
+                // Unparked early by `stop_tier`.
+                std::thread::park_timeout(std::time::Duration::from_millis(250));
                 match fs.upgrade() {
-                    Some(fs) => {
+                    Some(fs)
+                        if !fs
+                            .tier
+                            .as_ref()
+                            .is_some_and(|t| t.stopping.load(Ordering::Relaxed)) =>
+                    {
                         fs.refill_tier();
                     }
-                    None => break,
+                    _ => break,
                 }
-            })
-            .map(|_| ())
+            })?;
+        *t.refill_thread.lock().unwrap() = Some(h);
+        Ok(())
     }
 
     /// Record whether whole tier files go to the kernel (the FUSE adapter decides at
@@ -502,5 +528,7 @@ pub(super) fn open_tier(
         passthrough: Mutex::new(Passthrough::Pending),
         materializing: Mutex::new(None),
         refilled_extents: AtomicU64::new(0),
+        stopping: AtomicBool::new(false),
+        refill_thread: Mutex::new(None),
     }))
 }

@@ -176,7 +176,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     server.shutdown();
     finish(session, &canon, unmounted);
     // What the disk tier still has queued is written and published before exit.
-    fs.flush_tier();
+    fs.stop_tier();
     Ok(())
 }
 
