@@ -193,10 +193,11 @@ pub fn cmd_umount(mp: &Path) -> Result<()> {
 const UMOUNT_WAIT: Duration = Duration::from_secs(30);
 
 /// Whether process `pid`, started at `start` (clock ticks after boot, so a reused
-/// pid is not mistaken for it), is still running. A zombie has exited: only its
-/// parent has not collected it yet.
+/// pid is not mistaken for it), is still running. A zombie whose threads have all
+/// exited has exited: only its parent has not collected it yet. Its main thread is a
+/// zombie as soon as it returns, while other threads may still hold its files.
 fn running(pid: u32, start: u64) -> bool {
     Process::new(pid as i32)
         .and_then(|p| p.stat())
-        .is_ok_and(|st| st.starttime == start && st.state != 'Z')
+        .is_ok_and(|st| st.starttime == start && (st.state != 'Z' || st.num_threads > 1))
 }
