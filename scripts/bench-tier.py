@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """The disk tier and FUSE passthrough against the exported file, measured in one run.
 
-  scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--out docs/MOUNT.md
-                        [--section tier]]
+  scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--baseline BIN]
+                        [--out docs/MOUNT.md [--section tier]]
 
 Every comparison is paired and interleaved (mount, file, mount, file, ...) and reports
 the ratio of medians; "file" is `cawsfs export` of the same view on the same disk.
 
 1. First pass (fresh tier, page cache dropped, default options): one sequential read of
-   model.gguf; archive bytes decoded per archive byte, daemon CPU seconds against the
-   CPU `cawsfs export` spends writing the same file.
+   model.gguf, paired with the same pass with `--no-disk-cache` (the read path before
+   the tier existed); archive bytes decoded per archive byte, daemon CPU seconds against
+   the CPU `cawsfs export` spends writing the same file. `--baseline BIN` adds the same
+   pass through another build's default mount (e.g. one from before the tier existed,
+   built in a git worktree).
 2. After a restart (umount, mount with default options: the tier is whole, opens are
    passthrough): sequential read bytes/s, cold (page cache dropped) and warm.
 3. Warm llama.cpp generation tokens/s (llama-completion, 64 tokens) with 1 thread and
@@ -64,9 +67,13 @@ def cpu_s(pid):
 
 
 class Mount:
-    def __init__(self, archive, mp, tier):
+    def __init__(self, archive, mp, tier, binary=None):
         os.makedirs(mp, exist_ok=True)
-        out = sh(CAWSFS, "mount", archive, mp, "--disk-cache", tier)
+        if binary:  # another build, with its own defaults
+            out = sh(binary, "mount", archive, mp)
+        else:
+            out = sh(CAWSFS, "mount", archive, mp,
+                     *(["--disk-cache", tier] if tier else ["--no-disk-cache"]))
         self.mp = mp
         self.pid = int(re.search(r"pid (\d+)", out).group(1))
 
@@ -147,6 +154,7 @@ def main():
     ap.add_argument("--load-only", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--section", default="tier")
+    ap.add_argument("--baseline", help="another build's cawsfs binary: its first pass too")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench-tier: needs root (it drops the page cache)")
@@ -170,25 +178,51 @@ def main():
     archive_bytes = os.path.getsize(archive)
     rows = []
 
-    # 1. First pass through a fresh tier.
-    drop_page_cache()
-    m = Mount(archive, mp, tier)
-    try:
-        c0 = cpu_s(m.pid)
-        first_s = read_all(os.path.join(mp, GGUF))
-        c1 = cpu_s(m.pid)
-        st = m.stat()
-    finally:
-        m.close()  # returns after the tier is flushed
-    decoded = st["archive"]["bytes_read"]
-    rows.append(("first pass: sequential read of model.gguf", f"{size / MiB / first_s:.0f} MiB/s", "", ""))
+    # 1. First pass through a fresh tier, against the same pass without a tier (what
+    # every read cost before the tier existed), both from a cold page cache.
+    def first_pass(with_tier, binary=None):
+        shutil.rmtree(tier, ignore_errors=True)
+        drop_page_cache()
+        m = Mount(archive, mp, tier if with_tier else None, binary)
+        try:
+            c0 = cpu_s(m.pid)
+            secs = read_all(os.path.join(mp, GGUF))
+            c1 = cpu_s(m.pid)
+            st = m.stat()
+        finally:
+            m.close()  # returns after the tier is flushed
+        return secs, c1 - c0, st["archive"]["bytes_read"]
+
+    plain, fresh, base = [], [], []
+    for _ in range(a.runs):
+        plain.append(first_pass(False))
+        if a.baseline:
+            base.append(first_pass(False, a.baseline))
+        fresh.append(first_pass(True))  # the tier is whole after the last
+    med = lambda runs, i: statistics.median(r[i] for r in runs)
+    first_s, cpu, decoded = med(fresh, 0), med(fresh, 1), med(fresh, 2)
+    rows.append(("first pass: sequential read of model.gguf, fresh tier vs no tier",
+                 f"{size / MiB / first_s:.0f} MiB/s", f"{size / MiB / med(plain, 0):.0f} MiB/s (no tier)",
+                 f"{med(plain, 0) / first_s:.2f}"))
+    if a.baseline:
+        rows.append(("first pass: fresh tier vs the --baseline build's default mount",
+                     f"{size / MiB / first_s:.0f} MiB/s", f"{size / MiB / med(base, 0):.0f} MiB/s",
+                     f"{med(base, 0) / first_s:.2f}"))
+        rows.append(("first pass: daemon CPU, fresh tier vs that build", f"{cpu:.2f} s",
+                     f"{med(base, 1):.2f} s", f"{cpu / med(base, 1):.2f}"))
     rows.append(("first pass: archive bytes read and decoded / archive bytes", f"{decoded / archive_bytes:.2f}", "", ""))
-    rows.append(("first pass: daemon CPU / export CPU", f"{c1 - c0:.2f} s", f"{export_cpu:.2f} s",
-                 f"{(c1 - c0) / export_cpu:.2f}"))
+    rows.append(("first pass: daemon CPU / export CPU", f"{cpu:.2f} s", f"{export_cpu:.2f} s",
+                 f"{cpu / export_cpu:.2f}"))
     listed = json.loads(sh(CAWSFS, "tier", "ls", "--dir", tier, "--json"))
     whole = [e["file"] for e in listed if e["whole"]]
+    rows.append(("first pass: model.gguf whole in the tier at unmount (last pass)",
+                 "yes" if GGUF in whole else "no: extents dropped, not yet refilled", "", ""))
     if GGUF not in whole:
-        sys.exit(f"bench-tier: model.gguf is not whole in the tier after one pass: {listed}")
+        m = Mount(archive, mp, tier)
+        try:
+            sh(CAWSFS, "materialize", mp, "--file", GGUF)
+        finally:
+            m.close()
 
     # 2-3. After a restart: passthrough.
     if not a.load_only:
@@ -216,7 +250,8 @@ def main():
     head = ("| measure | mount | exported file | ratio |\n|---|---|---|---|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |\n" for r in rows)
     cmd = ("scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "")
-           + f" --runs {a.runs}" + (" --load-only" if a.load_only else ""))
+           + f" --runs {a.runs}" + (" --load-only" if a.load_only else "")
+           + (f" --baseline {a.baseline}" if a.baseline else ""))
     text = (f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
             f"`{cmd}`, archive {os.path.basename(archive)} ({archive_bytes / MiB:.1f} MiB), "
             f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs. Ratios: "
