@@ -23,6 +23,7 @@ mod packed;
 mod preset;
 mod safetensors;
 mod tokenizer;
+mod tokjson;
 mod view;
 
 #[cfg(test)]

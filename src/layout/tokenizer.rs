@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use crate::gguf::{meta_get, GgufArray, GgufValue, StrList};
 use crate::model::ModelDesc;
 
+use super::tokjson::{self, TokenizerJson};
 use super::LayoutError;
 
 /// Split regexes of pre-tokenizers llama.cpp knows by name.
@@ -101,13 +102,13 @@ pub(super) fn gguf_tokenizer_meta(
     let Some((tj, tc)) = hf_tokenizer_files(model)? else {
         return Ok(Vec::new());
     };
-    let m = byte_level_bpe(&tj)?;
-    let entries = token_entries(m, &tj)?;
+    byte_level_bpe(&tj.model)?;
+    let entries = token_entries(&tj)?;
     let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
     let n = tokens.len() as u64;
-    let merges = merge_strings(m)?;
+    let merges: Vec<String> = tj.model.merges.iter().map(|m| m.0.to_string()).collect();
 
-    let pre = &tj["pre_tokenizer"];
+    let pre = &tj.pre_tokenizer;
     let mut out: Vec<(String, GgufValue)> = vec![
         (
             "tokenizer.ggml.add_space_prefix".into(),
@@ -137,7 +138,7 @@ pub(super) fn gguf_tokenizer_meta(
     out.extend(special_token_ids(model, config, &tc, &entries, n));
     out.push((
         "tokenizer.ggml.add_bos_token".into(),
-        GgufValue::Bool(add_bos_token(&tj, &tc)),
+        GgufValue::Bool(add_bos_token(&tj.post_processor, &tc)),
     ));
     if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
         out.push((
@@ -153,12 +154,14 @@ pub(super) fn gguf_tokenizer_meta(
 
 /// tokenizer.json and tokenizer_config.json (`Null` when absent) parsed; `None`
 /// without a tokenizer.json.
-fn hf_tokenizer_files(model: &ModelDesc) -> Result<Option<(Value, Value)>, LayoutError> {
+fn hf_tokenizer_files(
+    model: &ModelDesc,
+) -> Result<Option<(TokenizerJson<'_>, Value)>, LayoutError> {
     let Some(raw) = model.hf_files.get("tokenizer.json") else {
         return Ok(None);
     };
-    let tj: Value = serde_json::from_slice(raw)
-        .map_err(|e| meta_err(format!("tokenizer.json: not valid JSON: {e}")))?;
+    let tj: TokenizerJson =
+        serde_json::from_slice(raw).map_err(|e| meta_err(format!("tokenizer.json: {e}")))?;
     let tc: Value = match model.hf_files.get("tokenizer_config.json") {
         Some(b) => serde_json::from_slice(b)
             .map_err(|e| meta_err(format!("tokenizer_config.json: not valid JSON: {e}")))?,
@@ -168,20 +171,19 @@ fn hf_tokenizer_files(model: &ModelDesc) -> Result<Option<(Value, Value)>, Layou
 }
 
 /// tokenizer.json's `model`, refused unless it is a byte-level BPE.
-fn byte_level_bpe(tj: &Value) -> Result<&Value, LayoutError> {
-    let m = &tj["model"];
-    let ty = m.get("type").and_then(Value::as_str).unwrap_or("?");
+fn byte_level_bpe(m: &tokjson::Model) -> Result<(), LayoutError> {
+    let ty = m.ty.as_str().unwrap_or("?");
     if ty != "BPE" {
         return Err(LayoutError::Unsupported(format!(
             "tokenizer.json model type {ty}: only byte-level BPE tokenizers can be written to GGUF"
         )));
     }
-    if m.get("byte_fallback").and_then(Value::as_bool) == Some(true) {
+    if m.byte_fallback.as_bool() == Some(true) {
         return Err(LayoutError::Unsupported(
             "tokenizer.json is a SentencePiece-style BPE (byte_fallback): only byte-level BPE tokenizers can be written to GGUF".into(),
         ));
     }
-    Ok(m)
+    Ok(())
 }
 
 /// One token of tokenizer.json: id, content, and for added tokens whether it is special
@@ -189,10 +191,8 @@ fn byte_level_bpe(tj: &Value) -> Result<&Value, LayoutError> {
 type TokenEntry<'a> = (u64, &'a str, Option<bool>);
 
 /// Every token of the base vocabulary, then every added token.
-fn token_entries<'a>(m: &'a Value, tj: &'a Value) -> Result<Vec<TokenEntry<'a>>, LayoutError> {
-    let vocab = m
-        .get("vocab")
-        .and_then(Value::as_object)
+fn token_entries<'a>(tj: &'a TokenizerJson) -> Result<Vec<TokenEntry<'a>>, LayoutError> {
+    let vocab = (tj.model.vocab.0.as_ref())
         .ok_or_else(|| meta_err("tokenizer.json: model.vocab missing".into()))?;
     let mut entries: Vec<TokenEntry> = Vec::with_capacity(vocab.len());
     for (tok, id) in vocab {
@@ -201,12 +201,7 @@ fn token_entries<'a>(m: &'a Value, tj: &'a Value) -> Result<Vec<TokenEntry<'a>>,
             .ok_or_else(|| meta_err(format!("tokenizer.json: token {tok:?} has no integer id")))?;
         entries.push((id, tok, None));
     }
-    for a in tj
-        .get("added_tokens")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
-    {
+    for a in &tj.added_tokens {
         let (Some(id), Some(content)) = (
             a.get("id").and_then(Value::as_u64),
             a.get("content").and_then(Value::as_str),
@@ -254,28 +249,6 @@ fn token_table(
         .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
         .collect();
     Ok((tokens, types))
-}
-
-/// BPE merges as GGUF writes them, `"a b"` (tokenizer.json has strings or pairs).
-fn merge_strings(m: &Value) -> Result<Vec<String>, LayoutError> {
-    let mut merges = Vec::new();
-    for mg in m
-        .get("merges")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
-    {
-        let s = match mg {
-            Value::String(s) => s.clone(),
-            Value::Array(p) => match p.as_slice() {
-                [Value::String(a), Value::String(b)] => format!("{a} {b}"),
-                _ => return Err(meta_err("tokenizer.json: malformed merge".into())),
-            },
-            _ => return Err(meta_err("tokenizer.json: malformed merge".into())),
-        };
-        merges.push(s);
-    }
-    Ok(merges)
 }
 
 /// `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`: tokenizer_config.json's token,
@@ -339,14 +312,12 @@ fn add_space_prefix(pre: &Value) -> bool {
 
 /// add_bos_token: tokenizer_config.json, else whether the post-processor template
 /// starts with a special token.
-fn add_bos_token(tj: &Value, tc: &Value) -> bool {
+fn add_bos_token(post_processor: &Value, tc: &Value) -> bool {
     tc.get("add_bos_token")
         .and_then(Value::as_bool)
         .unwrap_or_else(|| {
-            is_type(&tj["post_processor"], "TemplateProcessing")
-                && tj["post_processor"]["single"][0]
-                    .get("SpecialToken")
-                    .is_some()
+            is_type(post_processor, "TemplateProcessing")
+                && post_processor["single"][0].get("SpecialToken").is_some()
         })
 }
 
