@@ -152,6 +152,29 @@ def test_extents_a_full_queue_dropped_are_made_again(cawsfs, archives, work, exp
     assert entry_of(tier, ref.stat().st_size).read_bytes() == ref.read_bytes()
 
 
+def test_umount_during_a_refill_returns_with_the_tier_released(cawsfs, archives, work, exported, tier):  # noqa: F811
+    """Unmounting while the refill still makes what a full queue dropped: `cawsfs
+    umount` returns after the daemon stopped the refill and exited, so no tier entry is
+    in use any more (its threads held the files after its main thread had exited), and
+    the next mount serves what the tier lists."""
+    path, _ = archives["default"]
+    ref = exported / "model.safetensors"  # the larger file: more to make again
+    m = Mount(cawsfs, path, work / "mnt-stop", "--cache-size", "4MiB", "--disk-cache", tier)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            quarter = ref.stat().st_size // 4 + 1
+            assert all(pool.map(lambda i: read_range(m.mp / ref.name, ref, i * quarter, quarter), range(4)))
+    finally:
+        m.close()
+    entries = json.loads(run([cawsfs, "tier", "ls", "--dir", tier, "--json"]).stdout)
+    assert entries and not any(e["in_use"] for e in entries), entries
+    m = mount(cawsfs, path, work / "mnt-stop", tier)
+    try:
+        assert same(m.mp / ref.name, ref)
+    finally:
+        m.close()
+
+
 def read_range(path, ref, off, n):
     with open(path, "rb") as f, open(ref, "rb") as r:
         f.seek(off)
