@@ -389,3 +389,36 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
     w.flush();
     assert!(e.has(3));
 }
+
+#[test]
+fn direct_and_buffered_writes_of_one_extent_agree_with_what_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    // Buffered first (an unaligned address), then read so the page cache holds it.
+    let old = extent_bytes(0, 4097);
+    e.write(0, &old[1..]).unwrap();
+    e.publish().unwrap();
+    assert_eq!(std::fs::read(e.data_path()).unwrap()[..4096], old[1..]);
+    // The same extent again from a page-aligned buffer: past the page cache where the
+    // file system takes O_DIRECT. Readers must see the new bytes, not cached old ones.
+    let mut aligned = memmap2::MmapMut::map_anon(4096).unwrap();
+    aligned.copy_from_slice(&extent_bytes(9, 4096));
+    e.write(0, &aligned).unwrap();
+    e.publish().unwrap();
+    // Where the file could be opened O_DIRECT, the aligned write used it.
+    assert_eq!(
+        e.direct_works.load(Ordering::Relaxed),
+        e.direct.is_some(),
+        "an aligned direct write was refused"
+    );
+    let mut buf = vec![0u8; 4096];
+    assert!(e.read(0, &mut buf).unwrap());
+    assert_eq!(buf, extent_bytes(9, 4096));
+    assert_eq!(std::fs::read(e.data_path()).unwrap()[..4096], buf[..]);
+    // The short last extent is written buffered whatever its buffer.
+    fill(&e, &[3]);
+    e.publish().unwrap();
+    let mut last = vec![0u8; 2048];
+    assert!(e.read(3, &mut last).unwrap());
+    assert_eq!(last, extent_bytes(3, 2048));
+}

@@ -21,7 +21,40 @@ const DROPPED_KEPT: usize = 1 << 16;
 struct Job {
     entry: Arc<Entry>,
     extent: u64,
-    bytes: Vec<u8>,
+    bytes: PageBuf,
+}
+
+/// A copy's buffer: an anonymous mapping, so page-aligned, which lets the entry write
+/// it with `O_DIRECT`.
+struct PageBuf {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+impl PageBuf {
+    /// A buffer holding a copy of `bytes`, reusing `spare` when it is large enough.
+    fn copy_of(bytes: &[u8], spare: Option<PageBuf>) -> std::io::Result<PageBuf> {
+        let mut buf = match spare {
+            Some(b) if b.map.len() >= bytes.len() => b,
+            _ => PageBuf {
+                map: memmap2::MmapMut::map_anon(
+                    bytes.len().next_multiple_of(super::DIRECT_ALIGN).max(1),
+                )?,
+                len: 0,
+            },
+        };
+        buf.map[..bytes.len()].copy_from_slice(bytes);
+        buf.len = bytes.len();
+        Ok(buf)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+
+    fn capacity(&self) -> u64 {
+        self.map.len() as u64
+    }
 }
 
 #[derive(Default)]
@@ -30,7 +63,7 @@ struct Queue {
     bytes: u64,
     /// Buffers of written jobs, for the next copies (fresh ones cost page faults on
     /// every extent); with the queued ones they hold at most `max_bytes`.
-    spare: Vec<Vec<u8>>,
+    spare: Vec<PageBuf>,
     spare_bytes: u64,
     /// Extents whose copy a full queue dropped, to be made again when it is idle.
     dropped: Vec<(Arc<Entry>, u64)>,
@@ -148,16 +181,24 @@ impl Writer {
             }
             return false;
         }
-        q.bytes += len;
-        let mut copy = match q.spare.pop() {
-            Some(v) => {
-                q.spare_bytes -= v.capacity() as u64;
-                v
+        let spare = q.spare.pop();
+        if let Some(b) = &spare {
+            q.spare_bytes -= b.capacity();
+        }
+        let copy = match PageBuf::copy_of(bytes, spare) {
+            Ok(c) => c,
+            Err(e) => {
+                drop(q);
+                self.shared.room.fetch_add(charge, Ordering::Relaxed);
+                tracing::debug!("disk tier: no buffer for a copy ({e}); dropped");
+                self.shared
+                    .counters
+                    .dropped_extents
+                    .fetch_add(1, Ordering::Relaxed);
+                return false;
             }
-            None => Vec::new(),
         };
-        copy.clear();
-        copy.extend_from_slice(bytes);
+        q.bytes += len;
         q.jobs.push_back(Job {
             entry: entry.clone(),
             extent,
@@ -222,9 +263,9 @@ impl Drop for Writer {
 
 /// Keep a written job's buffer for the next copy while queued and spare bytes stay
 /// within the queue's bound.
-fn keep_spare(s: &Shared, buf: Vec<u8>) {
+fn keep_spare(s: &Shared, buf: PageBuf) {
     let mut q = s.queue.lock().unwrap();
-    let cap = buf.capacity() as u64;
+    let cap = buf.capacity();
     if q.bytes + q.spare_bytes + cap <= s.max_bytes {
         q.spare_bytes += cap;
         q.spare.push(buf);
@@ -240,7 +281,7 @@ fn run(s: &Shared) {
             let mut q = s.queue.lock().unwrap();
             loop {
                 if let Some(job) = q.jobs.pop_front() {
-                    q.bytes -= job.bytes.len() as u64;
+                    q.bytes -= job.bytes.len as u64;
                     s.taken.notify_all();
                     break (Some(job), None);
                 }
@@ -264,8 +305,8 @@ fn run(s: &Shared) {
         };
         let wrote = job.is_some();
         if let Some(job) = job {
-            let result = job.entry.write(job.extent, &job.bytes);
-            let len = job.bytes.len() as u64;
+            let result = job.entry.write(job.extent, job.bytes.bytes());
+            let len = job.bytes.len as u64;
             keep_spare(s, job.bytes);
             match result {
                 Ok(()) => {
