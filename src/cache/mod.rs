@@ -330,6 +330,19 @@ impl ChunkCache {
             || st.pinned.get(&key).is_some_and(|s| s.entry.is_some())
     }
 
+    /// Chunk `key`'s bytes if resident, without touching LRU order or counting a hit
+    /// (for copies made on the side, such as the disk tier's refill).
+    pub fn resident(&self, key: ChunkKey) -> Option<Arc<[u8]>> {
+        let st = lock(&self.shared.state);
+        if let Some(e) = st.pinned.get(&key).and_then(|s| s.entry.as_ref()) {
+            return Some(e.data.clone());
+        }
+        st.lru
+            .peek(&key)
+            .or_else(|| st.hinted.peek(&key))
+            .map(|e| e.data.clone())
+    }
+
     /// Give the cache a `'static` loader for `file` so sequential reads of it can be
     /// read ahead in the background. Without one, sequential reads are not read ahead.
     pub fn register_file(&self, file: u32, loader: ChunkLoader) {

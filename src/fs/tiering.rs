@@ -202,8 +202,10 @@ impl MountFs {
         done
     }
 
-    /// Reconstruct extent `x` of `e` into `buf` (its length) and queue it for the tier,
-    /// waiting for room in the writer's queue.
+    /// Queue extent `x` of `e` (`buf.len()` bytes) for the tier, waiting for room in
+    /// the writer's queue: from the chunk cache when it still holds the chunk (extents
+    /// are chunks; a copy a full queue dropped usually is), else reconstructed into
+    /// `buf`.
     fn extent_to_tier(
         &self,
         e: &Entry,
@@ -213,6 +215,17 @@ impl MountFs {
     ) -> Result<(), NotQueued> {
         let t = self.tier.as_ref().expect("called with a tier entry");
         let len = buf.len();
+        let key = crate::cache::ChunkKey {
+            file: file_id(e.ino),
+            index: x,
+        };
+        if let Some(chunk) = self.cache.resident(key).filter(|c| c.len() == len) {
+            return if t.writer.offer_wait(te, x, &chunk) {
+                Ok(())
+            } else {
+                Err(NotQueued::Full)
+            };
+        }
         match e
             .file
             .read_at(&*self.archive, x * self.cache.chunk_size(), buf)
@@ -463,6 +476,7 @@ pub(super) fn open_tier(
             size: e.file.size,
             extent: opts.chunk_size,
             view: view.clone(),
+            layout: e.file.fingerprint(),
         };
         let (entry, found) = tier::Entry::open(&t.dir, spec)?;
         match &found {

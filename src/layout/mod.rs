@@ -48,6 +48,13 @@ pub enum LayoutError {
 /// large read (an 8 MiB export chunk) is a few row runs and memory stays bounded.
 const SCRATCH_F32_BYTES: u64 = 1 << 20;
 
+/// The version of the code that turns a layout into bytes: codecs' decoders, the
+/// quantizers, the rotary permutation, f16/bf16 conversion. Bump it with any change
+/// that makes a view serve other bytes for the same archive and options; it is part of
+/// every file's [`VirtualFile::fingerprint`], so disk tiers made by older builds are
+/// not served by newer ones (docs/TIER.md, "Identity").
+pub const BYTES_VERSION: u32 = 1;
+
 /// A single row larger than this is refused when a layout is built: one row is the
 /// smallest unit a read decodes, so it bounds the memory of any read.
 const MAX_ROW_F32_BYTES: u64 = 256 << 20;
@@ -85,15 +92,49 @@ struct Piece {
 
 /// Builds the piece list in file order; zero-length pieces are dropped so every piece
 /// covers at least one byte (binary search relies on strictly increasing starts).
-#[derive(Default)]
 struct Builder {
     pieces: Vec<Piece>,
     pos: u64,
     ranges: Vec<(usize, u64, u64)>,
+    /// Over every piece as it is pushed: literal bytes, zero runs, and each tensor's
+    /// index, type, shape, permutation and source (see [`VirtualFile::fingerprint`]).
+    fingerprint: xxhash_rust::xxh3::Xxh3,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        let mut fingerprint = xxhash_rust::xxh3::Xxh3::new();
+        fingerprint.update(&BYTES_VERSION.to_le_bytes());
+        Builder {
+            pieces: Vec::new(),
+            pos: 0,
+            ranges: Vec::new(),
+            fingerprint,
+        }
+    }
 }
 
 impl Builder {
     fn push(&mut self, len: u64, kind: PieceKind) -> Result<(), LayoutError> {
+        let (tag, what): (u8, Vec<u64>) = match &kind {
+            PieceKind::Bytes(_) => (0, vec![]),
+            PieceKind::Zeros => (1, vec![]),
+            PieceKind::Tensor(t) => (
+                2,
+                vec![
+                    t.tensor as u64,
+                    t.ty.id() as u64,
+                    t.raw as u64,
+                    t.rows,
+                    t.cols,
+                    t.permute.map_or(0, |h| h as u64 + 1),
+                ],
+            ),
+        };
+        self.fingerprint.update(&[tag]);
+        for x in std::iter::once(len).chain(what) {
+            self.fingerprint.update(&x.to_le_bytes());
+        }
         let start = self.pos;
         self.pos = start
             .checked_add(len)
@@ -104,6 +145,7 @@ impl Builder {
         Ok(())
     }
     fn bytes(&mut self, b: Vec<u8>) -> Result<(), LayoutError> {
+        self.fingerprint.update(&b);
         let b = packed::Packed::new(b);
         self.push(b.len() as u64, PieceKind::Bytes(b))
     }
@@ -164,6 +206,7 @@ impl Builder {
             inner: Arc::new(Inner {
                 pieces: self.pieces,
                 ranges: self.ranges,
+                fingerprint: self.fingerprint.digest(),
             }),
         }
     }
@@ -189,6 +232,7 @@ fn tensor_bytes(name: &str, rows: u64, cols: u64, ty: GgmlType) -> Result<(u64, 
 struct Inner {
     pieces: Vec<Piece>,
     ranges: Vec<(usize, u64, u64)>,
+    fingerprint: u64,
 }
 
 /// One virtual file: its name, its exact size, and how to produce any byte range.
@@ -208,6 +252,14 @@ impl VirtualFile {
         // A Vec's length always fits u64; push cannot overflow from 0.
         let _ = b.bytes(bytes);
         b.finish(name)
+    }
+
+    /// XXH3-64 over [`BYTES_VERSION`] and what the file is made of: its literal bytes
+    /// (headers), zero runs, and for each tensor its index in the archive, type, shape,
+    /// rotary permutation and whether its stored bytes are copied. With the archive's
+    /// identity it determines the file's bytes; it keys the disk tier.
+    pub fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
     }
 
     /// (tensor index, start byte, end byte) of each tensor's data in this file, in
@@ -332,19 +384,26 @@ impl Rows {
         s1: u64,
     ) -> Result<(), ReadError> {
         match self {
+            // A buffer keeps its length between reads and only what it grows by is
+            // zeroed: every source writes all of `out` (the `RowSource` contract), and
+            // zeroing the f32 rows of every read was 6 % of a first pass's CPU.
             Rows::Values(v) => {
                 let n = ((s1 - s0) * t.cols) as usize;
-                v.clear();
-                // The whole scratch size at once, so that the buffer kept for the next
-                // read (`give_scratch`) never moves: only its touched pages are resident.
-                v.reserve_exact(n.max((SCRATCH_F32_BYTES / 4) as usize));
-                v.resize(n, 0.0);
-                src.read_rows(t.tensor, s0, s1, v)
+                if v.len() < n {
+                    // The whole scratch size at once, so that the buffer kept for the
+                    // next read (`give_scratch`) never moves: only its touched pages are
+                    // resident.
+                    v.reserve_exact(n.max((SCRATCH_F32_BYTES / 4) as usize) - v.len());
+                    v.resize(n, 0.0);
+                }
+                src.read_rows(t.tensor, s0, s1, &mut v[..n])
             }
             Rows::Raw(v) => {
-                v.clear();
-                v.resize(((s1 - s0) * t.row_bytes) as usize, 0);
-                src.read_raw_rows(t.tensor, s0, s1, v)
+                let n = ((s1 - s0) * t.row_bytes) as usize;
+                if v.len() < n {
+                    v.resize(n, 0);
+                }
+                src.read_raw_rows(t.tensor, s0, s1, &mut v[..n])
             }
         }
     }

@@ -168,7 +168,8 @@ impl ModelDesc {
 
 /// The one primitive every consumer reads weights through: rows `r0..r1` of tensor
 /// `tensor` (index into [`ModelDesc::tensors`]), as f32, row-major, `(r1-r0)*cols`
-/// values written into `out`.
+/// values written into `out`. Every value of `out` must be written: callers pass
+/// reused buffers holding an earlier read's values, not zeros.
 pub trait RowSource: Send + Sync {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError>;
 

@@ -72,13 +72,17 @@ pub struct EntrySpec {
     pub extent: u64,
     /// The view options that change the file's bytes, as text.
     pub view: String,
+    /// [`crate::layout::VirtualFile::fingerprint`]: what the file is made of and the
+    /// version of the code that makes its bytes, so that another build, which would
+    /// serve other bytes for the same archive and options, never meets this entry.
+    pub layout: u64,
 }
 
 impl EntrySpec {
     pub fn key(&self) -> u128 {
         let text = format!(
-            "cawsfs-tier {VERSION}\narchive {:032x}\nfile {}\nsize {}\nextent {}\nview {}\n",
-            self.archive, self.file, self.size, self.extent, self.view
+            "cawsfs-tier {VERSION}\narchive {:032x}\nfile {}\nsize {}\nextent {}\nview {}\nlayout {:016x}\n",
+            self.archive, self.file, self.size, self.extent, self.view, self.layout
         );
         xxh3_128(text.as_bytes())
     }
@@ -274,44 +278,74 @@ impl Entry {
         Ok(false)
     }
 
-    /// Write extent `i`; it is listed by the next [`Entry::publish`]. `bytes` at a
-    /// [`DIRECT_ALIGN`]ed address, with an aligned length, is written past the page cache.
+    /// Write extent `i`; it is listed by the next [`Entry::publish`].
     pub fn write(&self, i: u64, bytes: &[u8]) -> Result<(), TierError> {
-        self.check_len(i, bytes.len())?;
-        let off = i * self.spec.extent;
-        if !self.write_direct(off, bytes)? {
-            self.data
-                .write_all_at(bytes, off)
-                .map_err(io(&self.data_path))?;
-            start_writeback(&self.data, off, bytes.len() as u64);
+        self.write_run(i, &[bytes])
+    }
+
+    /// Write extents `first`, `first + 1`, ... from `bufs` (one each); they are listed
+    /// by the next [`Entry::publish`]. When every buffer is [`DIRECT_ALIGN`]ed in
+    /// address and length, the run goes past the page cache in one `pwritev`.
+    pub fn write_run(&self, first: u64, bufs: &[&[u8]]) -> Result<(), TierError> {
+        for (i, b) in (first..).zip(bufs) {
+            self.check_len(i, b.len())?;
         }
-        let mut s = self.sums.lock().unwrap();
-        s.pending.push((i, extent_sum(bytes)));
+        let off = first * self.spec.extent;
+        if !self.write_direct(off, bufs)? {
+            let mut at = off;
+            for b in bufs {
+                self.data.write_all_at(b, at).map_err(io(&self.data_path))?;
+                at += b.len() as u64;
+            }
+            start_writeback(&self.data, off, at - off);
+        }
+        let sums: Vec<(u64, u64)> = (first..)
+            .zip(bufs)
+            .map(|(i, b)| (i, extent_sum(b)))
+            .collect();
+        self.sums.lock().unwrap().pending.extend(sums);
         Ok(())
     }
 
-    /// Write `bytes` at `off` with `O_DIRECT` when both are aligned and the file system
-    /// takes it: `Ok(false)` when the caller must write them buffered.
-    fn write_direct(&self, off: u64, bytes: &[u8]) -> Result<bool, TierError> {
-        let aligned = (bytes.as_ptr() as usize | bytes.len()) % DIRECT_ALIGN == 0
-            && off % DIRECT_ALIGN as u64 == 0;
+    /// Write `bufs` back to back at `off` with `O_DIRECT` when all are aligned and the
+    /// file system takes it: `Ok(false)` when the caller must write them buffered.
+    fn write_direct(&self, off: u64, bufs: &[&[u8]]) -> Result<bool, TierError> {
+        let aligned = off % DIRECT_ALIGN as u64 == 0
+            && bufs
+                .iter()
+                .all(|b| (b.as_ptr() as usize | b.len()) % DIRECT_ALIGN == 0);
         let Some(d) = self.direct.as_ref() else {
             return Ok(false);
         };
         if !aligned || !self.direct_works.load(Ordering::Relaxed) {
             return Ok(false);
         }
-        match d.write_all_at(bytes, off) {
-            Ok(()) => Ok(true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let iov: Vec<std::io::IoSlice> = bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+        match nix::sys::uio::pwritev(d, &iov, off as libc::off_t) {
+            Ok(n) if n == total => Ok(true),
+            // A short write (rare: a full disk, a signal) is finished buffered.
+            Ok(mut done) => {
+                let mut at = off;
+                for b in bufs {
+                    let skip = done.min(b.len());
+                    done -= skip;
+                    self.data
+                        .write_all_at(&b[skip..], at + skip as u64)
+                        .map_err(io(&self.data_path))?;
+                    at += b.len() as u64;
+                }
+                Ok(true)
+            }
+            Err(Errno::EINVAL) => {
                 self.direct_works.store(false, Ordering::Relaxed);
                 tracing::debug!(
-                    "tier entry {}: O_DIRECT write refused ({e}); writing through the page cache",
+                    "tier entry {}: O_DIRECT write refused; writing through the page cache",
                     self.data_path.display()
                 );
                 Ok(false)
             }
-            Err(e) => Err(io(&self.data_path)(e)),
+            Err(e) => Err(io(&self.data_path)(std::io::Error::from(e))),
         }
     }
 

@@ -7,6 +7,7 @@ fn spec(size: u64) -> EntrySpec {
         size,
         extent: 4096,
         view: "gguf=auto".into(),
+        layout: 0x0123_4567_89ab_cdef,
     }
 }
 
@@ -216,6 +217,10 @@ fn keys_differ_by_every_field() {
             view: "gguf=f16".into(),
             ..base.clone()
         },
+        EntrySpec {
+            layout: base.layout ^ 1,
+            ..base.clone()
+        },
     ];
     for v in &variants {
         assert_ne!(v.key(), base.key(), "{v:?}");
@@ -421,4 +426,31 @@ fn direct_and_buffered_writes_of_one_extent_agree_with_what_is_read() {
     let mut last = vec![0u8; 2048];
     assert!(e.read(3, &mut last).unwrap());
     assert_eq!(last, extent_bytes(3, 2048));
+}
+
+#[test]
+fn a_run_of_extents_is_written_in_place_and_listed_after_publish() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    let mut maps: Vec<memmap2::MmapMut> = (0..3)
+        .map(|_| memmap2::MmapMut::map_anon(4096).unwrap())
+        .collect();
+    for (i, m) in maps.iter_mut().enumerate() {
+        m.copy_from_slice(&extent_bytes(i as u64 + 1, 4096));
+    }
+    // Extents 1..3: 1 and 2 exist, 3 is the short last one (2 KiB): refused whole.
+    let bufs: Vec<&[u8]> = maps.iter().map(|m| &m[..]).collect();
+    assert!(matches!(
+        e.write_run(1, &bufs),
+        Err(TierError::ExtentLen { extent: 3, .. })
+    ));
+    e.write_run(1, &bufs[..2]).unwrap();
+    assert!(!e.has(1));
+    e.publish().unwrap();
+    let mut buf = vec![0u8; 4096];
+    for i in 1..3 {
+        assert!(e.read(i, &mut buf).unwrap());
+        assert_eq!(buf, extent_bytes(i, 4096));
+    }
+    assert!(!e.has(0) && !e.has(3));
 }

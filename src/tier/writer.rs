@@ -1,5 +1,6 @@
 //! The background writer: copies of freshly reconstructed extents go into a bounded
-//! queue and one thread writes them to their entries, publishing each entry's index
+//! queue and one thread writes them to their entries, consecutive ones in one request
+//! of up to 4 MiB, publishing each entry's index
 //! now and then, when the queue runs dry, and at [`Writer::flush`]. A full queue drops
 //! the copy: the tier must never delay a read. Dropped extents are remembered
 //! ([`Writer::take_dropped_when_idle`]) so the mount can make them again once the queue
@@ -13,6 +14,12 @@ use super::Entry;
 
 /// How long an entry's written extents may wait for their index.
 const PUBLISH_EVERY: Duration = Duration::from_secs(2);
+
+/// Bytes of consecutive extents written in one request at most.
+const RUN_BYTES: u64 = 4 << 20;
+
+/// How long a started run waits for its next extent before it is written.
+const RUN_WAIT: Duration = Duration::from_millis(20);
 
 /// Dropped extents remembered for a later refill at most (16 bytes and a pointer each);
 /// past it, `materialize` still fills what is missing.
@@ -261,72 +268,138 @@ impl Drop for Writer {
     }
 }
 
-/// Keep a written job's buffer for the next copy while queued and spare bytes stay
-/// within the queue's bound.
-fn keep_spare(s: &Shared, buf: PageBuf) {
-    let mut q = s.queue.lock().unwrap();
-    let cap = buf.capacity();
-    if q.bytes + q.spare_bytes + cap <= s.max_bytes {
-        q.spare_bytes += cap;
-        q.spare.push(buf);
+/// What the writer thread does next.
+enum Step {
+    /// Add this job to the run (it continues it, or the run is empty).
+    Take(Job),
+    /// Write the run: the next job does not continue it, or none came for a while.
+    WriteRun,
+    /// Write the run, publish every entry, then answer flush number `n`.
+    Flush(u64),
+    /// Idle with unpublished extents for a while: publish them.
+    Quiet,
+    Close,
+}
+
+/// Consecutive extents of one entry held back to be written in one go, up to
+/// `run_bytes`, and where the last one ended. Loads finish out of order; extents
+/// written out of order, even in a file the file system lays out contiguously, were
+/// slower to read cold on the VM the benchmarks ran on, like small requests, so the
+/// writer keeps to ascending order where waiting a little allows it (docs/TIER.md).
+struct Run {
+    jobs: Vec<Job>,
+    bytes: u64,
+    /// The last extent taken (held or written) and when.
+    tail: Option<(Arc<Entry>, u64)>,
+    since: Instant,
+}
+
+impl Run {
+    /// Whether `job` is the extent after the tail; an unaligned one (a file's short
+    /// last extent) is written on its own, since it makes its whole run buffered.
+    fn continued_by(&self, job: &Job) -> bool {
+        job.bytes.len % super::DIRECT_ALIGN == 0
+            && self.tail.as_ref().is_some_and(|(e, i)| {
+                Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
+            })
     }
 }
 
 fn run(s: &Shared) {
+    // A run is at most a quarter of the queue: its bytes count against the queue's
+    // bound until written, and fresh copies must still find room.
+    let run_bytes = (s.max_bytes / 4).clamp(1, RUN_BYTES);
+    let mut held = Run {
+        jobs: Vec::new(),
+        bytes: 0,
+        tail: None,
+        since: Instant::now(),
+    };
     // Entries written to since their last publish.
     let mut dirty: Vec<Arc<Entry>> = Vec::new();
     let mut last_publish = Instant::now();
     loop {
-        let (job, flush): (Option<Job>, Option<u64>) = {
+        let step = {
             let mut q = s.queue.lock().unwrap();
             loop {
-                if let Some(job) = q.jobs.pop_front() {
-                    q.bytes -= job.bytes.len as u64;
-                    s.taken.notify_all();
-                    break (Some(job), None);
+                if let Some(at) = q.jobs.iter().position(|j| held.continued_by(j)) {
+                    break Step::Take(q.jobs.remove(at).expect("position is in range"));
+                }
+                // The next extent may still be being made: wait for it a little,
+                // unless the queue fills or someone waits for the writer.
+                let left = RUN_WAIT.saturating_sub(held.since.elapsed());
+                let hurry = left.is_zero()
+                    || q.closed
+                    || q.flush_asked > q.flush_done
+                    || q.bytes > s.max_bytes / 2;
+                if !held.jobs.is_empty() {
+                    if hurry {
+                        break Step::WriteRun;
+                    }
+                    q = s.wake.wait_timeout(q, left).unwrap().0;
+                    continue;
+                }
+                if !q.jobs.is_empty() {
+                    if !hurry && held.tail.is_some() {
+                        q = s.wake.wait_timeout(q, left).unwrap().0;
+                        continue;
+                    }
+                    // A new run starts at the lowest extent queued for the first
+                    // queued entry.
+                    let first = q.jobs[0].entry.clone();
+                    let at = (0..q.jobs.len())
+                        .filter(|&i| Arc::ptr_eq(&q.jobs[i].entry, &first))
+                        .min_by_key(|&i| q.jobs[i].extent)
+                        .expect("the first job qualifies");
+                    break Step::Take(q.jobs.remove(at).expect("position is in range"));
                 }
                 if q.flush_asked > q.flush_done {
-                    break (None, Some(q.flush_asked));
+                    break Step::Flush(q.flush_asked);
                 }
                 if q.closed {
-                    return;
+                    break Step::Close;
                 }
                 if !dirty.is_empty() {
                     // Idle with unpublished extents: publish soon rather than never.
                     let (g, t) = s.wake.wait_timeout(q, PUBLISH_EVERY / 4).unwrap();
                     q = g;
                     if t.timed_out() && q.jobs.is_empty() {
-                        break (None, None);
+                        break Step::Quiet;
                     }
                 } else {
                     q = s.wake.wait(q).unwrap();
                 }
             }
         };
-        let wrote = job.is_some();
-        if let Some(job) = job {
-            let result = job.entry.write(job.extent, job.bytes.bytes());
-            let len = job.bytes.len as u64;
-            keep_spare(s, job.bytes);
-            match result {
-                Ok(()) => {
-                    s.counters.written_bytes.fetch_add(len, Ordering::Relaxed);
-                    s.counters.written_extents.fetch_add(1, Ordering::Relaxed);
-                    if !dirty.iter().any(|e| Arc::ptr_eq(e, &job.entry)) {
-                        dirty.push(job.entry.clone());
-                    }
+        let (flush, close) = match step {
+            Step::Flush(n) => (Some(n), false),
+            Step::Close => (None, true),
+            _ => (None, false),
+        };
+        let publish_now = match step {
+            Step::Take(job) => {
+                held.bytes += job.bytes.len as u64;
+                held.tail = Some((job.entry.clone(), job.extent));
+                held.jobs.push(job);
+                held.since = Instant::now();
+                if held.bytes >= run_bytes {
+                    write_run(s, &mut held, &mut dirty);
                 }
-                Err(e) => {
-                    if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
-                        tracing::warn!("disk tier: {e} (further write errors are only counted)");
-                    }
-                }
+                false
             }
-        }
+            Step::WriteRun => {
+                write_run(s, &mut held, &mut dirty);
+                false
+            }
+            Step::Flush(_) | Step::Close => {
+                write_run(s, &mut held, &mut dirty);
+                true
+            }
+            Step::Quiet => true,
+        };
         // Publishing syncs the data file: every PUBLISH_EVERY while writing, after a
         // quiet spell, and on flush; not after every extent.
-        let quiet = !wrote && flush.is_none() && !dirty.is_empty();
-        if flush.is_some() || quiet || last_publish.elapsed() >= PUBLISH_EVERY {
+        if publish_now || last_publish.elapsed() >= PUBLISH_EVERY {
             for e in dirty.drain(..) {
                 if let Err(err) = e.publish() {
                     if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -341,5 +414,45 @@ fn run(s: &Shared) {
             q.flush_done = q.flush_done.max(n);
             s.done.notify_all();
         }
+        if close {
+            return;
+        }
     }
+}
+
+/// Write the held run to its entry, then free its bytes in the queue (keeping buffers
+/// for the next copies while queued and spare bytes stay within the bound).
+fn write_run(s: &Shared, held: &mut Run, dirty: &mut Vec<Arc<Entry>>) {
+    let Some(first) = held.jobs.first() else {
+        return;
+    };
+    let (entry, extent) = (first.entry.clone(), first.extent);
+    let bufs: Vec<&[u8]> = held.jobs.iter().map(|j| j.bytes.bytes()).collect();
+    match entry.write_run(extent, &bufs) {
+        Ok(()) => {
+            let c = &s.counters;
+            c.written_bytes.fetch_add(held.bytes, Ordering::Relaxed);
+            c.written_extents
+                .fetch_add(held.jobs.len() as u64, Ordering::Relaxed);
+            if !dirty.iter().any(|e| Arc::ptr_eq(e, &entry)) {
+                dirty.push(entry);
+            }
+        }
+        Err(e) => {
+            if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!("disk tier: {e} (further write errors are only counted)");
+            }
+        }
+    }
+    let mut q = s.queue.lock().unwrap();
+    q.bytes -= held.bytes;
+    for job in held.jobs.drain(..) {
+        let cap = job.bytes.capacity();
+        if q.bytes + q.spare_bytes + cap <= s.max_bytes {
+            q.spare_bytes += cap;
+            q.spare.push(job.bytes);
+        }
+    }
+    held.bytes = 0;
+    s.taken.notify_all();
 }
