@@ -946,3 +946,37 @@ fn auto_picks_the_mix_by_the_archive_error() {
     assert_eq!(q(Some(0.001)).0, GgmlType::F16);
     assert_eq!(q(Some(0.3)).0, GgmlType::Q4_K);
 }
+
+#[test]
+fn fingerprints_follow_what_a_file_is_made_of() {
+    let model = k_model(SourceType::F16);
+    let file = |ty| {
+        gguf_file(
+            &model,
+            &view::plan(&model, GgufView::Type(ty), &[]).unwrap(),
+        )
+        .unwrap()
+    };
+    // Deterministic: the same model and view make the same fingerprint.
+    assert_eq!(
+        file(GgmlType::Q8_0).fingerprint(),
+        file(GgmlType::Q8_0).fingerprint()
+    );
+    // Another type for the tensors (here also another size), another fingerprint;
+    // F16 and BF16 have the same sizes and header layout but not the same bytes.
+    let prints: Vec<u64> = [GgmlType::Q8_0, GgmlType::F16, GgmlType::BF16]
+        .into_iter()
+        .map(|t| file(t).fingerprint())
+        .collect();
+    assert!(prints[0] != prints[1] && prints[1] != prints[2] && prints[0] != prints[2]);
+    assert_eq!(file(GgmlType::F16).size, file(GgmlType::BF16).size);
+    // The safetensors view has its own.
+    let st = safetensors_file(&model, Some(FloatType::F16)).unwrap();
+    assert!(!prints.contains(&st.fingerprint()));
+    // A file of literal bytes is fingerprinted by them.
+    let a = VirtualFile::from_bytes("a", b"one".to_vec());
+    assert_ne!(
+        a.fingerprint(),
+        VirtualFile::from_bytes("a", b"two".to_vec()).fingerprint()
+    );
+}
