@@ -12,8 +12,14 @@ use std::time::{Duration, Instant};
 
 use super::Entry;
 
-/// How long an entry's written extents may wait for their index.
-const PUBLISH_EVERY: Duration = Duration::from_secs(2);
+/// How long an entry's written extents may wait for their index while the writer is
+/// busy. Each publish syncs the data file: syncs every 2 s during a first pass stalled
+/// the writer (0.2–0.3 s each here, dropping copies) and left the file slower to read
+/// cold (docs/TIER.md); a crash loses at most this much written work, never serves it.
+const PUBLISH_EVERY: Duration = Duration::from_secs(30);
+
+/// How long the writer must have been idle before it publishes what it wrote.
+const QUIET: Duration = Duration::from_millis(500);
 
 /// Bytes of consecutive extents written in one request at most.
 const RUN_BYTES: u64 = 4 << 20;
@@ -361,7 +367,7 @@ fn run(s: &Shared) {
                 }
                 if !dirty.is_empty() {
                     // Idle with unpublished extents: publish soon rather than never.
-                    let (g, t) = s.wake.wait_timeout(q, PUBLISH_EVERY / 4).unwrap();
+                    let (g, t) = s.wake.wait_timeout(q, QUIET).unwrap();
                     q = g;
                     if t.timed_out() && q.jobs.is_empty() {
                         break Step::Quiet;
