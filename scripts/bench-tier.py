@@ -20,8 +20,8 @@ the ratio of medians; "file" is `cawsfs export` of the same view on the same dis
    with every core.
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
-   `--load-only` measures 1 and 4 only (for a large model, whose warm generation adds
-   minutes and no new question).
+   `--load-only` leaves 3 out (for a large model, whose warm generation adds minutes
+   and no new question; its cold reads are the ones least moved by a file's open).
 
 Needs root (it drops the page cache), target/release/cawsfs and the llama.cpp build
 (scripts/build-llama-cpp.sh). Work files go to $CAWSFS_CACHE/bench-tier (default
@@ -117,8 +117,9 @@ def paired(runs, a, b):
     return statistics.median(xs), statistics.median(ys)
 
 
-def passthrough_rows(archive, mp, tier, exported, bin_dir, runs):
-    """Steps 2-3 on a restarted mount whose tier holds model.gguf whole."""
+def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, tokens=True):
+    """Steps 2-3 on a restarted mount whose tier holds model.gguf whole (3 unless
+    `tokens` is false)."""
     rows, size = [], os.path.getsize(exported)
     m = Mount(archive, mp, tier)
     try:
@@ -135,7 +136,7 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs):
         wm, wf = paired(runs, lambda: read_all(served), lambda: read_all(exported))
         rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
                      f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
-        for threads in sorted({1, os.cpu_count() or 1}):
+        for threads in sorted({1, os.cpu_count() or 1}) if tokens else ():
             tm, tf = paired(runs, lambda: llama(bin_dir, served, threads, 64)[0],
                             lambda: llama(bin_dir, exported, threads, 64)[0])
             rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
@@ -213,6 +214,8 @@ def main():
     rows.append(("first pass: sequential read of model.gguf, fresh tier vs no tier",
                  f"{size / MiB / first_s:.0f} MiB/s", f"{size / MiB / med(plain, 0):.0f} MiB/s (no tier)",
                  f"{med(plain, 0) / first_s:.2f}"))
+    rows.append(("first pass: daemon CPU, fresh tier vs no tier", f"{cpu:.2f} s",
+                 f"{med(plain, 1):.2f} s (no tier)", f"{cpu / med(plain, 1):.2f}"))
     if a.baseline:
         rows.append(("first pass: fresh tier vs the --baseline build's default mount",
                      f"{size / MiB / first_s:.0f} MiB/s", f"{size / MiB / med(base, 0):.0f} MiB/s",
@@ -234,8 +237,7 @@ def main():
             m.close()
 
     # 2-3. After a restart: passthrough.
-    if not a.load_only:
-        rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs)
+    rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs, tokens=not a.load_only)
 
     # 4. Restart then load, both from a cold page cache.
     def restart_load():
