@@ -4,7 +4,7 @@
   scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--baseline BIN]
                         [--out docs/MOUNT.md [--section tier]]
 
-Every comparison is paired and interleaved (mount, file, mount, file, ...) and reports
+Every comparison is paired and interleaved (mount, file, file, mount, ...) and reports
 the ratio of medians; "file" is `cawsfs export` of the same view on the same disk.
 
 1. First pass (fresh tier, page cache dropped, default options): one sequential read of
@@ -108,12 +108,21 @@ def llama(bin_dir, model, threads, n):
     return tps, wall
 
 
-def paired(runs, a, b):
-    """Run a() and b() interleaved `runs` times; (median a, median b)."""
+def paired(runs, a, b, what=""):
+    """Run a() and b() interleaved `runs` times, in the order a b, b a, a b, ... so that
+    neither always goes first (on the bench VM a "cold" read also depends on what the
+    host still caches of each file, which drifts during a run); (median a, median b).
+    Every sample is printed to stderr."""
     xs, ys = [], []
-    for _ in range(runs):
-        xs.append(a())
-        ys.append(b())
+    for i in range(runs):
+        if i % 2 == 0:
+            xs.append(a())
+            ys.append(b())
+        else:
+            ys.append(b())
+            xs.append(a())
+    print(f"{what}: mount {' '.join(f'{x:.3f}' for x in xs)} | file {' '.join(f'{y:.3f}' for y in ys)}",
+          file=sys.stderr)
     return statistics.median(xs), statistics.median(ys)
 
 
@@ -129,16 +138,17 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, tokens=True):
             drop_page_cache()
             return read_all(p)
 
-        cm, cf = paired(runs, lambda: cold(served), lambda: cold(exported))
+        cold(served), cold(exported)  # one unmeasured read each: both read as recently
+        cm, cf = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
         rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
                      f"{size / MiB / cf:.0f} MiB/s", f"{cf / cm:.2f}"))
         read_all(served), read_all(exported)
-        wm, wf = paired(runs, lambda: read_all(served), lambda: read_all(exported))
+        wm, wf = paired(runs, lambda: read_all(served), lambda: read_all(exported), "warm read s")
         rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
                      f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
         for threads in sorted({1, os.cpu_count() or 1}) if tokens else ():
             tm, tf = paired(runs, lambda: llama(bin_dir, served, threads, 64)[0],
-                            lambda: llama(bin_dir, exported, threads, 64)[0])
+                            lambda: llama(bin_dir, exported, threads, 64)[0], f"tokens/s, {threads} thread(s)")
             rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
                          f"{tm / tf:.3f}"))
         st = m.stat()
@@ -254,7 +264,7 @@ def main():
         drop_page_cache()
         return llama(bin_dir, exported, os.cpu_count() or 1, 8)[1]
 
-    rm, rf = paired(a.runs, restart_load, file_load)
+    rm, rf = paired(a.runs, restart_load, file_load, "restart+load s")
     rows.append(("mount + load + 8 tokens vs file, cold page cache", f"{rm:.2f} s", f"{rf:.2f} s",
                  f"{rm / rf:.2f}"))
 
