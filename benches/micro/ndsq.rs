@@ -114,6 +114,7 @@ pub fn bench() {
             );
         }
     }
+    decode_throughput(&cases);
     // SVD: randomized vs exact on the largest shapes.
     for (name, r, c, w) in &cases {
         let t = std::time::Instant::now();
@@ -124,6 +125,41 @@ pub fn bench() {
         println!(
             "{name}: rank-16 randomized SVD {tr:.2?}, exact thin SVD {:.2?}",
             t.elapsed()
+        );
+    }
+}
+
+/// Decode alone, one thread, convert's default options (rank 4, pq_dim 2, k 256, outliers
+/// above the .999 quantile, blocks of the archive's size): GB of F16 output (2 bytes per weight) per
+/// second, median of 15 whole-tensor decodes into one reused buffer.
+fn decode_throughput(cases: &[(String, usize, usize, Vec<f32>)]) {
+    for (name, r, c, w) in cases {
+        let (rows, cols) = (*r as u64, *c as u64);
+        let mut o = opts(4, 2, 256);
+        o.kmeans_iters = 12;
+        // As the archive cuts blocks (`container::rows_per_block`: ~32 Ki weights).
+        let rpb = (32 * 1024 / cols).clamp(1, rows);
+        let enc = encode_ndsq(w, rows, cols, rpb, &o).unwrap();
+        let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+        let mut out = vec![0f32; r * c];
+        let mut secs: Vec<f64> = (0..15)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                for (b, payload) in enc.blocks.iter().enumerate() {
+                    let (s, e) = block_row_range(rows, rpb, b as u64);
+                    let dst = &mut out[(s * cols) as usize..(e * cols) as usize];
+                    decode_block_rows(&enc.codec, &g, payload, s, e - s, cols, 0, e - s, dst)
+                        .unwrap();
+                }
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        secs.sort_by(f64::total_cmp);
+        let gb = (r * c * 2) as f64 / 1e9;
+        println!(
+            "{name} {r}×{c} default options: decode {:.2} ms, {:.2} GB of F16 output per second (one thread)",
+            secs[7] * 1e3,
+            gb / secs[7]
         );
     }
 }

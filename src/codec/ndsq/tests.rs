@@ -399,3 +399,32 @@ fn corrupt_inputs_are_errors_not_panics() {
     let x4 = vec![1f32; (cols + 4) as usize];
     assert!(apply_block(&enc.codec, &g, payload, 0, rpb, cols + 4, &x4, &mut y).is_err());
 }
+
+/// The constant-length centroid adds give the bits of the generic loop (the archive's
+/// decoded values must not depend on which loop ran).
+#[test]
+fn centroid_adds_match_the_generic_loop() {
+    fn check<const D: usize>(rng: &mut ChaCha8Rng)
+    where
+        [f32; D]: bytemuck::Pod,
+    {
+        let (k, m) = (256usize, 40usize);
+        let codebook = normal(rng, k * D);
+        let codes: Vec<u8> = (0..m).map(|_| rng.random::<u8>()).collect();
+        let start: Vec<f32> = normal(rng, m * D).iter().map(|x| x * 1e-3).collect();
+        let mut want = start.clone();
+        for (seg, &c) in want.chunks_exact_mut(D).zip(&codes) {
+            for (o, &v) in seg.iter_mut().zip(&codebook[c as usize * D..]) {
+                *o += v;
+            }
+        }
+        let mut got = start;
+        super::decode::add_centroids::<D>(&mut got, &codes, &codebook);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "D = {D}");
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    check::<2>(&mut rng);
+    check::<4>(&mut rng);
+    check::<8>(&mut rng);
+}
