@@ -95,6 +95,13 @@ impl GgufFile {
         let s = (self.data_offset + t.offset) as usize;
         &self.map[s..s + t.n_bytes as usize]
     }
+    /// Drop tensor `i`'s pages from this process (read: no longer needed here; see
+    /// [`crate::mem::release_pages`]).
+    pub fn release_tensor_data(&self, i: usize) {
+        let t = &self.tensors[i];
+        let s = (self.data_offset + t.offset) as usize;
+        crate::mem::release_pages(&self.map, s..s + t.n_bytes as usize);
+    }
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         &self.map

@@ -261,15 +261,18 @@ impl SourceModel for GgufSource {
         let p = self.plan(i)?;
         let data = self.file.tensor_data(p.gguf);
         // Empty tensors (a zero dimension) have nothing to reorder.
-        if p.permute.is_none() || data.is_empty() {
-            return Ok(data.to_vec());
-        }
-        let ub = p.unit_bytes as usize;
-        let mut out = vec![0u8; data.len()];
-        for (r, dst) in out.chunks_exact_mut(ub).enumerate() {
-            let g = Self::src_unit(p, r as u64) as usize;
-            dst.copy_from_slice(&data[g * ub..(g + 1) * ub]);
-        }
+        let out = if p.permute.is_none() || data.is_empty() {
+            data.to_vec()
+        } else {
+            let ub = p.unit_bytes as usize;
+            let mut out = vec![0u8; data.len()];
+            for (r, dst) in out.chunks_exact_mut(ub).enumerate() {
+                let g = Self::src_unit(p, r as u64) as usize;
+                dst.copy_from_slice(&data[g * ub..(g + 1) * ub]);
+            }
+            out
+        };
+        self.file.release_tensor_data(p.gguf);
         Ok(out)
     }
 
@@ -300,6 +303,7 @@ impl SourceModel for GgufSource {
                 path: self.file.path.display().to_string(),
                 reason: format!("tensor {}: {e}", self.file.tensors[p.gguf].name),
             })?;
+        self.file.release_tensor_data(p.gguf);
         Ok(out)
     }
 }

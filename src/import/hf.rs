@@ -283,7 +283,9 @@ impl SourceModel for HfSource {
     }
     fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
         let (s, r) = &self.locations[i];
-        Ok(self.shards[*s][r.clone()].to_vec())
+        let out = self.shards[*s][r.clone()].to_vec();
+        crate::mem::release_pages(&self.shards[*s], r.clone());
+        Ok(out)
     }
     fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
         let (s, r) = &self.locations[i];
@@ -300,6 +302,7 @@ impl SourceModel for HfSource {
             path: format!("tensor {}", t.name),
             reason: e.to_string(),
         })?;
+        crate::mem::release_pages(&self.shards[*s], r.clone());
         Ok(out)
     }
 }
