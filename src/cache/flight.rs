@@ -5,7 +5,7 @@
 
 use super::lru::{Entry, State};
 use super::stats::{add, bump};
-use super::sync::{AtomicBool, AtomicU64, Condvar, Mutex};
+use super::sync::{AtomicBool, Condvar, Mutex};
 use super::{io_err, lock, ChunkKey, LoadFn, Outcome, Shared};
 use crate::model::ReadError;
 use std::sync::atomic::Ordering::Relaxed;
@@ -78,18 +78,22 @@ fn clone_read_error(e: &ReadError) -> ReadError {
 }
 
 /// Counts a demand load (or a demand wait on one) for the prefetchers' back-off.
-struct DemandGuard<'a>(&'a AtomicU64);
+struct DemandGuard<'a>(&'a Shared);
 
 impl<'a> DemandGuard<'a> {
-    fn new(c: &'a AtomicU64) -> Self {
-        c.fetch_add(1, Relaxed);
-        DemandGuard(c)
+    fn new(sh: &'a Shared) -> Self {
+        *lock(&sh.demand_waiting) += 1;
+        DemandGuard(sh)
     }
 }
 
 impl Drop for DemandGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
+        let mut n = lock(&self.0.demand_waiting);
+        *n -= 1;
+        if *n == 0 {
+            self.0.demand_cv.notify_all();
+        }
     }
 }
 
@@ -192,7 +196,7 @@ impl Shared {
                     let f = f.clone();
                     self.leave_room_queue(&mut st, waited && demand);
                     drop(st);
-                    let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
+                    let _g = demand.then(|| DemandGuard::new(self));
                     return f.wait().map(|d| (d, Outcome::Coalesced));
                 }
                 // Admission: a load starts only when its working memory fits beside
@@ -233,7 +237,7 @@ impl Shared {
             st.make_room(self.cfg.budget_bytes, 0, &self.counters);
             f
         };
-        let _g = demand.then(|| DemandGuard::new(&self.demand_waiting));
+        let _g = demand.then(|| DemandGuard::new(self));
         let mut guard = FlightGuard {
             shared: self,
             key,

@@ -46,9 +46,9 @@
 //! - **Prefetch** (`prefetch.rs`). [`ChunkCache::start_prefetcher`] starts N workers
 //!   draining a bounded, de-duplicated FIFO of `(chunk, loader)` jobs. Demand reads
 //!   have priority: a demand load in progress (or a demand read waiting on a load)
-//!   increments `demand_waiting`, and a worker about to start a job sleeps in
-//!   [`PREFETCH_BACKOFF`] steps while it is non-zero. Loads already running are not
-//!   interrupted. A chunk loaded by prefetch is marked; the first demand lookup it
+//!   increments `demand_waiting`, and a worker about to start a job waits on a condvar
+//!   until it is zero (polling it in 200 µs sleeps cost 2 % of a first pass's CPU).
+//!   Loads already running are not interrupted. A chunk loaded by prefetch is marked; the first demand lookup it
 //!   serves counts as a prefetch hit (a demand read that joined the prefetch's flight
 //!   counts as a coalesced miss and clears the mark).
 //! - **Read-ahead** (`prefetch.rs`). Per file, `read` remembers where the previous read
@@ -95,7 +95,7 @@ use stats::{add, bump, Counters, FileCounters, Histogram};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use sync::thread::JoinHandle;
 use sync::{AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, RwLock};
 use trace::Trace;
@@ -111,8 +111,6 @@ pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;
 pub const ENTRY_OVERHEAD_BYTES: u64 = 160;
 /// Most events one trace keeps (24 bytes each: 24 MiB at most).
 pub const TRACE_CAP: usize = 1 << 20;
-/// How long a prefetch worker sleeps before re-checking for waiting demand loads.
-pub const PREFETCH_BACKOFF: Duration = Duration::from_micros(200);
 
 /// One chunk of one virtual file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -211,7 +209,10 @@ struct Shared {
     files: RwLock<HashMap<u32, Arc<FileState>>>,
     counters: Counters,
     latency: Histogram,
-    demand_waiting: AtomicU64,
+    /// Demand loads running or waited on; prefetch workers start no load while it is
+    /// non-zero, and `demand_cv` tells them when it drops to zero.
+    demand_waiting: Mutex<u64>,
+    demand_cv: Condvar,
     queue: Mutex<Queue>,
     queue_cv: Condvar,
     idle_cv: Condvar,
@@ -230,6 +231,43 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere never leaves our maps half-updated in a way that matters more
     // than refusing all further reads would.
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The resident chunks that a read's range `offset .. end` lies in, in order.
+struct Covering {
+    chunks: Vec<Arc<[u8]>>,
+    /// Index of the first chunk.
+    first: u64,
+    /// Where the range ends (clipped to the file).
+    end: u64,
+}
+
+impl Covering {
+    /// The part of each chunk that bytes `offset .. end` of file `file` occupy; an error
+    /// if a chunk is shorter than its place in the file says (a loader bug or a changed
+    /// file size), never a short answer.
+    fn parts(&self, file: u32, cs: u64, offset: u64) -> Result<Vec<&[u8]>, ReadError> {
+        let end = self.end;
+        self.chunks
+            .iter()
+            .zip(self.first..)
+            .map(|(data, index)| {
+                let cstart = index * cs;
+                let lo = offset.max(cstart);
+                let hi = end.min(cstart + cs);
+                data.get((lo - cstart) as usize..(hi - cstart) as usize)
+                    .ok_or_else(|| {
+                        io_err(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "chunk {index} of file {file} holds {} bytes, fewer than the read needs (file size changed?)",
+                                data.len()
+                            ),
+                        )
+                    })
+            })
+            .collect()
+    }
 }
 
 fn io_err(kind: std::io::ErrorKind, msg: String) -> ReadError {
@@ -292,7 +330,8 @@ impl ChunkCache {
                 files: RwLock::new(HashMap::new()),
                 counters: Counters::default(),
                 latency: Histogram::default(),
-                demand_waiting: AtomicU64::new(0),
+                demand_waiting: Mutex::new(0),
+                demand_cv: Condvar::new(),
                 queue: Mutex::new(Queue::default()),
                 queue_cv: Condvar::new(),
                 idle_cv: Condvar::new(),
@@ -361,48 +400,79 @@ impl ChunkCache {
         buf: &mut [u8],
         load: &LoadFn<'_>,
     ) -> Result<usize, ReadError> {
+        self.read_with(file, file_size, offset, buf.len(), load, |parts| {
+            let mut at = 0;
+            for p in parts {
+                buf[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+            at
+        })
+    }
+
+    /// Like [`read`](Self::read) for `len` bytes, but hands `reply` the bytes where
+    /// they lie: one slice per chunk the range touches, in order (short only at EOF,
+    /// none at or past it). A read inside one chunk is thus answered straight from the
+    /// resident chunk, without a copy into a reply buffer (the FUSE read path).
+    pub fn read_with<R>(
+        &self,
+        file: u32,
+        file_size: u64,
+        offset: u64,
+        len: usize,
+        load: &LoadFn<'_>,
+        reply: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, ReadError> {
         let t0 = Instant::now();
         let sh = &*self.shared;
         let fstate = sh.file_state(file);
-        let r = self.read_inner(file, file_size, offset, buf, load, &fstate);
+        let r = self.read_inner(file, file_size, offset, len, load, &fstate);
         bump(&sh.counters.reads);
         bump(&fstate.counters.reads);
-        match &r {
-            Ok(n) => {
-                add(&sh.counters.bytes_served, *n as u64);
-                add(&fstate.counters.bytes_served, *n as u64);
-                let end = offset + *n as u64;
-                let prev = fstate.last_end.swap(end, Relaxed);
-                if *n > 0 {
-                    if prev == offset {
-                        self.readahead(file, file_size, (end - 1) / sh.cfg.chunk_size, &fstate);
-                    } else {
-                        // A new run: forget what the previous run queued.
-                        fstate.readahead_next.store(0, Relaxed);
-                    }
+        let r = r.and_then(|covering| {
+            let parts = covering.parts(file, sh.cfg.chunk_size, offset)?;
+            let end = covering.end;
+            let n = end.saturating_sub(offset);
+            add(&sh.counters.bytes_served, n);
+            add(&fstate.counters.bytes_served, n);
+            let prev = fstate.last_end.swap(offset + n, Relaxed);
+            if n > 0 {
+                if prev == offset {
+                    self.readahead(file, file_size, (end - 1) / sh.cfg.chunk_size, &fstate);
+                } else {
+                    // A new run: forget what the previous run queued.
+                    fstate.readahead_next.store(0, Relaxed);
                 }
             }
-            Err(_) => bump(&sh.counters.read_errors),
+            Ok(reply(&parts))
+        });
+        if r.is_err() {
+            bump(&sh.counters.read_errors);
         }
         sh.latency
             .record(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX));
         r
     }
 
+    /// The chunks covering `offset .. offset + len` (clipped to the file).
     fn read_inner(
         &self,
         file: u32,
         file_size: u64,
         offset: u64,
-        buf: &mut [u8],
+        len: usize,
         load: &LoadFn<'_>,
         fstate: &FileState,
-    ) -> Result<usize, ReadError> {
+    ) -> Result<Covering, ReadError> {
         let sh = &*self.shared;
-        if offset >= file_size || buf.is_empty() {
-            return Ok(0);
+        if offset >= file_size || len == 0 {
+            return Ok(Covering {
+                chunks: Vec::new(),
+                first: 0,
+                end: offset,
+            });
         }
-        let end = offset.saturating_add(buf.len() as u64).min(file_size);
+        let end = offset.saturating_add(len as u64).min(file_size);
         let cs = sh.cfg.chunk_size;
         let first = offset / cs;
         let last = (end - 1) / cs;
@@ -458,25 +528,11 @@ impl ChunkCache {
         for (index, r) in missing.iter().zip(loaded) {
             chunks[(index - first) as usize] = Some(r?);
         }
-        for (data, index) in chunks.iter().zip(first..=last) {
-            let data = data.as_ref().expect("every chunk filled");
-            let cstart = index * cs;
-            let lo = offset.max(cstart);
-            let hi = end.min(cstart + cs);
-            let src = data
-                .get((lo - cstart) as usize..(hi - cstart) as usize)
-                .ok_or_else(|| {
-                    io_err(
-                        std::io::ErrorKind::InvalidData,
-                        format!(
-                            "chunk {index} of file {file} holds {} bytes, fewer than the read needs (file size changed?)",
-                            data.len()
-                        ),
-                    )
-                })?;
-            buf[(lo - offset) as usize..(hi - offset) as usize].copy_from_slice(src);
-        }
-        Ok((end - offset) as usize)
+        let chunks = chunks
+            .into_iter()
+            .map(|c| c.expect("every chunk filled"))
+            .collect();
+        Ok(Covering { chunks, first, end })
     }
 
     fn count(&self, outcome: Outcome, f: &FileState) {

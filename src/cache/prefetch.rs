@@ -4,10 +4,8 @@
 //! the workers load through the same single-flight path as demand reads.
 
 use super::stats::{add, bump};
-use super::sync::{backoff, thread};
-use super::{
-    lock, ChunkCache, ChunkKey, ChunkLoader, FileState, Outcome, Shared, PREFETCH_BACKOFF,
-};
+use super::sync::thread;
+use super::{lock, ChunkCache, ChunkKey, ChunkLoader, FileState, Outcome, Shared};
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
@@ -84,8 +82,14 @@ impl Shared {
                 }
             };
             // Demand first: don't start a prefetch load while a reader waits on one.
-            while self.demand_waiting.load(Relaxed) > 0 && !self.shutdown.load(Relaxed) {
-                backoff(PREFETCH_BACKOFF);
+            {
+                let mut n = lock(&self.demand_waiting);
+                while *n > 0 && !self.shutdown.load(Relaxed) {
+                    n = self
+                        .demand_cv
+                        .wait(n)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
             }
             let present = lock(&self.state).is_present(&job.key);
             if present {
@@ -196,6 +200,11 @@ impl Drop for ChunkCache {
             // shutdown check and its wait.
             let _q = lock(&self.shared.queue);
             self.shared.queue_cv.notify_all();
+        }
+        {
+            // Likewise for a worker waiting for demand loads to end.
+            let _d = lock(&self.shared.demand_waiting);
+            self.shared.demand_cv.notify_all();
         }
         for h in lock(&self.workers).drain(..) {
             let _ = h.join();

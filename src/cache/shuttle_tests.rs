@@ -15,6 +15,7 @@ use super::*;
 use shuttle::sync::atomic::AtomicUsize;
 use shuttle::thread;
 use std::sync::atomic::{AtomicU64 as StdU64, Ordering::SeqCst};
+use std::time::Duration;
 
 const FILE: u32 = 7;
 const CS: u64 = 8;

@@ -24,16 +24,3 @@ pub(super) use shuttle::{
     },
     thread,
 };
-
-/// A prefetch worker's pause while demand loads are waiting.
-pub(super) fn backoff(d: std::time::Duration) {
-    #[cfg(not(feature = "shuttle"))]
-    std::thread::sleep(d);
-    // Shuttle has no time: its `sleep` is a bare context switch, which the PCT scheduler
-    // may keep giving back to this spinning worker; `yield_now` tells it to run others.
-    #[cfg(feature = "shuttle")]
-    {
-        let _ = d;
-        shuttle::thread::yield_now();
-    }
-}

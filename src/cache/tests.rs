@@ -5,6 +5,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Barrier;
+use std::time::Duration;
 
 fn byte(file: u32, pos: u64) -> u8 {
     (pos.wrapping_mul(31) ^ (pos >> 8) ^ (file as u64 * 97)) as u8
@@ -808,4 +809,37 @@ fn loads_wait_for_room_for_their_work() {
         }
     });
     assert_eq!(most.load(Relaxed), 2);
+}
+
+#[test]
+fn read_with_hands_out_one_part_per_chunk_touched() {
+    let (cs, size) = (16, 100);
+    let c = ChunkCache::new(1024, cs).unwrap();
+    let calls = AtomicU64::new(0);
+    let l = loader(3, size, cs, &calls);
+    let want = reference(3, size);
+    // (offset, len, parts): inside one chunk, across three, clipped at EOF, past EOF.
+    for (off, len, parts) in [
+        (17, 10, 1),
+        (0, 16, 1),
+        (10, 30, 3),
+        (90, 50, 2),
+        (100, 4, 0),
+    ] {
+        let got = c
+            .read_with(3, size, off, len, &l, |p| {
+                (
+                    p.len(),
+                    p.iter()
+                        .flat_map(|s| s.iter().copied())
+                        .collect::<Vec<u8>>(),
+                )
+            })
+            .unwrap();
+        let end = (off + len as u64).min(size).max(off) as usize;
+        let expect = want.get(off as usize..end).unwrap_or(&[]);
+        assert_eq!(got, (parts, expect.to_vec()), "read of {len} at {off}");
+    }
+    // The bytes served count what the parts held, not what was asked for.
+    assert_eq!(c.stats().bytes_served, 10 + 16 + 30 + 10);
 }

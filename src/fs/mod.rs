@@ -388,21 +388,34 @@ impl MountFs {
         }
         let e = self.entry(ino)?;
         let len = (size as u64).min(e.file.size.saturating_sub(offset)) as usize;
+        if e.cached && len > 0 {
+            let tier = self.tier.as_deref().zip(e.tier.as_ref());
+            let cs = self.cache.chunk_size();
+            let load =
+                |idx, chunk: &mut [u8]| load_chunk(&*self.archive, &e.file, cs, tier, idx, chunk);
+            return Ok(self.cache.read_with(
+                file_id(e.ino),
+                e.file.size,
+                offset,
+                len,
+                &load,
+                |parts| match parts {
+                    // Inside one chunk (most reads): straight from the cache.
+                    [one] => reply(one),
+                    _ => BUF.with(|cell| {
+                        let mut buf = cell.borrow_mut();
+                        buf.clear();
+                        parts.iter().for_each(|p| buf.extend_from_slice(p));
+                        reply(&buf)
+                    }),
+                },
+            )?);
+        }
         BUF.with(|cell| {
             let mut buf = cell.borrow_mut();
             buf.resize(len, 0);
             let got = if len == 0 {
                 0
-            } else if e.cached {
-                let tier = self.tier.as_deref().zip(e.tier.as_ref());
-                let cs = self.cache.chunk_size();
-                self.cache.read(
-                    file_id(e.ino),
-                    e.file.size,
-                    offset,
-                    &mut buf[..len],
-                    &|idx, chunk| load_chunk(&*self.archive, &e.file, cs, tier, idx, chunk),
-                )?
             } else {
                 e.file.read_at(&*self.archive, offset, &mut buf[..len])?
             };
