@@ -13,10 +13,16 @@ thread_local! {
     // Const-initialized and without a destructor: usable inside the allocator, at
     // any point of a thread's life.
     static NET: Cell<i64> = const { Cell::new(0) };
+    // The highest NET since the last `peak_above` began (for transient peaks).
+    static PEAK: Cell<i64> = const { Cell::new(0) };
 }
 
 fn add(delta: i64) {
-    let _ = NET.try_with(|n| n.set(n.get().wrapping_add(delta)));
+    let _ = NET.try_with(|n| {
+        let v = n.get().wrapping_add(delta);
+        n.set(v);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
+    });
 }
 
 /// What an allocation really occupies: malloc's usable size plus its chunk header,
@@ -66,6 +72,16 @@ pub fn retained<T>(f: impl FnOnce() -> T) -> (T, u64) {
     let out = f();
     let after = NET.with(Cell::get);
     (out, after.saturating_sub(before).max(0) as u64)
+}
+
+/// Run `f` and return, beside its result, the most heap it held at once on this thread
+/// above what was allocated when it started (its transient peak; see [`retained`]).
+pub fn peak_above<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = NET.with(Cell::get);
+    let outer = PEAK.with(|p| p.replace(before));
+    let out = f();
+    let peak = PEAK.with(|p| p.replace(outer.max(p.get())));
+    (out, peak.saturating_sub(before).max(0) as u64)
 }
 
 /// Drop the pages of `range` of a read-only file mapping from this process; they stay in

@@ -217,7 +217,8 @@ def test_small_budget_serves_everything_within_budget(cawsfs, archives, work, ex
         # A route loads the tokenizer (~9 MiB for this 49 k-token vocabulary): charged
         # to the budget, so the same reads leave the same margin.
         route = [cawsfs, "route", m.mp, "-p", "The capital of France is"]
-        assert subprocess.run(route, capture_output=True).returncode == 0
+        peak = sampled_peak(m.pid, lambda: subprocess.run(route, capture_output=True, check=True))
+        print(f"first route: peak RssAnon {peak / 2**20:.1f} MiB, budget + {(peak - budget) / 2**20:.1f} MiB")
         st = m.stat()["cache"]
         assert st["charged_bytes"] > 4 << 20, st
         assert st["bytes_used"] + st["charged_bytes"] <= budget, st
