@@ -13,7 +13,9 @@ thread_local! {
     // Const-initialized and without a destructor: usable inside the allocator, at
     // any point of a thread's life.
     static NET: Cell<i64> = const { Cell::new(0) };
-    // The highest NET since the last `peak_above` began (for transient peaks).
+    // The highest NET since the last `peak_above` began (tests only: the allocator's
+    // path stays as short as it was in the build).
+    #[cfg(test)]
     static PEAK: Cell<i64> = const { Cell::new(0) };
 }
 
@@ -21,6 +23,7 @@ fn add(delta: i64) {
     let _ = NET.try_with(|n| {
         let v = n.get().wrapping_add(delta);
         n.set(v);
+        #[cfg(test)]
         let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
     });
 }
@@ -76,6 +79,7 @@ pub fn retained<T>(f: impl FnOnce() -> T) -> (T, u64) {
 
 /// Run `f` and return, beside its result, the most heap it held at once on this thread
 /// above what was allocated when it started (its transient peak; see [`retained`]).
+#[cfg(test)]
 pub fn peak_above<T>(f: impl FnOnce() -> T) -> (T, u64) {
     let before = NET.with(Cell::get);
     let outer = PEAK.with(|p| p.replace(before));

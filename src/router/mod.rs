@@ -123,11 +123,6 @@ fn tokenizer_from_json(bytes: &[u8]) -> Result<Tokenizer, String> {
         #[serde(rename = "type", borrow)]
         ty: Option<std::borrow::Cow<'a, str>>,
     }
-    #[derive(serde::Deserialize)]
-    struct Added {
-        #[serde(flatten)]
-        token: tokenizers::AddedToken,
-    }
     let whole = || Tokenizer::from_bytes(bytes).map_err(|e| e.to_string());
     let fields: BTreeMap<String, &RawValue> =
         serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
@@ -140,7 +135,8 @@ fn tokenizer_from_json(bytes: &[u8]) -> Result<Tokenizer, String> {
         return whole();
     }
     let bpe: BPE = serde_json::from_str(model.get()).map_err(|e| format!("model: {e}"))?;
-    let added: Vec<Added> = match fields.get("added_tokens") {
+    // Each entry's "id" is not used: tokenizers' deserializer only warns when it differs.
+    let added: Vec<tokenizers::AddedToken> = match fields.get("added_tokens") {
         Some(raw) => serde_json::from_str(raw.get()).map_err(|e| format!("added_tokens: {e}"))?,
         None => Vec::new(),
     };
@@ -154,7 +150,6 @@ fn tokenizer_from_json(bytes: &[u8]) -> Result<Tokenizer, String> {
     let rest = serde_json::to_vec(&rest).map_err(|e| e.to_string())?;
     let mut tok = Tokenizer::from_bytes(&rest).map_err(|e| e.to_string())?;
     tok.with_model(bpe);
-    let added: Vec<tokenizers::AddedToken> = added.into_iter().map(|a| a.token).collect();
     tok.add_tokens(&added);
     Ok(tok)
 }
