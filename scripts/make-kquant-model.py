@@ -2,7 +2,7 @@
 256 values, so llama.cpp's K-quants (Q4_K, Q6_K …) apply to every weight without falling
 back. Called by scripts/make-kquant-model.sh, which supplies the tokenizer side files.
 
-    python3 scripts/make-kquant-model.py TOKENIZER_HF_DIR OUT_DIR [k256|1b]
+    python3 scripts/make-kquant-model.py TOKENIZER_HF_DIR OUT_DIR [k256|1b|w2k]
 
 Shape `k256` (the default): hidden 256, intermediate 768, 4 heads of 64 with 1 KV head
 (GQA ratio 4, which some llama-quantize presets test), 8 layers (so the medium mixes'
@@ -33,6 +33,10 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=1, head_dim=64),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, head_dim=64),
+    # The 1b shape's matrices in 2 layers (0.29 B parameters): GPU throughput runs
+    # (scripts/test-cuda.sh) on tensors of realistic size in little time.
+    "w2k": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=64),
 }
 
 

@@ -4,7 +4,8 @@
 //! `tests/layering.rs` checks it):
 //! ```text
 //! error (FileError), mem (allocation counts) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
-//!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► import (HF dir, GGUF)
+//!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► reconstruct (CPU | CUDA backend)
+//!   ─► import (HF dir, GGUF)
 //!   ─► archive: error ◄ store (the Store trait) ◄ container ◄ cawsf | delta | npydir ◄ open
 //!   ─► layout (virtual safetensors / GGUF / HF metadata) ─► router ─► export
 //!   ─► cache (chunk cache) ─► fs (filesystem ops) ─► fuse (thin adapter, errno table)
@@ -27,6 +28,7 @@ pub mod layout;
 pub mod mem;
 pub mod model;
 pub mod mount;
+pub mod reconstruct;
 pub mod router;
 #[cfg(test)]
 pub(crate) mod test_support;

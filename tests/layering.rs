@@ -11,8 +11,25 @@ use std::path::{Path, PathBuf};
 
 /// Top-level modules, bottom of the data path first.
 const LAYERS: &[&str] = &[
-    "error", "mem", "gguf", "model", "codec", "import", "archive", "layout", "router", "export",
-    "cache", "tier", "fs", "fuse", "control", "convert", "mount", "cli",
+    "error",
+    "mem",
+    "gguf",
+    "model",
+    "codec",
+    "reconstruct",
+    "import",
+    "archive",
+    "layout",
+    "router",
+    "export",
+    "cache",
+    "tier",
+    "fs",
+    "fuse",
+    "control",
+    "convert",
+    "mount",
+    "cli",
 ];
 
 /// Inside `archive`: rank of each part. Parts of equal rank may not name each other.

@@ -263,24 +263,39 @@ impl<T> BlockMemo<T> {
     pub fn get_or_load<E>(
         &self,
         key: (usize, usize),
-        (rows, block_rows): (u64, u64),
+        rows: (u64, u64),
         load: impl FnOnce() -> Result<Vec<T>, E>,
     ) -> Result<std::sync::Arc<Vec<T>>, E> {
-        {
-            let mut m = self.lock();
-            if let Some(e) = m.lru.get_mut(&key) {
-                let data = e.data.clone();
-                // Approximate: a row read twice counts twice, which only drops the
-                // block early (it is then read again), never serves it wrongly.
-                e.left = e.left.saturating_sub(rows);
-                if e.left == 0 {
-                    m.bytes -= std::mem::size_of_val(data.as_slice());
-                    m.lru.pop(&key);
-                }
-                return Ok(data);
-            }
+        if let Some(data) = self.get(key, rows.0) {
+            return Ok(data);
         }
-        let data = std::sync::Arc::new(load()?);
+        Ok(self.keep(key, rows, load()?))
+    }
+
+    /// Block `key` from the memo for a read of `rows` of its rows.
+    pub fn get(&self, key: (usize, usize), rows: u64) -> Option<std::sync::Arc<Vec<T>>> {
+        let mut m = self.lock();
+        let e = m.lru.get_mut(&key)?;
+        let data = e.data.clone();
+        // Approximate: a row read twice counts twice, which only drops the block early
+        // (it is then read again), never serves it wrongly.
+        e.left = e.left.saturating_sub(rows);
+        if e.left == 0 {
+            m.bytes -= std::mem::size_of_val(data.as_slice());
+            m.lru.pop(&key);
+        }
+        Some(data)
+    }
+
+    /// Block `key`, just loaded for a read of `rows` of its `block_rows` rows: kept when
+    /// the read takes only some rows.
+    pub fn keep(
+        &self,
+        key: (usize, usize),
+        (rows, block_rows): (u64, u64),
+        data: Vec<T>,
+    ) -> std::sync::Arc<Vec<T>> {
+        let data = std::sync::Arc::new(data);
         let size = std::mem::size_of_val(data.as_slice());
         let cap = memo_cap();
         if rows < block_rows && size <= cap / 4 {
@@ -300,7 +315,7 @@ impl<T> BlockMemo<T> {
                 }
             }
         }
-        Ok(data)
+        data
     }
 
     /// Bytes held now.

@@ -219,6 +219,7 @@ pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
 
 pub fn cmd_export(a: ExportArgs) -> Result<()> {
     init_threads(a.threads)?;
+    super::init_device(&a.device, false)?;
     let ar = cawsfs::archive::open(&a.archive)?;
     let model = ar.model();
     let export = |vf: &layout::VirtualFile, path: &Path| -> Result<()> {

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use cawsfs::convert::ConvertOptions;
 use cawsfs::layout::GgufView;
 use cawsfs::model::FloatType;
+use cawsfs::reconstruct::DeviceChoice;
 
 #[derive(Parser)]
 #[command(
@@ -46,6 +47,19 @@ pub enum Cmd {
         /// parameters that no read can use.
         #[arg(long)]
         quick: bool,
+        #[command(flatten)]
+        device: DeviceArgs,
+    },
+    /// Reconstruct every tensor on the CPU and on the GPU and compare the bytes; with
+    /// --bench, time both per codec (docs/CUDA.md). Needs a CUDA GPU.
+    #[command(hide = true)]
+    DeviceCheck {
+        archive: PathBuf,
+        /// Time each tensor this many times per backend (0: compare only).
+        #[arg(long, default_value_t = 0)]
+        bench: usize,
+        #[command(flatten)]
+        device: DeviceArgs,
     },
     /// Write a virtual file (or a Hugging Face directory) out of an archive.
     Export(ExportArgs),
@@ -262,6 +276,8 @@ pub enum Eviction {
 pub struct MountArgs {
     pub archive: PathBuf,
     pub mountpoint: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM).
     #[arg(long, value_parser = cawsfs::mount::parse_size)]
     pub cache_size: Option<u64>,
@@ -425,6 +441,8 @@ pub enum Dtype {
 #[derive(clap::Args)]
 pub struct ExportArgs {
     pub archive: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[arg(long, value_enum)]
     pub format: Format,
     #[arg(short, long)]
@@ -438,6 +456,23 @@ pub struct ExportArgs {
     pub gguf_type: GgufView,
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+/// Where reconstruction runs; shared by the commands that reconstruct.
+#[derive(clap::Args, Clone)]
+pub struct DeviceArgs {
+    /// auto (a CUDA GPU when one and its libraries are usable, else the CPU), cpu,
+    /// cuda or cuda:N (an error when that GPU cannot be used).
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceChoice,
+    /// GPU memory kept resident for tensor-wide data (Σ·Vᵀ, codebooks, delta bases
+    /// and Vᵀ), e.g. 2GiB (default: a quarter of the free memory, at most 8 GiB).
+    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    pub vram_budget: Option<u64>,
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    s.parse()
 }
 
 /// The library's float type for a `--dtype` value.

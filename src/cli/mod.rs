@@ -6,6 +6,7 @@ mod archive;
 mod args;
 mod control;
 mod convert;
+mod device;
 mod mount;
 mod tier;
 
@@ -13,6 +14,19 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 pub use args::{Cli, Cmd};
+
+/// Chooses where reconstruction runs. A GPU in use is said on stderr (`quiet`: only
+/// logged); `auto` without one says nothing but logs why at info level.
+pub fn init_device(d: &args::DeviceArgs, quiet: bool) -> Result<()> {
+    let active = cawsfs::reconstruct::init(d.device, d.vram_budget)?;
+    match &active {
+        cawsfs::reconstruct::Active::Cuda { .. } if !quiet => {
+            eprintln!("reconstructing on {active}")
+        }
+        _ => tracing::info!("reconstructing on {active}"),
+    }
+    Ok(())
+}
 
 /// Run one parsed command.
 pub fn run(cli: Cli) -> Result<()> {
@@ -24,7 +38,19 @@ pub fn run(cli: Cli) -> Result<()> {
             blocks,
             gguf_type,
         } => archive::cmd_inspect(&archive, json, blocks, gguf_type),
-        Cmd::Verify { archive, quick } => archive::cmd_verify(&archive, quick),
+        Cmd::Verify {
+            archive,
+            quick,
+            device,
+        } => {
+            init_device(&device, false)?;
+            archive::cmd_verify(&archive, quick)
+        }
+        Cmd::DeviceCheck {
+            archive,
+            bench,
+            device,
+        } => device::cmd_device_check(&archive, bench, &device),
         Cmd::Export(a) => archive::cmd_export(a),
         Cmd::Mount(a) => mount::cmd_mount(a),
         Cmd::Umount { mountpoint } => mount::cmd_umount(&mountpoint),

@@ -12,6 +12,8 @@ use super::args::{float_of, Eviction, MountArgs};
 
 pub fn cmd_mount(a: MountArgs) -> Result<()> {
     if a.foreground {
+        // In the daemon itself: a CUDA context does not survive the detaching fork.
+        super::init_device(&a.device, true)?;
         return cawsfs::mount::run(&a.archive, &a.mountpoint, &mount_options(&a))
             .map_err(Into::into);
     }

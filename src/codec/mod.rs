@@ -79,6 +79,9 @@ pub enum CodecError {
 /// A tensor's global blob parsed once, reused for every block of that tensor.
 pub struct DecodedGlobal {
     inner: GlobalInner,
+    /// XXH3-128 of the blob's bytes: names its contents wherever a copy of the parsed
+    /// values is kept (a GPU keeps them resident under this key).
+    key: u128,
 }
 
 enum GlobalInner {
@@ -143,7 +146,10 @@ pub fn decode_global(
             global, rows, cols, *rank, *pq_dim, *pq_k,
         )?),
     };
-    Ok(DecodedGlobal { inner })
+    Ok(DecodedGlobal {
+        inner,
+        key: xxhash_rust::xxh3::xxh3_128(global),
+    })
 }
 
 /// Decode rows `r0..r1` (relative to the block's first row) of a block holding
@@ -160,20 +166,160 @@ pub fn decode_block_rows(
     r1: u64,
     out: &mut [f32],
 ) -> Result<(), CodecError> {
-    let cols_us = check_range(block_rows, cols, r0, r1, out.len())?;
+    let parts = block_parts(
+        codec,
+        global,
+        payload,
+        block_first_row,
+        block_rows,
+        cols,
+        r0,
+        r1,
+    )?;
+    if parts.values() != out.len() {
+        return Err(CodecError::Params(format!(
+            "output has {} values, rows {r0}..{r1} × {cols} cols need {}",
+            out.len(),
+            parts.values()
+        )));
+    }
+    parts.decode(out);
+    Ok(())
+}
+
+/// Rows `r0..r1` of one block, checked and split into what they are computed from.
+/// Every check a decode needs happens here, so decoding cannot fail: a reconstruction
+/// backend (the CPU's [`BlockParts::decode`], or a GPU computing the same arithmetic
+/// from the parts) gets only valid input.
+pub enum BlockParts<'a> {
+    /// Source bytes of the rows (f32 / f16 / bf16, or whole ggml blocks per row).
+    Raw {
+        format: SourceType,
+        bytes: &'a [u8],
+        rows: usize,
+        cols: usize,
+    },
+    Ndsq(ndsq::NdsqParts<'a>),
+}
+
+pub use ndsq::NdsqParts;
+
+impl BlockParts<'_> {
+    pub fn rows(&self) -> usize {
+        match self {
+            BlockParts::Raw { rows, .. } => *rows,
+            BlockParts::Ndsq(p) => p.rows(),
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            BlockParts::Raw { cols, .. } => *cols,
+            BlockParts::Ndsq(p) => p.cols(),
+        }
+    }
+
+    /// Values the rows hold (`rows × cols`).
+    pub fn values(&self) -> usize {
+        self.rows() * self.cols()
+    }
+
+    /// The rows as f32 into `out` (`values()` long), on this thread.
+    pub fn decode(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.values(), "BlockParts::decode output length");
+        match self {
+            BlockParts::Raw {
+                format,
+                bytes,
+                cols,
+                ..
+            } => passthrough::decode_checked(*format, bytes, *cols, out),
+            BlockParts::Ndsq(p) => p.decode(out),
+        }
+    }
+}
+
+/// Checks rows `r0..r1` of a block of `block_rows` rows and returns its parts.
+#[allow(clippy::too_many_arguments)]
+pub fn block_parts<'a>(
+    codec: &TensorCodec,
+    global: &'a DecodedGlobal,
+    payload: &'a [u8],
+    block_first_row: u64,
+    block_rows: u64,
+    cols: u64,
+    r0: u64,
+    r1: u64,
+) -> Result<BlockParts<'a>, CodecError> {
+    let (rows, cols_us) = check_rows(block_rows, cols, r0, r1)?;
     match (codec, &global.inner) {
         (TensorCodec::Passthrough { format }, GlobalInner::Passthrough) => {
-            passthrough::decode_rows(*format, payload, block_rows, cols_us, r0, r1, out)
+            let bytes = passthrough::raw_rows(*format, payload, block_rows, cols_us, r0, r1)?;
+            if let SourceType::Ggml(ty) = format {
+                if !crate::gguf::quant::is_supported(*ty) {
+                    return Err(CodecError::Corrupt(format!(
+                        "passthrough {ty:?} rows cannot be dequantized"
+                    )));
+                }
+            }
+            Ok(BlockParts::Raw {
+                format: *format,
+                bytes,
+                rows,
+                cols: cols_us,
+            })
         }
         (TensorCodec::Ndsq { .. }, GlobalInner::Ndsq(g)) => {
             g.check_cols(cols)?;
             let view = ndsq::BlockView::parse(g, payload, block_first_row, block_rows)?;
-            view.decode_rows(g, r0 as usize, r1 as usize, out);
-            Ok(())
+            Ok(BlockParts::Ndsq(NdsqParts::new(
+                g,
+                global.key,
+                view,
+                r0 as usize,
+                r1 as usize,
+            )))
         }
         _ => Err(CodecError::Params(
             "decoded global belongs to a different codec".into(),
         )),
+    }
+}
+
+/// `out[i, :] += Σ_k u[i, k] · vt[k, :]` for every row i, k ascending: one rounded
+/// multiply and one rounded add per term, never fused, so any implementation that
+/// keeps this order (a GPU's included) gets the same bits. NDSQ's L and the delta
+/// kind's U·Vᵀ both use it.
+pub fn add_low_rank(out: &mut [f32], u: &[f32], vt: &[f32], rank: usize, cols: usize) {
+    if rank == 0 || cols == 0 {
+        return;
+    }
+    debug_assert!(u.len() * cols == out.len() * rank && vt.len() == rank * cols);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above).
+        unsafe { add_low_rank_avx2(out, u, vt, rank, cols) };
+        return;
+    }
+    add_low_rank_generic(out, u, vt, rank, cols)
+}
+
+/// The same loop compiled with AVX2: wider vectors across columns, the same operations
+/// per element in the same order (Rust never contracts a multiply and an add).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn add_low_rank_avx2(out: &mut [f32], u: &[f32], vt: &[f32], rank: usize, cols: usize) {
+    add_low_rank_generic(out, u, vt, rank, cols)
+}
+
+#[inline(always)]
+fn add_low_rank_generic(out: &mut [f32], u: &[f32], vt: &[f32], rank: usize, cols: usize) {
+    for (row, ui) in out.chunks_exact_mut(cols).zip(u.chunks_exact(rank)) {
+        for (&uk, vk) in ui.iter().zip(vt.chunks_exact(cols)) {
+            for (o, &v) in row.iter_mut().zip(vk) {
+                *o += uk * v;
+            }
+        }
     }
 }
 
@@ -244,28 +390,20 @@ pub fn apply_block(
     }
 }
 
-/// Checks a row request against the block and the output buffer; returns cols.
-fn check_range(
-    block_rows: u64,
-    cols: u64,
-    r0: u64,
-    r1: u64,
-    out_len: usize,
-) -> Result<usize, CodecError> {
+/// Checks a row request against the block; returns (rows, cols).
+fn check_rows(block_rows: u64, cols: u64, r0: u64, r1: u64) -> Result<(usize, usize), CodecError> {
     if r0 > r1 || r1 > block_rows {
         return Err(CodecError::Params(format!(
             "rows {r0}..{r1} out of range for a block of {block_rows} rows"
         )));
     }
-    let need = (r1 - r0)
-        .checked_mul(cols)
-        .ok_or_else(|| CodecError::Params(format!("{} rows × {cols} cols overflows", r1 - r0)))?;
-    if need != out_len as u64 {
-        return Err(CodecError::Params(format!(
-            "output has {out_len} values, rows {r0}..{r1} × {cols} cols need {need}"
-        )));
-    }
-    usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))
+    let rows = usize::try_from(r1 - r0)
+        .map_err(|_| CodecError::Params(format!("{} rows too many", r1 - r0)))?;
+    let cols_us =
+        usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))?;
+    rows.checked_mul(cols_us)
+        .ok_or_else(|| CodecError::Params(format!("{rows} rows × {cols} cols overflows")))?;
+    Ok((rows, cols_us))
 }
 
 /// Rows `start..end` of block `b` of a `rows`-row tensor cut into `rows_per_block`-row blocks.

@@ -86,23 +86,39 @@ pub(super) fn decode_rows(
     out: &mut [f32],
 ) -> Result<(), CodecError> {
     let bytes = raw_rows(format, payload, block_rows, cols, r0, r1)?;
-    let rb = row_bytes(format, cols as u64)?;
+    if let SourceType::Ggml(ty) = format {
+        if !crate::gguf::quant::is_supported(ty) {
+            return Err(CodecError::Corrupt(format!(
+                "passthrough {ty:?} rows cannot be dequantized"
+            )));
+        }
+    }
+    decode_checked(format, bytes, cols, out);
+    Ok(())
+}
+
+/// Source bytes of whole rows (as [`raw_rows`] returns them: whole ggml blocks per row,
+/// a supported type) to f32.
+pub(super) fn decode_checked(format: SourceType, bytes: &[u8], cols: usize, out: &mut [f32]) {
     match format {
         SourceType::F32 => le::f32s_from_le(bytes, out),
         SourceType::F16 => le::f16s_to_f32(bytes, out),
         SourceType::BF16 => le::bf16s_to_f32(bytes, out),
         SourceType::Ggml(ty) => {
-            // Row by row: each row is a whole number of ggml blocks.
-            let rb = rb as usize;
+            let Some(rb) = ty.row_bytes(cols as u64) else {
+                unreachable!("raw_rows checked that rows are whole {ty:?} blocks")
+            };
             if cols > 0 {
-                for (row_out, row_in) in out.chunks_exact_mut(cols).zip(bytes.chunks_exact(rb)) {
+                for (row_out, row_in) in out
+                    .chunks_exact_mut(cols)
+                    .zip(bytes.chunks_exact(rb as usize))
+                {
                     crate::gguf::quant::dequantize(ty, row_in, row_out)
-                        .map_err(|e| CodecError::Corrupt(format!("passthrough {ty:?} row: {e}")))?;
+                        .expect("raw_rows checked the row sizes and the type is supported");
                 }
             }
         }
     }
-    Ok(())
 }
 
 pub(super) fn apply(

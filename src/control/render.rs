@@ -47,6 +47,30 @@ fn or_dash(x: Option<String>) -> String {
     x.unwrap_or_else(|| "-".into())
 }
 
+/// `device   cuda:0 (NVIDIA H100)  gpu 1.2 GiB in 340 batches (5.1 GB/s)  cpu 0 B  fallbacks 0  resident 12 MiB of 8 GiB`
+fn device_line(d: &crate::reconstruct::DeviceStats) -> String {
+    let mut line = format!("device   {}", d.device);
+    if d.device != "cpu" || d.gpu_batches > 0 {
+        let rate = if d.gpu_nanos > 0 {
+            format!(" ({:.1} GB/s)", d.gpu_bytes as f64 / d.gpu_nanos as f64)
+        } else {
+            String::new()
+        };
+        line += &format!(
+            "  gpu {} in {} batches{rate}  cpu {}  fallbacks {}  resident {} of {}",
+            human_bytes(d.gpu_bytes),
+            d.gpu_batches,
+            human_bytes(d.cpu_bytes),
+            d.fallbacks,
+            human_bytes(d.resident_bytes),
+            human_bytes(d.vram_budget)
+        );
+    } else {
+        line += &format!("  reconstructed {}", human_bytes(d.cpu_bytes));
+    }
+    line
+}
+
 fn count(n: Option<u64>) -> String {
     or_dash(n.map(|n| n.to_string()))
 }
@@ -145,6 +169,9 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             t.passthrough.as_deref().unwrap_or("-"),
             count(t.passthrough_opens),
         );
+    }
+    if let Some(d) = &s.device {
+        let _ = writeln!(out, "{}", device_line(d));
     }
     if let Some(r) = rates {
         let _ = writeln!(out, "{r}");

@@ -37,6 +37,9 @@ pub struct StatReply {
     /// The disk tier, when the mount has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier: Option<TierStat>,
+    /// Where reconstruction runs (`--device`) and what it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<crate::reconstruct::DeviceStats>,
 }
 
 /// `stat`'s `tier` section (docs/TIER.md): counters since mount and the entries' state.

@@ -31,6 +31,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
         .collect();
     let l = &c.latency_us;
     StatReply {
+        device: Some(crate::reconstruct::stats()),
         archive_kind: Some(fs.archive().kind().name().to_string()),
         archive_path: Some(fs.archive().path().display().to_string()),
         uptime_s: Some(fs.uptime().as_secs_f64()),

@@ -26,6 +26,7 @@ use crate::archive::{
 };
 use crate::codec::{self, DecodedGlobal, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
+use crate::reconstruct::{self, Work};
 
 use format::*;
 pub use writer::CawsfWriter;
@@ -557,25 +558,30 @@ impl RowSource for CawsfArchive {
             return Ok(());
         }
         let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), t.cols as usize, out);
-        let run = |(b, first, n, lo, hi, dst): (usize, u64, u64, u64, u64, &mut [f32])| {
-            // The block's own checksum first, then the (cached) global blob.
-            let payload = self.read_payload(tensor, b, (hi - lo, n))?;
-            let g = self
-                .global(tensor)
-                .map_err(|f| self.global_error(tensor, b, f))?;
-            codec::decode_block_rows(&t.codec, g, &payload, first, n, t.cols, lo, hi, dst).map_err(
-                |e| ReadError::Corrupt {
+        // The blocks' own checksummed, decompressed payloads first (in parallel), then
+        // the (cached) global blob, then the reconstruction backend.
+        let load =
+            |job: &BlockJob<'_, f32>| self.read_payload(tensor, job.0, (job.4 - job.3, job.2));
+        let payloads: Vec<Arc<Vec<u8>>> = if jobs.len() == 1 {
+            vec![load(&jobs[0])?]
+        } else {
+            jobs.par_iter().map(load).collect::<Result<_, _>>()?
+        };
+        let g = self
+            .global(tensor)
+            .map_err(|f| self.global_error(tensor, jobs[0].0, f))?;
+        let mut works = Vec::with_capacity(jobs.len());
+        for ((b, first, n, lo, hi, dst), payload) in jobs.into_iter().zip(&payloads) {
+            let parts = codec::block_parts(&t.codec, g, payload, first, n, t.cols, lo, hi)
+                .map_err(|e| ReadError::Corrupt {
                     tensor: t.name.clone(),
                     block: b,
                     reason: e.to_string(),
-                },
-            )
-        };
-        if jobs.len() == 1 {
-            jobs.into_iter().try_for_each(run)
-        } else {
-            jobs.into_par_iter().try_for_each(run)
+                })?;
+            works.push((Work::Block(parts), dst));
         }
+        reconstruct::decode(works);
+        Ok(())
     }
 
     fn raw_format(&self, tensor: usize) -> Option<SourceType> {

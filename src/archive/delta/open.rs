@@ -72,7 +72,6 @@ impl DeltaArchive {
             }),
             counters: ReadCounters::default(),
             memo_blobs: Default::default(),
-            memo_rows: Default::default(),
             file: c.file,
         })
     }

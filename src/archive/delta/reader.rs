@@ -10,7 +10,6 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
 use super::format::*;
@@ -23,6 +22,7 @@ use crate::archive::{
 use crate::codec::delta::{decode_base_block, f16_to_f32};
 use crate::codec::{self, TensorCodec};
 use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
+use crate::reconstruct::{self, LowRank, Work};
 
 /// Bytes of decoded (f32) base blocks and Vᵀ blobs kept between reads. A Vᵀ is needed
 /// by every block of its matrix (up to rank·cols·4 = 3.5 MiB at full rank on a
@@ -83,7 +83,6 @@ pub struct DeltaArchive {
     /// Blobs of passthrough blocks, and delta blocks decoded (Base + U·Vᵀ, the whole
     /// block's product), that a read needed only in part.
     pub(super) memo_blobs: BlockMemo<u8>,
-    pub(super) memo_rows: BlockMemo<f32>,
 }
 
 /// Does the file at `path` start with the delta archive's magic?
@@ -161,108 +160,70 @@ impl DeltaArchive {
         }
     }
 
-    /// Rows lo..hi (relative to the block) of block `b` of tensor `ti` into `dst`.
-    fn decode_block(
-        &self,
-        ti: usize,
-        b: usize,
-        lo: usize,
-        hi: usize,
-        dst: &mut [f32],
-    ) -> Result<(), ReadError> {
+    /// What rows of block `b` of tensor `ti` are computed from, checked; `rows` is
+    /// (rows the read takes, rows the block has).
+    fn block_input(&self, ti: usize, b: usize, rows: (u64, u64)) -> Result<BlockInput, ReadError> {
         let t = &self.tensors[ti];
         let cols = t.cols as usize;
-        let first = b as u64 * t.rows_per_block;
-        let n = (t.rows_per_block.min(t.rows - first)) as usize;
-        let rows = ((hi - lo) as u64, n as u64);
+        let n = rows.1 as usize;
         match t.kind {
-            TensorKind::Pass { format } => {
-                let payload = self.memo_blob(ti, b, rows)?;
-                let codec = TensorCodec::Passthrough { format };
-                let g = codec::decode_global(&codec, &[], t.rows, t.cols).map_err(|e| {
-                    ReadError::Corrupt {
-                        tensor: t.name.clone(),
-                        block: b,
-                        reason: e.to_string(),
-                    }
-                })?;
-                codec::decode_block_rows(
-                    &codec, &g, &payload, first, n as u64, t.cols, lo as u64, hi as u64, dst,
-                )
-                .map_err(|e| ReadError::Corrupt {
-                    tensor: t.name.clone(),
-                    block: b,
-                    reason: e.to_string(),
-                })
-            }
+            TensorKind::Pass { .. } => Ok(BlockInput::Pass(self.memo_blob(ti, b, rows)?)),
             TensorKind::Delta {
                 base,
                 rank,
                 vt_blob,
             } => {
-                let full = self.memo_rows.get_or_load((ti, b), rows, || {
-                    self.delta_block(ti, b, (base, rank, vt_blob), n)
-                })?;
-                dst.copy_from_slice(&full[lo * cols..hi * cols]);
-                Ok(())
+                // The block's own U first, then the shared parts it needs.
+                let u = self
+                    .blob(t.first_blob + b)
+                    .map_err(|f| self.fault(ti, b, None, f))?;
+                if u.len() != n * rank * 2 {
+                    return Err(ReadError::Corrupt {
+                        tensor: t.name.clone(),
+                        block: b,
+                        reason: format!(
+                            "U holds {} bytes, {n} rows of rank {rank} need {}",
+                            u.len(),
+                            n * rank * 2
+                        ),
+                    });
+                }
+                let dtype = self.base_dtype;
+                let base_blob = self.bases[base].first_blob + b;
+                let bb = self
+                    .shared(base_blob, |p| {
+                        let mut v = vec![0f32; n * cols];
+                        decode_base_block(dtype, p, n, cols, &mut v);
+                        v
+                    })
+                    .map_err(|f| {
+                        self.fault(
+                            ti,
+                            b,
+                            Some(format!("{} block {b}", self.base_label(base))),
+                            f,
+                        )
+                    })?;
+                let vt = if rank == 0 {
+                    Arc::new(Vec::new())
+                } else {
+                    self.shared(vt_blob, |p| {
+                        let mut v = vec![0f32; rank * cols];
+                        f16_to_f32(p, &mut v);
+                        v
+                    })
+                    .map_err(|f| self.fault(ti, b, Some("Vt blob".into()), f))?
+                };
+                Ok(BlockInput::Delta {
+                    u,
+                    base: bb,
+                    base_blob,
+                    vt,
+                    vt_blob,
+                    rank,
+                })
             }
         }
-    }
-
-    /// Block `b` of delta tensor `ti` (`n` rows), decoded whole: Base + U·Vᵀ.
-    fn delta_block(
-        &self,
-        ti: usize,
-        b: usize,
-        (base, rank, vt_blob): (usize, usize, usize),
-        n: usize,
-    ) -> Result<Vec<f32>, ReadError> {
-        let t = &self.tensors[ti];
-        let cols = t.cols as usize;
-        // The block's own U first, then the shared parts it needs.
-        let u = self
-            .blob(t.first_blob + b)
-            .map_err(|f| self.fault(ti, b, None, f))?;
-        let dtype = self.base_dtype;
-        let bb = self
-            .shared(self.bases[base].first_blob + b, |p| {
-                let mut v = vec![0f32; n * cols];
-                decode_base_block(dtype, p, n, cols, &mut v);
-                v
-            })
-            .map_err(|f| {
-                self.fault(
-                    ti,
-                    b,
-                    Some(format!("{} block {b}", self.base_label(base))),
-                    f,
-                )
-            })?;
-        let mut full = bb.as_slice().to_vec();
-        if rank == 0 {
-            return Ok(full);
-        }
-        let vt = self
-            .shared(vt_blob, |p| {
-                let mut v = vec![0f32; rank * cols];
-                f16_to_f32(p, &mut v);
-                v
-            })
-            .map_err(|f| self.fault(ti, b, Some("Vt blob".into()), f))?;
-        // Always the whole block's product: the GEMM's summation order depends on its
-        // shape, and a row must come out bit-identical whatever range asked for it
-        // (mounted files equal `export`).
-        let mut uf = vec![0f32; n * rank];
-        f16_to_f32(&u, &mut uf);
-        faer::linalg::matmul::matmul(
-            MatMut::from_row_major_slice_mut(&mut full, n, cols),
-            Accum::Add,
-            MatRef::from_row_major_slice(&uf, n, rank),
-            MatRef::from_row_major_slice(&vt, rank, cols),
-            1.0f32,
-            Par::Seq,
-        );
-        Ok(full)
     }
 
     /// Blob of passthrough block `b` of tensor `ti` through the memo, for a read of
@@ -296,6 +257,20 @@ impl DeltaArchive {
     }
 }
 
+/// One block's checked inputs for a read.
+enum BlockInput {
+    Pass(Arc<Vec<u8>>),
+    Delta {
+        u: Vec<u8>,
+        /// The whole block's rows of its base, decoded.
+        base: Arc<Vec<f32>>,
+        base_blob: usize,
+        vt: Arc<Vec<f32>>,
+        vt_blob: usize,
+        rank: usize,
+    },
+}
+
 impl RowSource for DeltaArchive {
     fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
         let t = self
@@ -310,15 +285,78 @@ impl RowSource for DeltaArchive {
         if r0 == r1 {
             return Ok(());
         }
-        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), t.cols as usize, out);
-        let run = |(b, _first, _n, lo, hi, dst): BlockJob<'_, f32>| {
-            self.decode_block(tensor, b, lo as usize, hi as usize, dst)
-        };
-        if jobs.len() == 1 {
-            jobs.into_iter().try_for_each(run)
+        let cols = t.cols as usize;
+        let jobs = block_jobs((t.rows, t.rows_per_block), (r0, r1), cols, out);
+        // Every block's checked inputs (in parallel), then one call to the backend: a
+        // row's value depends on nothing but its own inputs (codec::add_low_rank's
+        // fixed order), so a read computes only the rows it asks for.
+        let load = |j: &BlockJob<'_, f32>| self.block_input(tensor, j.0, (j.4 - j.3, j.2));
+        let inputs: Vec<BlockInput> = if jobs.len() == 1 {
+            vec![load(&jobs[0])?]
         } else {
-            jobs.into_par_iter().try_for_each(run)
+            jobs.par_iter().map(load).collect::<Result<_, _>>()?
+        };
+        let id = Store::identity(self);
+        // A passthrough tensor's (empty) global blob, parsed once for the read.
+        let pass = match t.kind {
+            TensorKind::Pass { format } => {
+                let codec = TensorCodec::Passthrough { format };
+                let g = codec::decode_global(&codec, &[], t.rows, t.cols).map_err(|e| {
+                    ReadError::Corrupt {
+                        tensor: t.name.clone(),
+                        block: jobs[0].0,
+                        reason: e.to_string(),
+                    }
+                })?;
+                Some((codec, g))
+            }
+            TensorKind::Delta { .. } => None,
+        };
+        let mut works = Vec::with_capacity(jobs.len());
+        for ((b, first, n, lo, hi, dst), input) in jobs.into_iter().zip(&inputs) {
+            let (lo, hi) = (lo as usize, hi as usize);
+            let work = match (input, &pass) {
+                (BlockInput::Pass(payload), Some((codec, g))) => {
+                    let parts = codec::block_parts(
+                        codec, g, payload, first, n, t.cols, lo as u64, hi as u64,
+                    )
+                    .map_err(|e| ReadError::Corrupt {
+                        tensor: t.name.clone(),
+                        block: b,
+                        reason: e.to_string(),
+                    })?;
+                    Work::Block(parts)
+                }
+                (
+                    BlockInput::Delta {
+                        u,
+                        base,
+                        base_blob,
+                        vt,
+                        vt_blob,
+                        rank,
+                    },
+                    _,
+                ) => Work::LowRank(LowRank {
+                    base,
+                    base_row0: lo,
+                    // Shared parts are named by (archive, blob): a GPU keeps them resident.
+                    base_key: reconstruct::item_key(id, *base_blob as u64),
+                    u_f16: &u[lo * rank * 2..hi * rank * 2],
+                    vt,
+                    vt_key: reconstruct::item_key(id, *vt_blob as u64),
+                    rank: *rank,
+                    rows: hi - lo,
+                    cols,
+                }),
+                (BlockInput::Pass(_), None) => {
+                    unreachable!("block_input follows the tensor's kind")
+                }
+            };
+            works.push((work, dst));
         }
+        reconstruct::decode(works);
+        Ok(())
     }
 
     fn raw_format(&self, tensor: usize) -> Option<SourceType> {

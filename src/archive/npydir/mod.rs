@@ -26,7 +26,9 @@ mod tests;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
 
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
@@ -37,9 +39,9 @@ use crate::archive::{
     TensorSummary,
 };
 use crate::archive::{ArchiveError, SectionInfo};
-use crate::codec::intq as quant;
-use crate::codec::le;
-use crate::model::{ModelDesc, ReadError, RowSource};
+use crate::codec::{le, BlockParts};
+use crate::model::{ModelDesc, ReadError, RowSource, SourceType};
+use crate::reconstruct::{self, IntQ, Work};
 use files::{DataFile, Opener, WholeCache};
 use foreign::open_foreign;
 use geometry::{Geo, Geometry};
@@ -256,11 +258,11 @@ impl NpyDir {
         self.checksummed
     }
 
-    /// Decode row block `b` of tensor `t`: its values and the element index of the first.
-    fn decode_block(&self, t: usize, b: usize) -> Result<(Vec<f32>, u64), BlockError> {
+    /// Row block `b` of tensor `t`'s bytes, one part per file, checksums checked.
+    fn block_bytes(&self, t: usize, b: usize) -> Result<Vec<Vec<u8>>, BlockError> {
         let e = &self.entries[t];
         let name = &self.model.tensors[t].name;
-        let (ranges, el0, el1) = e.geom.block_ranges(b);
+        let (ranges, _, _) = e.geom.block_ranges(b);
         let mut parts = Vec::with_capacity(e.files.len());
         for (f, &r) in e.files.iter().zip(&ranges) {
             let fail = |err| BlockError {
@@ -283,21 +285,93 @@ impl NpyDir {
             }
             parts.push(bytes);
         }
-        let mut out = vec![0f32; (el1 - el0) as usize];
+        Ok(parts)
+    }
+
+    /// Block `b` of tensor `t` decoded on this thread, for `verify`.
+    fn decode_block_cpu(&self, t: usize, b: usize) -> Result<(Vec<f32>, u64), BlockError> {
+        let parts = self.block_bytes(t, b)?;
+        let scales = self.block_scales(t, &parts);
+        let work = self.block_work(t, b, &parts, &scales)?;
+        let (_, el0, _) = self.entries[t].geom.block_ranges(b);
+        let mut out = vec![0f32; work.values()];
+        work.decode_cpu(&mut out);
+        Ok((out, el0))
+    }
+
+    /// The scales of a quantized block's bytes (none for others).
+    fn block_scales(&self, t: usize, parts: &[Vec<u8>]) -> Vec<f32> {
+        match self.entries[t].geom.geo {
+            Geo::Int8 { .. } | Geo::Int4 { .. } => {
+                let mut s = vec![0f32; parts[1].len() / 4];
+                le::f32s_from_le(&parts[1], &mut s);
+                s
+            }
+            Geo::Pt { .. } => Vec::new(),
+        }
+    }
+
+    /// What block `b` of tensor `t` is computed from, its sizes checked.
+    fn block_work<'a>(
+        &self,
+        t: usize,
+        b: usize,
+        parts: &'a [Vec<u8>],
+        scales: &'a [f32],
+    ) -> Result<Work<'a>, BlockError> {
+        let e = &self.entries[t];
+        let name = &self.model.tensors[t].name;
+        let (_, el0, el1) = e.geom.block_ranges(b);
+        let n = (el1 - el0) as usize;
+        let corrupt = |reason: String| BlockError {
+            file: e.files[0].rel.clone(),
+            err: ReadError::Corrupt {
+                tensor: name.clone(),
+                block: b,
+                reason,
+            },
+        };
         match e.geom.geo {
             Geo::Int8 { c, g } | Geo::Int4 { c, g } => {
-                let dequantize = match e.geom.geo {
-                    Geo::Int8 { .. } => quant::dequantize_int8,
-                    _ => quant::dequantize_int4,
+                let bits = if matches!(e.geom.geo, Geo::Int8 { .. }) {
+                    8
+                } else {
+                    4
                 };
-                let mut scales = vec![0f32; parts[1].len() / 4];
-                le::f32s_from_le(&parts[1], &mut scales);
-                dequantize(&parts[0], &scales, c as usize, g as usize, &mut out)
+                let (c, g) = (c as usize, g as usize);
+                let rows = n / c.max(1);
+                let q_need = if bits == 8 { rows * c } else { rows * (c / 2) };
+                if rows * c != n || parts[0].len() != q_need || scales.len() != rows * g {
+                    return Err(corrupt(format!(
+                        "{n} values, {} code bytes and {} scales do not make rows of {c} in {g} groups",
+                        parts[0].len(),
+                        scales.len()
+                    )));
+                }
+                Ok(Work::IntQ(IntQ {
+                    bits,
+                    q: &parts[0],
+                    scales,
+                    groups: g,
+                    rows,
+                    cols: c,
+                }))
             }
-            Geo::Pt { sz: 4 } => le::f32s_from_le(&parts[0], &mut out),
-            Geo::Pt { .. } => le::f16s_to_f32(&parts[0], &mut out),
+            Geo::Pt { sz } if parts[0].len() != n * sz as usize => Err(corrupt(format!(
+                "{} bytes for {n} values of {sz} bytes",
+                parts[0].len()
+            ))),
+            Geo::Pt { sz } => Ok(Work::Block(BlockParts::Raw {
+                format: if sz == 4 {
+                    SourceType::F32
+                } else {
+                    SourceType::F16
+                },
+                bytes: &parts[0],
+                rows: 1,
+                cols: n,
+            })),
         }
-        Ok((out, el0))
     }
 }
 
@@ -326,20 +400,57 @@ impl RowSource for NpyDir {
             return Ok(());
         }
         let (e0, e1) = (r0 * g.cols, r1 * g.cols);
-        for b in r0 / g.rows_per_block..=(r1 - 1) / g.rows_per_block {
-            let first = b * g.rows_per_block;
+        let blocks: Vec<usize> = (r0 / g.rows_per_block..=(r1 - 1) / g.rows_per_block)
+            .map(|b| b as usize)
+            .collect();
+        let rows_of = |b: usize| {
+            let first = b as u64 * g.rows_per_block;
             let last = (first + g.rows_per_block).min(g.rows);
-            let rows = (r1.min(last) - r0.max(first), last - first);
-            let start = g.block_ranges(b as usize).1;
-            let key = (tensor, b as usize);
-            let load = || self.decode_block(tensor, b as usize).map(|(v, _)| v);
-            let vals = self.memo.get_or_load(key, rows, load).map_err(|be| {
-                // A changed file has logged itself once; a line per read would bury it.
-                if !matches!(be.err, ReadError::Changed(_)) {
-                    tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
-                }
-                be.err
-            })?;
+            (r1.min(last) - r0.max(first), last - first)
+        };
+        // A changed file has logged itself once; a line per read would bury it.
+        let fail = |be: BlockError| {
+            if !matches!(be.err, ReadError::Changed(_)) {
+                tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+            }
+            be.err
+        };
+        // Blocks kept from an earlier read, then the others read (in parallel),
+        // computed in one call to the backend, and kept where this read takes part.
+        let mut vals: Vec<Option<Arc<Vec<f32>>>> = blocks
+            .iter()
+            .map(|&b| self.memo.get((tensor, b), rows_of(b).0))
+            .collect();
+        let missing: Vec<usize> = (0..blocks.len()).filter(|&i| vals[i].is_none()).collect();
+        let read = |&i: &usize| self.block_bytes(tensor, blocks[i]);
+        let raws: Vec<Vec<Vec<u8>>> = if missing.len() > 1 {
+            missing.par_iter().map(read).collect::<Result<_, _>>()
+        } else {
+            missing.iter().map(read).collect::<Result<_, _>>()
+        }
+        .map_err(fail)?;
+        let scales: Vec<Vec<f32>> = raws.iter().map(|p| self.block_scales(tensor, p)).collect();
+        let mut outs: Vec<Vec<f32>> = missing
+            .iter()
+            .map(|&i| {
+                let (_, el0, el1) = g.block_ranges(blocks[i]);
+                vec![0f32; (el1 - el0) as usize]
+            })
+            .collect();
+        let mut works = Vec::with_capacity(missing.len());
+        for (((&i, parts), sc), o) in missing.iter().zip(&raws).zip(&scales).zip(&mut outs) {
+            let w = self
+                .block_work(tensor, blocks[i], parts, sc)
+                .map_err(fail)?;
+            works.push((w, &mut o[..]));
+        }
+        reconstruct::decode(works);
+        for (&i, o) in missing.iter().zip(outs) {
+            vals[i] = Some(self.memo.keep((tensor, blocks[i]), rows_of(blocks[i]), o));
+        }
+        for (&b, v) in blocks.iter().zip(&vals) {
+            let vals = v.as_ref().expect("every block kept or computed");
+            let start = g.block_ranges(b).1;
             let lo = e0.max(start);
             let hi = e1.min(start + vals.len() as u64);
             if lo < hi {
@@ -394,7 +505,7 @@ impl Store for NpyDir {
             .flat_map(|(t, e)| (0..e.geom.n_blocks()).map(move |b| (t, b)))
             .collect();
         jobs.par_iter()
-            .filter_map(|&(t, b)| match self.decode_block(t, b) {
+            .filter_map(|&(t, b)| match self.decode_block_cpu(t, b) {
                 Err(be) => Some(format!("{}: {}", be.file, be.err)),
                 // Without checksums, at least no value may be NaN or infinite.
                 Ok((v, _)) if !self.checksummed && v.iter().any(|x| !x.is_finite()) => {

@@ -116,7 +116,7 @@ fn roundtrip_all_kinds() {
         );
         for t in 0..4 {
             let full = read_all(&d, t).unwrap();
-            let err = quant::rel_err(&src.data[t], &full);
+            let err = crate::codec::intq::rel_err(&src.data[t], &full);
             assert!(err < tol, "{t}: {err}");
             assert!((err - rep.tensors[t].rel_err).abs() < 1e-9);
             assert_eq!(d.tensor_summary(t).rel_err, Some(rep.tensors[t].rel_err));

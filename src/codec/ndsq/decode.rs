@@ -183,7 +183,8 @@ impl<'a> BlockView<'a> {
             return;
         }
         debug_assert!(r1 <= self.n && out.len() == nr * cols);
-        // U·(ΣVᵀ) as rank axpys per row: the rank is small (a handful to a few dozen),
+        // U·(ΣVᵀ) as rank axpys per row (in the fixed order of `add_low_rank`, which a
+        // GPU reproduces bit for bit): the rank is small (a handful to a few dozen),
         // where a plain loop vectorizes as well as a GEMM and, unlike faer's, keeps no
         // per-thread packing buffer (tens of MiB of virtual memory per decoding thread,
         // partly resident for the thread's life).
@@ -191,13 +192,7 @@ impl<'a> BlockView<'a> {
         if g.rank > 0 {
             let mut u = vec![0f32; nr * g.rank];
             le::f16s_to_f32(&self.u[r0 * g.rank * 2..r1 * g.rank * 2], &mut u);
-            for (row, ui) in out.chunks_exact_mut(cols).zip(u.chunks_exact(g.rank)) {
-                for (&uk, vk) in ui.iter().zip(g.svt.chunks_exact(cols)) {
-                    for (o, &v) in row.iter_mut().zip(vk) {
-                        *o += uk * v;
-                    }
-                }
-            }
+            crate::codec::add_low_rank(out, &u, &g.svt, g.rank, cols);
         }
         for (li, row) in out.chunks_exact_mut(cols).enumerate() {
             let i = r0 + li;
@@ -296,5 +291,88 @@ where
         for t in 0..D {
             seg[t] += cent[t];
         }
+    }
+}
+
+/// Rows `r0..r1` of a checked NDSQ block with its tensor's global: what decoding them
+/// reads, for a backend that computes [`BlockView::decode_rows`]'s arithmetic itself.
+pub struct NdsqParts<'a> {
+    g: &'a NdsqGlobal,
+    key: u128,
+    view: BlockView<'a>,
+    r0: usize,
+    r1: usize,
+}
+
+impl<'a> NdsqParts<'a> {
+    pub(in crate::codec) fn new(
+        g: &'a NdsqGlobal,
+        key: u128,
+        view: BlockView<'a>,
+        r0: usize,
+        r1: usize,
+    ) -> Self {
+        NdsqParts {
+            g,
+            key,
+            view,
+            r0,
+            r1,
+        }
+    }
+    pub fn rows(&self) -> usize {
+        self.r1 - self.r0
+    }
+    pub fn cols(&self) -> usize {
+        self.g.cols
+    }
+    pub fn rank(&self) -> usize {
+        self.g.rank
+    }
+    /// PQ sub-vector length.
+    pub fn sub_dim(&self) -> usize {
+        self.g.d
+    }
+    /// PQ sub-vectors per row.
+    pub fn sub_vectors(&self) -> usize {
+        self.g.m
+    }
+    /// Σ·Vᵀ, `rank × cols`, scale applied.
+    pub fn svt(&self) -> &'a [f32] {
+        &self.g.svt
+    }
+    /// `k × sub_dim` centroids.
+    pub fn codebook(&self) -> &'a [f32] {
+        &self.g.codebook
+    }
+    /// Names the global's contents (the same key means the same Σ·Vᵀ and codebook).
+    pub fn global_key(&self) -> u128 {
+        self.key
+    }
+    /// U of the rows, f16 little-endian, `rows × rank`.
+    pub fn u_f16(&self) -> &'a [u8] {
+        &self.view.u[self.r0 * self.g.rank * 2..self.r1 * self.g.rank * 2]
+    }
+    /// PQ codes of the rows, `rows × sub_vectors`.
+    pub fn codes(&self) -> &'a [u8] {
+        &self.view.codes[self.r0 * self.g.m..self.r1 * self.g.m]
+    }
+    /// Row `i`'s (relative to `r0`) diagonal entry: (column, value), added after R.
+    pub fn diagonal(&self, i: usize) -> Option<(usize, f32)> {
+        let bi = self.r0 + i;
+        (bi < self.view.nd).then(|| (self.view.first + bi, self.view.diag_val(bi)))
+    }
+    /// Row `i`'s outliers, (column, value) with columns ascending, added last.
+    pub fn outliers(&self, i: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+        let bi = self.r0 + i;
+        (self.view.start[bi]..self.view.start[bi + 1]).map(|e| {
+            (
+                read_idx(self.view.s_cols, e, self.view.w),
+                self.view.s_val(e),
+            )
+        })
+    }
+    pub fn decode(&self, out: &mut [f32]) {
+        self.view.decode_rows(self.g, self.r0, self.r1, out)
     }
 }

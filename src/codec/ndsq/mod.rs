@@ -20,6 +20,7 @@ mod svd;
 #[cfg(test)]
 mod tests;
 
+pub use decode::NdsqParts;
 pub(super) use decode::{BlockView, NdsqGlobal};
 pub(super) use encode::encode;
 pub(crate) use svd::thin_svd;
