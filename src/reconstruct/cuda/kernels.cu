@@ -1,4 +1,4 @@
-// Reconstruction kernels, compiled at run time by NVRTC (src/reconstruct/cuda.rs).
+// Reconstruction kernels, compiled at run time by NVRTC (src/reconstruct/cuda/mod.rs).
 //
 // Every kernel computes exactly what the CPU decoder in src/codec (and src/gguf/quant.rs)
 // computes, operation for operation: each multiply and add is an explicit
