@@ -314,7 +314,8 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let mut out = String::new();
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
-    let simple: [(&str, &str, &str, Option<u64>); 22] = [
+    let d = stats.device.as_ref();
+    let simple: [(&str, &str, &str, Option<u64>); 26] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -446,6 +447,30 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Opens answered with FUSE passthrough of a whole tier file.",
             t.passthrough_opens,
+        ),
+        (
+            "cawsfs_device_gpu_bytes_total",
+            "counter",
+            "f32 bytes of rows the GPU reconstructed.",
+            d.map(|d| d.gpu_bytes),
+        ),
+        (
+            "cawsfs_device_cpu_bytes_total",
+            "counter",
+            "f32 bytes of rows the CPU reconstructed.",
+            d.map(|d| d.cpu_bytes),
+        ),
+        (
+            "cawsfs_device_fallbacks_total",
+            "counter",
+            "GPU batches that failed and were computed on the CPU.",
+            d.map(|d| d.fallbacks),
+        ),
+        (
+            "cawsfs_device_resident_bytes",
+            "gauge",
+            "Bytes kept resident on the GPU (of --vram-budget).",
+            d.filter(|d| d.vram_budget > 0).map(|d| d.resident_bytes),
         ),
     ];
     for (name, kind, help, value) in simple {
@@ -582,6 +607,9 @@ mod tests {
                 "latency_us": {"p50": 120, "p90": 480, "p99": 2100, "max": 15000}
             },
             "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
+            "device": {"device": "cuda:0 (NVIDIA H100)", "gpu_batches": 340, "gpu_bytes": 1288490188u64,
+                       "gpu_nanos": 250000000u64, "fallbacks": 2, "cpu_bytes": 4096,
+                       "resident_bytes": 12582912u64, "vram_budget": 8589934592u64},
             "files": [
                 {"name": "config.json", "size": 700, "hits": 3, "misses": 1, "bytes_served": 2100},
                 {"name": "model.gguf", "size": 283115520u64, "hits": 1200, "misses": 50, "bytes_served": 1200000000u64, "passthrough": true}
@@ -615,6 +643,7 @@ mod tests {
             "pinned 100.0 MiB",
             "evictions 12",
             "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
+            "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
         }
@@ -679,6 +708,9 @@ mod tests {
             "# TYPE cawsfs_cache_budget_bytes gauge\ncawsfs_cache_budget_bytes 2147483648\n",
             "cawsfs_archive_bytes_read_total 314572800\n",
             "cawsfs_read_latency_seconds{quantile=\"0.5\"} 0.00012\n",
+            "cawsfs_device_gpu_bytes_total 1288490188\n",
+            "cawsfs_device_fallbacks_total 2\n",
+            "# TYPE cawsfs_device_resident_bytes gauge\ncawsfs_device_resident_bytes 12582912\n",
             "cawsfs_read_latency_seconds{quantile=\"0.99\"} 0.0021\n",
             "cawsfs_read_latency_max_seconds 0.015\n",
             "cawsfs_file_hits_total{file=\"config.json\"} 3\n",
