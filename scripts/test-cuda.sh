@@ -128,6 +128,33 @@ if [ "$#" -gt 0 ]; then
   fi
 fi
 
+# Residency under a tiny --vram-budget (entries evicted, or too large to keep and sent
+# with each batch) and four concurrent readers of a GPU mount: bytes as the CPU's.
+if [ "$#" -gt 0 ] && [ -e /dev/fuse ]; then
+  name=$(basename "$1")
+  name="${name%.gguf}"
+  mkdir -p "$WORK/mnt"
+  for ext in ndsq.cawsf delta npy8; do
+    a="$WORK/$name.$ext"
+    [ -e "$a" ] || continue
+    timeout 600 "$BIN" device-check "$a" --vram-budget 64KiB | tail -1 || fail "device-check $name.$ext with a 64 KiB budget"
+    "$BIN" export "$a" --format safetensors -o "$WORK/c.cpu" --device cpu >/dev/null 2>&1
+    if ! "$BIN" mount "$a" "$WORK/mnt" --no-disk-cache --device cuda --vram-budget 64KiB \
+      --threads 8 --prefetch-threads 4 --cache-size 32MiB >/dev/null 2>"$WORK/err"; then
+      fail "mount $name.$ext: $(tail -1 "$WORK/err")"
+      continue
+    fi
+    for i in 1 2 3 4; do cat "$WORK/mnt/model.safetensors" >"$WORK/c.$i" & done
+    wait
+    for i in 1 2 3 4; do
+      cmp -s "$WORK/c.$i" "$WORK/c.cpu" || fail "$name.$ext: mount reader $i differs from the CPU's export"
+    done
+    say "mount readers, 64 KiB budget, $name.$ext: $("$BIN" stat "$WORK/mnt" | grep '^device')"
+    "$BIN" umount "$WORK/mnt"
+    rm -f "$WORK"/c.*
+  done
+fi
+
 # End to end: export of the first source's NDSQ archive, CPU and GPU interleaved.
 if [ "$#" -gt 0 ] && [ "$BENCH" -gt 0 ]; then
   name=$(basename "$1")
