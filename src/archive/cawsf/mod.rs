@@ -570,16 +570,32 @@ impl RowSource for CawsfArchive {
         let g = self
             .global(tensor)
             .map_err(|f| self.global_error(tensor, jobs[0].0, f))?;
-        let mut works = Vec::with_capacity(jobs.len());
-        for ((b, first, n, lo, hi, dst), payload) in jobs.into_iter().zip(&payloads) {
-            let parts = codec::block_parts(&t.codec, g, payload, first, n, t.cols, lo, hi)
+        // Checking a block scans its codes and outlier lists: in parallel too.
+        fn check<'a>(
+            t: &TensorEntry,
+            g: &'a DecodedGlobal,
+            (b, first, n, lo, hi, dst): BlockJob<'a, f32>,
+            payload: &'a [u8],
+        ) -> Result<(Work<'a>, &'a mut [f32]), ReadError> {
+            codec::block_parts(&t.codec, g, payload, first, n, t.cols, lo, hi)
+                .map(|parts| (Work::Block(parts), dst))
                 .map_err(|e| ReadError::Corrupt {
                     tensor: t.name.clone(),
                     block: b,
                     reason: e.to_string(),
-                })?;
-            works.push((Work::Block(parts), dst));
+                })
         }
+        let works: Vec<_> = if jobs.len() == 1 {
+            jobs.into_iter()
+                .zip(&payloads)
+                .map(|(j, p)| check(t, g, j, p))
+                .collect::<Result<_, _>>()?
+        } else {
+            jobs.into_par_iter()
+                .zip(&payloads)
+                .map(|(j, p)| check(t, g, j, p))
+                .collect::<Result<_, _>>()?
+        };
         reconstruct::decode(works);
         Ok(())
     }
