@@ -169,6 +169,32 @@ impl ChunkCache {
         Ok(())
     }
 
+    /// Set aside up to `bytes` of the budget, as [`ChunkCache::charge`] does, for memory
+    /// the caller is about to hold for a moment (a load whose working memory is known
+    /// only roughly): resident chunks make room first, so the load does not come on top
+    /// of a full cache. Never fails: sets aside what pins and charges leave when that is
+    /// less, and returns the amount, which [`ChunkCache::uncharge`] gives back.
+    pub fn reserve(&self, bytes: u64) -> u64 {
+        let sh = &*self.shared;
+        let mut st = lock(&sh.state);
+        let budget = sh.cfg.budget_bytes;
+        let n = bytes.min(budget.saturating_sub(st.reserved()));
+        st.charged += n;
+        st.make_room(budget, 0, &sh.counters);
+        n
+    }
+
+    /// Give back `bytes` charged by [`ChunkCache::charge`] or [`ChunkCache::reserve`].
+    pub fn uncharge(&self, bytes: u64) {
+        let sh = &*self.shared;
+        {
+            let mut st = lock(&sh.state);
+            st.charged = st.charged.saturating_sub(bytes);
+        }
+        // Loads waiting for room may fit now.
+        sh.room_cv.notify_all();
+    }
+
     /// Pin chunk `key` of a file of `file_size` bytes: it is never evicted, and its
     /// bytes count against the budget from now on, resident or not (a later read or
     /// prefetch makes it resident). Pins nest. Fails if pinned bytes would exceed the

@@ -752,6 +752,40 @@ fn charges_take_room_from_chunks_and_pins() {
 }
 
 #[test]
+fn reservations_make_room_first_and_give_it_back() {
+    let cs = 64u64;
+    let size = 64 * cs;
+    let mut cfg = CacheConfig::new(8 * cs, cs);
+    cfg.readahead_chunks = 0;
+    let c = ChunkCache::with_config(cfg).unwrap();
+    let calls = AtomicU64::new(0);
+    let load = loader(0, size, cs, &calls);
+    for i in 0..8 {
+        read_vec(&c, 0, size, i * cs, cs as usize, &load);
+    }
+    c.pin(key(0, 30), size).unwrap();
+    c.charge("a tokenizer", 2 * cs).unwrap();
+    // More than pins and charges leave: what is left is set aside, chunks evicted for it.
+    assert_eq!(c.reserve(100 * cs), 5 * cs);
+    assert_eq!(c.bytes_used(), 0);
+    assert_eq!(c.stats().charged_bytes, 7 * cs);
+    // Nothing is left for a charge now, and a second reservation gets nothing.
+    assert!(c.charge("more", 1).is_err());
+    assert_eq!(c.reserve(cs), 0);
+    // Reads still work beside it (one load at a time), and keep nothing.
+    let mut buf = vec![0u8; cs as usize];
+    c.read(0, size, 40 * cs, &mut buf, &load).unwrap();
+    assert_eq!(c.bytes_used(), 0);
+    c.uncharge(5 * cs);
+    assert_eq!(c.stats().charged_bytes, 2 * cs);
+    for i in 0..8 {
+        read_vec(&c, 0, size, i * cs, cs as usize, &load);
+    }
+    assert_eq!(c.bytes_used(), 5 * cs, "8 budget - 2 charged - 1 pinned");
+    lock(&c.shared.state).assert_consistent(8 * cs);
+}
+
+#[test]
 fn loads_wait_for_room_for_their_work() {
     // Budget of 8 chunks, 3 charged: room for one load's work (3 chunks) beside the
     // charge, not two. Eight readers of different chunks at once: never more than one

@@ -570,6 +570,17 @@ pub fn gguf_file(model: &ModelDesc, plan: &GgufPlan) -> Result<VirtualFile, Layo
     gguf::build(model, plan, &gguf::header_with_writer)
 }
 
+/// About how many bytes the tokenizer.json of [`hf_metadata_files`] has, without making
+/// it: its length from a HF source, an estimate from the vocabulary and merges of a GGUF
+/// one (0 without either).
+pub fn tokenizer_json_len_estimate(model: &ModelDesc) -> u64 {
+    match model.hf_files.get("tokenizer.json") {
+        Some(b) => b.len() as u64,
+        None if model.hf_files.is_empty() => tokenizer::json_len_estimate(&model.gguf_meta),
+        None => 0,
+    }
+}
+
 /// Small metadata files (config.json, tokenizer.json, tokenizer_config.json,
 /// generation_config.json ...): verbatim from a HF source, derived from GGUF metadata otherwise.
 pub fn hf_metadata_files(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutError> {

@@ -616,6 +616,51 @@ fn hf_tokenizer_to_gguf_and_back() {
 }
 
 #[test]
+fn tokenizer_json_length_is_estimated_from_gguf_metadata() {
+    // The router sets memory aside by this estimate before deriving and loading it.
+    let n = 20_000;
+    let tokens: Vec<String> = (0..n)
+        .map(|i| format!("Ġw{}", i * 7919 % 100_003))
+        .collect();
+    let merges: Vec<String> = (1..n).map(|i| format!("Ġw {}", i * 31)).collect();
+    let mut gm = test_model(true);
+    gm.arch.vocab_size = n as u32;
+    gm.gguf_meta = vec![
+        (
+            "tokenizer.ggml.model".into(),
+            GgufValue::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens.into())),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            GgufValue::Array(GgufArray::String(merges.into())),
+        ),
+    ];
+    let files = hf_metadata_files(&gm).unwrap();
+    let made = files
+        .iter()
+        .find(|f| f.0 == "tokenizer.json")
+        .unwrap()
+        .1
+        .len() as f64;
+    let estimate = crate::layout::tokenizer_json_len_estimate(&gm) as f64;
+    assert!(
+        (0.9..1.1).contains(&(estimate / made)),
+        "{estimate} estimated, {made} made"
+    );
+    // A HF source's is its length; a HF source without one has none.
+    let mut model = test_model(false);
+    model.hf_files = hf_tokenizer_files();
+    let len = model.hf_files["tokenizer.json"].len() as u64;
+    assert_eq!(crate::layout::tokenizer_json_len_estimate(&model), len);
+    model.hf_files.remove("tokenizer.json");
+    assert_eq!(crate::layout::tokenizer_json_len_estimate(&model), 0);
+}
+
+#[test]
 fn sentencepiece_tokenizer_is_refused() {
     let mut model = test_model(false);
     let tj = serde_json::json!({"model": {"type": "Unigram", "vocab": []}});

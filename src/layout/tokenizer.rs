@@ -414,6 +414,18 @@ fn splice_pretty(doc: &Value, tokens: &StrList, merges: &StrList) -> Result<Vec<
     Ok(out)
 }
 
+/// About the length of the tokenizer.json [`hf_tokenizer`] writes for `meta`: each
+/// vocabulary entry is a line `"token": id,` and each merge a pretty-printed pair
+/// (SmolLM2: 3.52 MB written, 3.53 MB estimated).
+pub(super) fn json_len_estimate(meta: &[(String, GgufValue)]) -> u64 {
+    let size = |key, per_entry: u64| {
+        meta_strings(meta, key).map_or(0, |l| {
+            l.iter().map(|s| s.len() as u64 + per_entry).sum::<u64>()
+        })
+    };
+    size("tokenizer.ggml.tokens", 16) + size("tokenizer.ggml.merges", 40)
+}
+
 fn meta_strings<'a>(meta: &'a [(String, GgufValue)], key: &str) -> Option<&'a StrList> {
     match meta_get(meta, key) {
         Some(GgufValue::Array(GgufArray::String(v))) => Some(v),

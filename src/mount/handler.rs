@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::cache::ChunkKey;
+use crate::cache::{ChunkCache, ChunkKey};
 use crate::control::reply::{
     EvictReply, MaterializeReply, PinReply, PingReply, PrefetchReply, Reply, RouteReply,
     RoutedShard, TraceOffReply, TraceOnReply, TracedLookup, UnpinReply,
@@ -27,6 +27,35 @@ const ROUTE_FILE: &str = "model.gguf";
 /// Keyed shards a route returns when the request gives no `top_k`.
 const DEFAULT_TOP_K: usize = 8;
 
+/// The router's tokenizer accounted in the mount's cache budget.
+struct CacheBudget(Arc<ChunkCache>);
+
+impl crate::router::TokenizerBudget for CacheBudget {
+    fn reserve(&self, bytes: u64) -> u64 {
+        let n = self.0.reserve(bytes);
+        // What the reads left free in the heap goes back too, so the load's peak does
+        // not come on top of it.
+        super::trim_heap();
+        n
+    }
+    fn release(&self, bytes: u64) {
+        self.0.uncharge(bytes);
+    }
+    fn charge(&self, bytes: u64) -> Result<(), String> {
+        self.0
+            .charge("the router's tokenizer", bytes)
+            .map_err(|e| format!("cannot load the tokenizer for routes: {e}"))?;
+        tracing::info!(
+            "router: tokenizer loaded, {} charged to the cache budget",
+            bytesize::ByteSize::b(bytes)
+        );
+        // Loading it freed twice what it keeps: hand that back now rather than at the
+        // next periodic trim.
+        super::trim_heap();
+        Ok(())
+    }
+}
+
 impl ControlHandler {
     /// The handler of the mount of `fs` at `mountpoint`. An unusable router is logged
     /// and kept as the error `route` answers with; the mount serves without it.
@@ -35,21 +64,8 @@ impl ControlHandler {
             match crate::router::Router::open(fs.archive().model(), fs.archive().routing_bytes()) {
                 Ok(r) => Ok(r.map(|r| {
                     // The tokenizer, loaded on the first route, lives as long as the
-                    // mount: its memory comes out of the cache budget.
-                    let cache = fs.cache().clone();
-                    r.with_tokenizer_charge(Box::new(move |bytes| {
-                        cache
-                            .charge("the router's tokenizer", bytes)
-                            .map_err(|e| format!("cannot load the tokenizer for routes: {e}"))?;
-                        tracing::info!(
-                            "router: tokenizer loaded, {} charged to the cache budget",
-                            bytesize::ByteSize::b(bytes)
-                        );
-                        // Loading it freed twice what it keeps: hand that back now
-                        // rather than at the next periodic trim.
-                        super::trim_heap();
-                        Ok(())
-                    }))
+                    // mount: its memory, and its load's, come out of the cache budget.
+                    r.with_tokenizer_budget(Box::new(CacheBudget(fs.cache().clone())))
                 })),
                 Err(e) => {
                     tracing::warn!("router unavailable: {e}");

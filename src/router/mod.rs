@@ -104,6 +104,13 @@ pub fn load_tokenizer(model: &ModelDesc) -> Result<Tokenizer, String> {
     tokenizer_from_json(&bytes).map_err(|e| format!("tokenizer.json does not load: {e}"))
 }
 
+/// About the most heap [`load_tokenizer`] holds at once: deriving tokenizer.json from
+/// GGUF metadata peaks near 3x the file, loading it near 7x (SmolLM2: 10.6 and 23.7 MB
+/// for its 3.5 MB tokenizer.json; a non-BPE model through tokenizers' own path more).
+fn load_peak_estimate(model: &ModelDesc) -> u64 {
+    7 * crate::layout::tokenizer_json_len_estimate(model)
+}
+
 /// What `Tokenizer::from_bytes` gives, with less memory on the way for BPE models.
 ///
 /// tokenizers deserializes the model through an untagged enum, which first buffers the
@@ -181,12 +188,20 @@ pub struct Router {
     /// mount which is never asked to route should not carry. A load error or a
     /// refused charge is kept and answered to every later route.
     tokenizer: Mutex<Option<Result<Arc<Tokenizer>, String>>>,
-    /// Accepts (or refuses) the heap the loaded tokenizer keeps, in bytes.
-    charge: Option<TokenizerCharge>,
+    /// Makes room for the load and accepts (or refuses) the heap the tokenizer keeps.
+    budget: Option<Box<dyn TokenizerBudget>>,
 }
 
-/// Called once with the bytes the loaded tokenizer keeps; an error refuses the load.
-pub type TokenizerCharge = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
+/// Where the tokenizer's memory is accounted (the mount: its cache budget).
+pub trait TokenizerBudget: Send + Sync {
+    /// Before the load: set aside up to `bytes` for what it holds at once, best effort;
+    /// returns what was set aside, given back with `release`.
+    fn reserve(&self, bytes: u64) -> u64;
+    fn release(&self, bytes: u64);
+    /// After it: the bytes the tokenizer keeps for the mount's life; an error refuses
+    /// the load.
+    fn charge(&self, bytes: u64) -> Result<(), String>;
+}
 
 impl Router {
     /// `Ok(None)` when the archive has no routes.
@@ -218,14 +233,13 @@ impl Router {
             routing,
             keyed,
             tokenizer: Mutex::new(None),
-            charge: None,
+            budget: None,
         }))
     }
 
-    /// Account for the tokenizer's memory through `charge` when it is loaded (the
-    /// mount charges it to its cache budget).
-    pub fn with_tokenizer_charge(mut self, charge: TokenizerCharge) -> Router {
-        self.charge = Some(charge);
+    /// Account for the tokenizer's memory, and its load's, in `budget`.
+    pub fn with_tokenizer_budget(mut self, budget: Box<dyn TokenizerBudget>) -> Router {
+        self.budget = Some(budget);
         self
     }
 
@@ -237,12 +251,21 @@ impl Router {
         if let Some(loaded) = &*slot {
             return loaded.clone();
         }
+        // Room first: the load briefly holds several times the tokenizer.json, and on
+        // top of a full cache that would exceed the mount's memory bound.
+        let held = self
+            .budget
+            .as_ref()
+            .map_or(0, |b| b.reserve(load_peak_estimate(model)));
         let (mut loaded, bytes) = crate::mem::retained(|| load_tokenizer(model).map(Arc::new));
-        if let (Ok(_), Some(charge)) = (&loaded, &self.charge) {
+        if let Some(budget) = &self.budget {
+            budget.release(held);
             // Refused: dropped, and the refusal kept, so repeated routes do not load
             // (and briefly hold) it again and again.
-            if let Err(e) = charge(bytes) {
-                loaded = Err(e);
+            if loaded.is_ok() {
+                if let Err(e) = budget.charge(bytes) {
+                    loaded = Err(e);
+                }
             }
         }
         *slot = Some(loaded.clone());
