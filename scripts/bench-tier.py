@@ -2,10 +2,11 @@
 """The disk tier and FUSE passthrough against the exported file, measured in one run.
 
   scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--baseline BIN]
-                        [--out docs/MOUNT.md [--section tier]]
+                        [--token-runs N] [--out docs/MOUNT.md [--section tier]]
 
 Every comparison is paired and interleaved (mount, file, file, mount, ...) and reports
-the ratio of medians; "file" is `cawsfs export` of the same view on the same disk.
+the median of the pairs' ratios (the first pass: the ratio of medians); "file" is
+`cawsfs export` of the same view on the same disk.
 
 1. First pass (fresh tier, page cache dropped, default options): one sequential read of
    model.gguf, paired with the same pass with `--no-disk-cache` (the read path before
@@ -16,8 +17,8 @@ the ratio of medians; "file" is `cawsfs export` of the same view on the same dis
    built in a git worktree).
 2. After a restart (umount, mount with default options: the tier is whole, opens are
    passthrough): sequential read bytes/s, cold (page cache dropped) and warm.
-3. Warm llama.cpp generation tokens/s (llama-completion, 64 tokens) with 1 thread and
-   with every core.
+3. Warm llama.cpp generation tokens/s (llama-completion, 128 tokens) with 1 thread and
+   with every core, `--token-runs` pairs (default: max(runs, 15)).
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
    `--load-only` leaves 3 out (for a large model, whose warm generation adds minutes
@@ -48,6 +49,9 @@ CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
 MiB = 1 << 20
 PROMPT = "The capital of France is"
+# Tokens per warm generation: long enough that one sample is a few seconds of decoding,
+# not the ~1 s that 64 tokens took, where the host's hiccups decide the median.
+TOKENS = 128
 GGUF = "model.gguf"
 
 
@@ -111,8 +115,11 @@ def llama(bin_dir, model, threads, n):
 def paired(runs, a, b, what=""):
     """Run a() and b() interleaved `runs` times, in the order a b, b a, a b, ... so that
     neither always goes first (on the bench VM a "cold" read also depends on what the
-    host still caches of each file, which drifts during a run); (median a, median b).
-    Every sample is printed to stderr."""
+    host still caches of each file, which drifts during a run); (median a, median b,
+    median of the pairs' a/b). The pairs' ratio is what the table reports: each pair
+    ran back to back, so it cancels the host's speed drifting by ±10-20 % from one
+    minute to the next, which a ratio of the two medians does not. Every sample is
+    printed to stderr."""
     xs, ys = [], []
     for i in range(runs):
         if i % 2 == 0:
@@ -121,12 +128,13 @@ def paired(runs, a, b, what=""):
         else:
             ys.append(b())
             xs.append(a())
-    print(f"{what}: mount {' '.join(f'{x:.3f}' for x in xs)} | file {' '.join(f'{y:.3f}' for y in ys)}",
-          file=sys.stderr)
-    return statistics.median(xs), statistics.median(ys)
+    ratios = [x / y for x, y in zip(xs, ys)]
+    print(f"{what}: mount {' '.join(f'{x:.3f}' for x in xs)} | file {' '.join(f'{y:.3f}' for y in ys)}"
+          f" | pairs {' '.join(f'{r:.3f}' for r in ratios)}", file=sys.stderr)
+    return statistics.median(xs), statistics.median(ys), statistics.median(ratios)
 
 
-def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, tokens=True):
+def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tokens=True):
     """Steps 2-3 on a restarted mount whose tier holds model.gguf whole (3 unless
     `tokens` is false)."""
     rows, size = [], os.path.getsize(exported)
@@ -139,18 +147,19 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, tokens=True):
             return read_all(p)
 
         cold(served), cold(exported)  # one unmeasured read each: both read as recently
-        cm, cf = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
+        cm, cf, r = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
         rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
-                     f"{size / MiB / cf:.0f} MiB/s", f"{cf / cm:.2f}"))
+                     f"{size / MiB / cf:.0f} MiB/s", f"{1 / r:.2f}"))
         read_all(served), read_all(exported)
-        wm, wf = paired(runs, lambda: read_all(served), lambda: read_all(exported), "warm read s")
+        wm, wf, r = paired(runs, lambda: read_all(served), lambda: read_all(exported), "warm read s")
         rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
-                     f"{size / MiB / wf:.0f} MiB/s", f"{wf / wm:.2f}"))
+                     f"{size / MiB / wf:.0f} MiB/s", f"{1 / r:.2f}"))
         for threads in sorted({1, os.cpu_count() or 1}) if tokens else ():
-            tm, tf = paired(runs, lambda: llama(bin_dir, served, threads, 64)[0],
-                            lambda: llama(bin_dir, exported, threads, 64)[0], f"tokens/s, {threads} thread(s)")
-            rows.append((f"warm llama.cpp tokens/s, {threads} thread(s)", f"{tm:.1f}", f"{tf:.1f}",
-                         f"{tm / tf:.3f}"))
+            tm, tf, r = paired(token_runs, lambda: llama(bin_dir, served, threads, TOKENS)[0],
+                               lambda: llama(bin_dir, exported, threads, TOKENS)[0],
+                               f"tokens/s, {threads} thread(s)")
+            rows.append((f"warm llama.cpp tokens/s, {threads} thread(s), {token_runs} pairs",
+                         f"{tm:.1f}", f"{tf:.1f}", f"{r:.3f}"))
         st = m.stat()
         assert st["tier"]["passthrough"] == "on", st["tier"]
         assert st["cache"]["bytes_served"] == 0, st["cache"]
@@ -164,6 +173,7 @@ def main():
     ap.add_argument("--archive")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load-only", action="store_true")
+    ap.add_argument("--token-runs", type=int, help="pairs of llama.cpp generations (default: max(runs, 15))")
     ap.add_argument("--out")
     ap.add_argument("--section", default="tier")
     ap.add_argument("--baseline", help="another build's cawsfs binary: its first pass too")
@@ -247,7 +257,9 @@ def main():
             m.close()
 
     # 2-3. After a restart: passthrough.
-    rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs, tokens=not a.load_only)
+    token_runs = a.token_runs or max(a.runs, 15)
+    rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs, token_runs,
+                             tokens=not a.load_only)
 
     # 4. Restart then load, both from a cold page cache.
     def restart_load():
@@ -264,19 +276,21 @@ def main():
         drop_page_cache()
         return llama(bin_dir, exported, os.cpu_count() or 1, 8)[1]
 
-    rm, rf = paired(a.runs, restart_load, file_load, "restart+load s")
+    rm, rf, r = paired(a.runs, restart_load, file_load, "restart+load s")
     rows.append(("mount + load + 8 tokens vs file, cold page cache", f"{rm:.2f} s", f"{rf:.2f} s",
-                 f"{rm / rf:.2f}"))
+                 f"{r:.2f}"))
 
     head = ("| measure | mount | exported file | ratio |\n|---|---|---|---|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |\n" for r in rows)
     cmd = ("scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "")
            + f" --runs {a.runs}" + (" --load-only" if a.load_only else "")
+           + (f" --token-runs {a.token_runs}" if a.token_runs else "")
            + (f" --baseline {a.baseline}" if a.baseline else ""))
     text = (f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
             f"`{cmd}`, archive {os.path.basename(archive)} ({archive_bytes / MiB:.1f} MiB), "
-            f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs. Ratios: "
-            "bytes/s and tokens/s mount/file, times mount/file.\n\n" + table)
+            f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs (tokens/s: "
+            f"{token_runs} pairs of {TOKENS}-token generations). Ratios: the median of the pairs' "
+            "ratios, bytes/s and tokens/s mount/file, times mount/file.\n\n" + table)
     print(text)
     if a.out:
         BEGIN, END = f"<!-- {a.section}:begin -->", f"<!-- {a.section}:end -->"
