@@ -28,6 +28,7 @@ fn opts(rank: u32, pq_dim: u32, k: u32) -> NdsqOptions {
         pq_m: None,
         pq_k: k,
         kmeans_iters: 15,
+        sq: None,
         seed: 42,
     }
 }

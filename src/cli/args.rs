@@ -372,6 +372,23 @@ pub struct ConvertArgs {
     pub pq_k: u32,
     #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
     pub kmeans_iters: u32,
+    /// Code R as scalar groups of this many bits (1-8) instead of PQ: an affine grid
+    /// (f16 scale and minimum) per --sq-group values of a row; 4 bits in groups of 32
+    /// is 5.0 bits per weight before compression (docs/CODECS.md).
+    #[arg(long, value_name = "BITS")]
+    pub sq_bits: Option<u32>,
+    /// Values per scalar group (must divide every coded tensor's width).
+    #[arg(long, default_value_t = 32, requires = "sq_bits")]
+    pub sq_group: u32,
+    /// Scalar bits (and values per group) for the tensors matching PATTERN (a
+    /// --passthrough glob) instead of --sq-bits (--sq-group); the first matching rule
+    /// wins (repeatable). Example: --sq-for 'model.embed_tokens.weight=5/64'.
+    #[arg(
+        long = "sq-for",
+        value_name = "PATTERN=BITS[/GROUP]",
+        requires = "sq_bits"
+    )]
+    pub sq_for: Vec<String>,
     /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.

@@ -29,6 +29,30 @@ pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
     opts.ndsq.pq_k = a.pq_k;
     opts.ndsq.kmeans_iters = a.kmeans_iters;
     opts.ndsq.seed = a.seed;
+    if let Some(bits) = a.sq_bits {
+        let nd = ConvertOptions::default().ndsq;
+        let pq_given = a.pq_m.is_some() || a.pq_dim != nd.pq_dim || a.pq_k != nd.pq_k;
+        if pq_given {
+            bail!("--pq-m, --pq-dim and --pq-k set up PQ, which --sq-bits replaces");
+        }
+        opts.ndsq.sq = Some(cawsfs::codec::SqParams {
+            bits,
+            group: a.sq_group,
+        });
+        for rule in &a.sq_for {
+            let parsed = rule.rsplit_once('=').and_then(|(p, v)| {
+                let (bits, group) = match v.split_once('/') {
+                    Some((b, g)) => (b.parse().ok()?, g.parse().ok()?),
+                    None => (v.parse().ok()?, a.sq_group),
+                };
+                Some((p.to_string(), cawsfs::codec::SqParams { bits, group }))
+            });
+            let Some(r) = parsed else {
+                bail!("--sq-for {rule:?}: expected PATTERN=BITS or PATTERN=BITS/GROUP");
+            };
+            opts.sq_for.push(r);
+        }
+    }
     if a.no_default_passthrough {
         opts.passthrough.clear();
     }
@@ -94,7 +118,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
     let nd = ConvertOptions::default().ndsq;
-    let given: [(&str, bool, &[To]); 16] = [
+    let given: [(&str, bool, &[To]); 17] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -113,6 +137,7 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
             &[Cawsf, Delta],
         ),
         ("--seed", a.seed != 0, &[Cawsf]),
+        ("--sq-bits", a.sq_bits.is_some(), &[Cawsf]),
         ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
         (
             "--no-default-passthrough",

@@ -17,6 +17,7 @@ pub mod le;
 mod ndsq;
 mod passthrough;
 mod pq;
+mod sq;
 
 pub use le::f16s_to_f32;
 /// Thin SVD (sequential, deterministic), shared with the delta kind's decomposition.
@@ -39,7 +40,18 @@ pub enum TensorCodec {
         pq_dim: u32,
         pq_k: u32,
         outlier_q: f32,
+        /// R as scalar groups instead of PQ (then `pq_dim` and `pq_k` are 0).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sq: Option<SqParams>,
     },
+}
+
+/// NDSQ's R as scalar group quantization: `bits`-bit codes on an affine grid per
+/// `group` consecutive values of a row (docs/CODECS.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SqParams {
+    pub bits: u32,
+    pub group: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -56,6 +68,8 @@ pub struct NdsqOptions {
     pub pq_k: u32,
     pub kmeans_iters: u32,
     pub seed: u64,
+    /// Code R as scalar groups instead of PQ (the PQ fields are then unused).
+    pub sq: Option<SqParams>,
 }
 
 pub struct EncodedTensor {
@@ -141,9 +155,13 @@ pub fn decode_global(
             GlobalInner::Passthrough
         }
         TensorCodec::Ndsq {
-            rank, pq_dim, pq_k, ..
+            rank,
+            pq_dim,
+            pq_k,
+            sq,
+            ..
         } => GlobalInner::Ndsq(ndsq::NdsqGlobal::parse(
-            global, rows, cols, *rank, *pq_dim, *pq_k,
+            global, rows, cols, *rank, *pq_dim, *pq_k, *sq,
         )?),
     };
     Ok(DecodedGlobal {
@@ -484,6 +502,9 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
 pub fn codec_label(c: &TensorCodec) -> String {
     match c {
         TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
+        TensorCodec::Ndsq {
+            rank, sq: Some(s), ..
+        } => format!("ndsq(r={rank},sq={}b/{})", s.bits, s.group),
         TensorCodec::Ndsq {
             rank, pq_dim, pq_k, ..
         } => format!("ndsq(r={rank},d={pq_dim},k={pq_k})"),

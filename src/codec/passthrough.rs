@@ -244,6 +244,7 @@ mod tests {
             pq_dim: 1,
             pq_k: 1,
             outlier_q: 1.0,
+            sq: None,
         };
         assert!(decode_block_rows(&ndsq, &g, &enc.blocks[0], 0, 1, 3, 0, 1, &mut out).is_err());
     }

@@ -31,6 +31,9 @@ pub struct ConvertOptions {
     pub compression: Compression,
     /// Tensors encoded at once; bounds peak memory.
     pub window: usize,
+    /// (pattern, scalar R): the scalar R of the tensors matching the pattern instead of
+    /// `ndsq.sq`, first match first (used only when `ndsq.sq` is set).
+    pub sq_for: Vec<(String, codec::SqParams)>,
 }
 
 impl Default for ConvertOptions {
@@ -46,10 +49,12 @@ impl Default for ConvertOptions {
                 pq_k: 256,
                 kmeans_iters: 12,
                 seed: 0,
+                sq: None,
             },
             passthrough: vec!["model.embed_tokens.weight".into(), "lm_head.weight".into()],
             compression: Compression::Zstd(3),
             window: 8,
+            sq_for: Vec::new(),
         }
     }
 }
@@ -72,7 +77,35 @@ impl ConvertOptions {
         if o.pq_dim == 0 || o.pq_m == Some(0) {
             return bad("--pq-dim and --pq-m must be at least 1".into());
         }
+        if let Some(sq) = o.sq {
+            for s in std::iter::once(sq).chain(self.sq_for.iter().map(|r| r.1)) {
+                if !(1..=8).contains(&s.bits) {
+                    return bad(format!("scalar R bits {} is not in 1..=8", s.bits));
+                }
+                if s.group == 0 {
+                    return bad("scalar R groups must hold at least 1 value".into());
+                }
+            }
+        }
+        for (p, _) in &self.sq_for {
+            Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?;
+        }
         Patterns::new(&self.passthrough).map(drop)
+    }
+
+    /// The NDSQ options of tensor `name`: its scalar bits rule and its own seed.
+    fn ndsq_for(&self, name: &str) -> Result<NdsqOptions, ConvertError> {
+        let mut nd = self.ndsq.clone();
+        nd.seed = self.ndsq.seed ^ xxh3_64(name.as_bytes());
+        if let Some(sq) = nd.sq.as_mut() {
+            for (p, rule) in &self.sq_for {
+                if Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?.is_match(name) {
+                    *sq = *rule;
+                    break;
+                }
+            }
+        }
+        Ok(nd)
     }
 }
 
@@ -151,16 +184,21 @@ pub struct Patterns(GlobSet);
 impl Patterns {
     /// An invalid pattern is a one-line options error naming it.
     pub fn new(patterns: &[String]) -> Result<Patterns, ConvertError> {
+        Self::of_flag(patterns, "--passthrough")
+    }
+
+    /// Patterns given with `flag`, which an error names.
+    pub fn of_flag(patterns: &[String], flag: &str) -> Result<Patterns, ConvertError> {
         let mut set = GlobSetBuilder::new();
         for p in patterns {
             let glob = Glob::new(p).map_err(|e| {
-                ConvertError::Options(format!("--passthrough pattern {p:?}: {}", e.kind()))
+                ConvertError::Options(format!("{flag} pattern {p:?}: {}", e.kind()))
             })?;
             set.add(glob);
         }
         let set = set
             .build()
-            .map_err(|e| ConvertError::Options(format!("--passthrough patterns: {e}")))?;
+            .map_err(|e| ConvertError::Options(format!("{flag} patterns: {e}")))?;
         Ok(Patterns(set))
     }
 
@@ -190,8 +228,7 @@ fn encode_one(
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else {
         let w = src.f32(i)?;
-        let mut nd = opts.ndsq.clone();
-        nd.seed = opts.ndsq.seed ^ xxh3_64(t.name.as_bytes());
+        let nd = opts.ndsq_for(&t.name)?;
         match codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd) {
             // A width the sub-vectors don't divide, or non-finite values: NDSQ cannot
             // code this tensor, so keep it exact rather than fail the whole model.

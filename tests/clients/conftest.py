@@ -114,6 +114,8 @@ SETTINGS = {
     "q4": ["--pq-dim", "2", "--rank", "0"],
     "low": ["--pq-dim", "4", "--rank", "16"],
     "exact": ["--passthrough", "*"],
+    # R as 4-bit scalar groups of 32: the test model's Q4_1 layers come back on their grid.
+    "sq": ["--sq-bits", "4", "--rank", "0", "--outlier-q", "1"],
 }
 
 

@@ -48,8 +48,12 @@ def test_bits_per_weight(archives):
     assert 3.7 < mean_bpw["q4"] < 4.3, mean_bpw
     assert mean_bpw["q4"] < mean_bpw["default"] < 4.7, mean_bpw
     assert 2.2 < mean_bpw["low"] < 3.4, mean_bpw
+    # 4-bit codes and two f16 per 32 values (5.0), the f16 pairs compressed a little.
+    assert 4.6 < mean_bpw["sq"] < 5.0, mean_bpw
     err = {k: rep["mean_rel_err"] for k, (_, rep) in archives.items()}
     assert err["default"] < err["q4"] < 0.12 < err["low"] < 0.4, err
+    # Q4_1 groups are found on their grid: only the diagonal's f16 corrections round.
+    assert err["sq"] < 1e-3 and archives["sq"][1]["max_rel_err"] < 1e-2, err
     assert archives["exact"][1]["max_rel_err"] == 0.0
     print("bits per weight", bpw)
 
@@ -63,6 +67,9 @@ def test_deterministic(cawsfs, archives, model_gguf, work):
     other = work / "seed7.cawsf"
     convert(cawsfs, model_gguf, other, "--seed", "7", *SETTINGS["default"])
     assert other.read_bytes() != path.read_bytes()
+    sq = work / "sq-again.cawsf"
+    convert(cawsfs, model_gguf, sq, "--threads", "1", *SETTINGS["sq"])
+    assert sq.read_bytes() == archives["sq"][0].read_bytes()
 
 
 def block_table(cawsfs, path):
@@ -70,7 +77,7 @@ def block_table(cawsfs, path):
     return [(t["name"], i, off, ln) for t in info["tensors"] for i, (off, ln) in enumerate(t["block_locations"])]
 
 
-@pytest.mark.parametrize("setting", ["default", "exact"])
+@pytest.mark.parametrize("setting", ["default", "exact", "sq"])
 def test_corrupt_block_is_named(cawsfs, archives, work, setting):
     path, _ = archives[setting]
     blocks = block_table(cawsfs, path)
@@ -126,8 +133,9 @@ def test_llama_cpp_generates_from_export(cawsfs, archives, llama_bin, work, sett
     assert text.startswith(PROMPT), text
     gen = text[len(PROMPT):]
     assert len(gen.split()) >= 5, text
-    if setting == "exact":
-        # Bit-exact weights (F16 of the dequantized Q4_1 values) give the original's answer.
+    if setting in ("exact", "sq"):
+        # Bit-exact weights (F16 of the dequantized Q4_1 values) give the original's
+        # answer; so do the scalar groups that find the Q4_1 grid.
         ref, _ = llama_generate(llama_bin, model_gguf)
         assert "Paris" in gen, text
         assert gen.split()[:2] == ref[len(PROMPT):].split()[:2], (text, ref)
@@ -154,6 +162,7 @@ def test_perplexity_tracks_the_error(cawsfs, archives, llama_bin, work, model_gg
     assert abs(ppl["exact"] - ppl["original"]) < 0.02 * ppl["original"], ppl
     assert ppl["default"] < 1.5 * ppl["exact"], ppl
     assert ppl["q4"] < 1.5 * ppl["exact"], ppl
+    assert abs(ppl["sq"] - ppl["exact"]) < 0.02 * ppl["exact"], ppl
     assert ppl["low"] > 2 * ppl["default"], ppl
 
 

@@ -33,7 +33,7 @@ fn main() -> Res<()> {
     let seeds = Seeds { out: out.clone() };
     let nothing = |_: usize, _: usize, _: &str| {};
 
-    // .cawsf: default codecs, another NDSQ/PQ setting with lz4, exact passthrough.
+    // .cawsf: default codecs, another NDSQ/PQ setting with lz4, scalar R, exact passthrough.
     let mut small = ConvertOptions::default();
     small.ndsq.rank = 4;
     small.ndsq.pq_k = 16;
@@ -42,11 +42,22 @@ fn main() -> Res<()> {
     lz4.ndsq.rank = 2;
     lz4.ndsq.pq_dim = 4;
     lz4.ndsq.outlier_q = 0.99;
+    // R as 3-bit scalar groups, stored uncompressed so mutations reach its parser.
+    let mut sq = small.clone();
+    sq.compression = Compression::None;
+    sq.ndsq.rank = 2;
+    sq.ndsq.outlier_q = 0.99;
+    sq.ndsq.sq = Some(cawsfs::codec::SqParams { bits: 3, group: 16 });
     let mut exact = small.clone();
     exact.compression = Compression::None;
     exact.passthrough = vec!["*".into()];
     let mut first: Option<PathBuf> = None;
-    for (name, opts) in [("default", &small), ("lz4", &lz4), ("exact", &exact)] {
+    for (name, opts) in [
+        ("default", &small),
+        ("lz4", &lz4),
+        ("sq", &sq),
+        ("exact", &exact),
+    ] {
         let p = work.path().join(format!("{name}.cawsf"));
         cawsfs::convert::convert(src.as_ref(), &p, opts, &nothing)?;
         seeds.file_checked("cawsf", &format!("{name}.cawsf"), &p)?;

@@ -4,8 +4,9 @@
 
 use half::f16;
 
-use super::{check_shape_params, diag_rows, idx_width, read_idx, MAGIC};
-use crate::codec::{le, CodecError, Reader};
+use super::{check_shape_params, diag_rows, idx_width, read_idx, MAGIC, MAGIC_SQ};
+use crate::codec::sq::{self, SqShape};
+use crate::codec::{le, CodecError, Reader, SqParams};
 
 /// The parsed global blob.
 pub(in crate::codec) struct NdsqGlobal {
@@ -16,8 +17,10 @@ pub(in crate::codec) struct NdsqGlobal {
     m: usize,
     /// Σ·Vᵀ (rank × cols, row-major), scale applied.
     svt: Vec<f32>,
-    /// k × d centroids.
+    /// k × d centroids (empty when R is scalar).
     codebook: Vec<f32>,
+    /// R as scalar groups instead of PQ (then d, k, m are 0).
+    sq: Option<SqShape>,
 }
 
 impl NdsqGlobal {
@@ -43,8 +46,12 @@ impl NdsqGlobal {
         rank: u32,
         pq_dim: u32,
         pq_k: u32,
+        sq: Option<SqParams>,
     ) -> Result<Self, CodecError> {
         let bad = |m: String| CodecError::Corrupt(format!("NDSQ global: {m}"));
+        if let Some(p) = sq {
+            return Self::parse_sq(bytes, rows, cols, rank, (pq_dim, pq_k), p);
+        }
         check_shape_params(rows, cols, rank, pq_dim, pq_k).map_err(bad)?;
         let mut r = Reader::new(bytes, "NDSQ global");
         if r.take(4)? != MAGIC {
@@ -77,6 +84,58 @@ impl NdsqGlobal {
             m: cols / d,
             svt,
             codebook,
+            sq: None,
+        })
+    }
+
+    /// The global of an NDSQ tensor whose R is scalar groups (magic `NDQ2`).
+    fn parse_sq(
+        bytes: &[u8],
+        rows: u64,
+        cols: u64,
+        rank: u32,
+        (pq_dim, pq_k): (u32, u32),
+        p: SqParams,
+    ) -> Result<Self, CodecError> {
+        let bad = |m: String| CodecError::Corrupt(format!("NDSQ global: {m}"));
+        // The shape checks of PQ with a group for the sub-vector and one level.
+        check_shape_params(rows, cols, rank, p.group, 1).map_err(bad)?;
+        let shape = SqShape::new(p.bits, p.group, cols).map_err(bad)?;
+        if (pq_dim, pq_k) != (0, 0) {
+            return Err(bad(format!(
+                "pq_dim {pq_dim} and pq_k {pq_k} must be 0 when R is scalar"
+            )));
+        }
+        let mut r = Reader::new(bytes, "NDSQ global");
+        if r.take(4)? != MAGIC_SQ {
+            return Err(bad("bad magic".into()));
+        }
+        let fields = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
+        if fields != [rank, cols as u32, p.group, p.bits] {
+            return Err(bad(format!(
+                "header (rank, cols, group, bits) = {fields:?}, tensor table says ({rank}, {cols}, {}, {})",
+                p.group, p.bits
+            )));
+        }
+        let scale = r.f32()?;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(bad(format!("L scale {scale} is not a positive number")));
+        }
+        let (rank, cols) = (rank as usize, cols as usize);
+        let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
+        r.finish()?;
+        let mut svt = vec![0f32; rank * cols];
+        le::f16s_to_f32(svt_b, &mut svt);
+        svt.iter_mut().for_each(|x| *x *= scale);
+        Ok(NdsqGlobal {
+            rank,
+            cols,
+            d: 0,
+            k: 0,
+            m: 0,
+            svt,
+            codebook: Vec::new(),
+            sq: Some(shape),
         })
     }
 }
@@ -86,7 +145,10 @@ pub(in crate::codec) struct BlockView<'a> {
     n: usize,
     first: usize,
     u: &'a [u8],
+    /// PQ codes (n × m), or scalar R's packed codes (n × code_bytes).
     codes: &'a [u8],
+    /// Scalar R's [scale, min] f16 pairs (n × groups × 4 bytes); empty for PQ.
+    params: &'a [u8],
     diag: &'a [u8],
     nd: usize,
     w: usize,
@@ -113,10 +175,31 @@ impl<'a> BlockView<'a> {
         let w = idx_width(g.cols);
         let mut r = Reader::new(payload, "NDSQ block");
         let u = r.take_n(n, g.rank * 2)?;
-        let codes = r.take_n(n, g.m)?;
-        if let Some(&c) = codes.iter().find(|&&c| c as usize >= g.k) {
-            return Err(bad(format!("PQ code {c} ≥ k = {}", g.k)));
-        }
+        let (params, codes) = match g.sq {
+            None => {
+                let codes = r.take_n(n, g.m)?;
+                if let Some(&c) = codes.iter().find(|&&c| c as usize >= g.k) {
+                    return Err(bad(format!("PQ code {c} ≥ k = {}", g.k)));
+                }
+                (&[][..], codes)
+            }
+            Some(s) => {
+                let params = r.take_n(n, s.groups() * 4)?;
+                for (e, b) in params.chunks_exact(2).enumerate() {
+                    let v = f16::from_le_bytes([b[0], b[1]]);
+                    // Even entries are scales (≥ 0), odd ones minimums.
+                    if !v.is_finite() || (e % 2 == 0 && v.is_sign_negative() && v != f16::ZERO) {
+                        return Err(bad(format!(
+                            "scalar R {} {v} of row {} group {} is not allowed",
+                            if e % 2 == 0 { "scale" } else { "min" },
+                            e / 2 / s.groups(),
+                            e / 2 % s.groups()
+                        )));
+                    }
+                }
+                (params, r.take_n(n, s.code_bytes())?)
+            }
+        };
         let nd = diag_rows(first_row, n, g.cols);
         let diag = r.take_n(nd, 2)?;
         let counts = r.take_n(n, w)?;
@@ -151,6 +234,7 @@ impl<'a> BlockView<'a> {
             first,
             u,
             codes,
+            params,
             diag,
             nd,
             w,
@@ -196,6 +280,14 @@ impl<'a> BlockView<'a> {
         }
         for (li, row) in out.chunks_exact_mut(cols).enumerate() {
             let i = r0 + li;
+            if let Some(s) = g.sq {
+                let gb = s.groups() * 4;
+                let cb = s.code_bytes();
+                let params = &self.params[i * gb..(i + 1) * gb];
+                sq::add_row(row, params, &self.codes[i * cb..(i + 1) * cb], s);
+                self.add_sparse(i, row);
+                continue;
+            }
             let codes = &self.codes[i * m..(i + 1) * m];
             // The common sub-vector lengths get their own loop: with `d` a constant the
             // centroid adds compile to vector ops instead of a scalar loop per code
@@ -213,12 +305,17 @@ impl<'a> BlockView<'a> {
                     }
                 }
             }
-            if i < self.nd {
-                row[self.first + i] += self.diag_val(i);
-            }
-            for e in self.start[i]..self.start[i + 1] {
-                row[read_idx(self.s_cols, e, self.w)] += self.s_val(e);
-            }
+            self.add_sparse(i, row);
+        }
+    }
+
+    /// D, then S, of block row `i`.
+    fn add_sparse(&self, i: usize, row: &mut [f32]) {
+        if i < self.nd {
+            row[self.first + i] += self.diag_val(i);
+        }
+        for e in self.start[i]..self.start[i + 1] {
+            row[read_idx(self.s_cols, e, self.w)] += self.s_val(e);
         }
     }
 
@@ -233,7 +330,7 @@ impl<'a> BlockView<'a> {
             .map(|row| dot(row, x))
             .collect();
         // With many rows a table of centroid·x-slice products beats direct dots.
-        let table: Option<Vec<f32>> = (self.n >= k).then(|| {
+        let table: Option<Vec<f32>> = (g.sq.is_none() && self.n >= k).then(|| {
             let mut tab = vec![0f32; m * k];
             for (j, xs) in x.chunks_exact(d).enumerate() {
                 for (c, cent) in g.codebook.chunks_exact(d).enumerate() {
@@ -243,14 +340,23 @@ impl<'a> BlockView<'a> {
             tab
         });
         let mut u = vec![0f32; g.rank];
+        let mut rhat = vec![0f32; if g.sq.is_some() { cols } else { 0 }];
         for (i, yi) in y.iter_mut().enumerate() {
             le::f16s_to_f32(&self.u[i * g.rank * 2..(i + 1) * g.rank * 2], &mut u);
             let mut acc = 0f32;
             for (&ur, &tr) in u.iter().zip(&t) {
                 acc += ur * tr;
             }
+            if let Some(s) = g.sq {
+                let (gb, cb) = (s.groups() * 4, s.code_bytes());
+                rhat.fill(0.0);
+                let params = &self.params[i * gb..(i + 1) * gb];
+                sq::add_row(&mut rhat, params, &self.codes[i * cb..(i + 1) * cb], s);
+                acc += dot(&rhat, x);
+            }
             let codes = &self.codes[i * m..(i + 1) * m];
             match &table {
+                _ if g.sq.is_some() => {}
                 Some(tab) => {
                     for (j, &c) in codes.iter().enumerate() {
                         acc += tab[j * k + c as usize];
@@ -328,6 +434,10 @@ impl<'a> NdsqParts<'a> {
     }
     pub fn rank(&self) -> usize {
         self.g.rank
+    }
+    /// R is scalar groups (docs/CODECS.md), not PQ: the PQ accessors below are empty.
+    pub fn scalar_r(&self) -> bool {
+        self.g.sq.is_some()
     }
     /// PQ sub-vector length.
     pub fn sub_dim(&self) -> usize {

@@ -10,8 +10,11 @@ use half::slice::HalfFloatSliceExt;
 use super::decode::{BlockView, NdsqGlobal};
 use super::outliers::{self, RowOutliers};
 use super::svd::truncated_svd;
-use super::{idx_width, MAGIC};
-use crate::codec::{blocks_of, le, pq, CodecError, EncodedTensor, NdsqOptions, TensorCodec};
+use super::{idx_width, MAGIC, MAGIC_SQ};
+use crate::codec::sq::{self, SqShape};
+use crate::codec::{
+    blocks_of, le, pq, CodecError, EncodedTensor, NdsqOptions, SqParams, TensorCodec,
+};
 
 /// The L factor as stored: U (rows × rank) and Σ·Vᵀ / scale (rank × cols), row-major f16.
 struct LowRank {
@@ -21,25 +24,73 @@ struct LowRank {
     scale: f32,
 }
 
+/// R as stored.
+enum RCodes {
+    Pq {
+        /// Sub-vectors per row and their length.
+        m: usize,
+        d: usize,
+        /// k × d centroids.
+        codebook: Vec<f32>,
+        /// rows × m codes.
+        codes: Vec<u8>,
+    },
+    Sq {
+        p: SqParams,
+        shape: SqShape,
+        rows: sq::SqRows,
+    },
+}
+
+impl RCodes {
+    /// R̂ at (i, j), as the decoder computes it.
+    fn value(&self, i: usize, j: usize) -> f32 {
+        match self {
+            RCodes::Pq {
+                m,
+                d,
+                codebook,
+                codes,
+            } => codebook[codes[i * m + j / d] as usize * d + j % d],
+            RCodes::Sq { shape, rows, .. } => {
+                let k = i * shape.groups() + j / shape.group;
+                let cb = shape.code_bytes();
+                let q = sq::code(&rows.codes[i * cb..(i + 1) * cb], shape.bits, j);
+                sq::value(
+                    rows.params[2 * k].to_f32(),
+                    rows.params[2 * k + 1].to_f32(),
+                    q,
+                )
+            }
+        }
+    }
+    fn pq_k(&self) -> usize {
+        match self {
+            RCodes::Pq { d, codebook, .. } => codebook.len() / d,
+            RCodes::Sq { .. } => 0,
+        }
+    }
+    fn pq_dim(&self) -> usize {
+        match self {
+            RCodes::Pq { d, .. } => *d,
+            RCodes::Sq { .. } => 0,
+        }
+    }
+    fn sq(&self) -> Option<SqParams> {
+        match self {
+            RCodes::Pq { .. } => None,
+            RCodes::Sq { p, .. } => Some(*p),
+        }
+    }
+}
+
 /// Everything the global blob and the block payloads are written from.
 struct Factors {
     l: LowRank,
-    /// PQ sub-vectors per row and their length.
-    m: usize,
-    d: usize,
-    /// k × d centroids.
-    codebook: Vec<f32>,
-    /// rows × m codes.
-    codes: Vec<u8>,
+    r: RCodes,
     /// D correction of row i (i < min(rows, cols)).
     diag_h: Vec<f16>,
     outliers: Vec<RowOutliers>,
-}
-
-impl Factors {
-    fn k(&self) -> usize {
-        self.codebook.len() / self.d
-    }
 }
 
 pub(in crate::codec) fn encode(
@@ -59,19 +110,49 @@ pub(in crate::codec) fn encode(
     // S, then D; both are zeroed in w1, which leaves R.
     let mut outliers = outliers::split(&mut w1, cols_us, opts.outlier_q);
     let diag_w1 = outliers::take_diagonal(&mut w1, rows_us, cols_us);
-    // R: product quantization of the rest.
-    let codebook = pq::train(&w1, d, opts.pq_k as usize, opts.kmeans_iters, opts.seed);
-    let codes = pq::assign(&codebook, d, &w1);
+    // R: product quantization or scalar groups of the rest.
+    let r = match opts.sq {
+        None => {
+            let codebook = pq::train(&w1, d, opts.pq_k as usize, opts.kmeans_iters, opts.seed);
+            let codes = pq::assign(&codebook, d, &w1);
+            RCodes::Pq {
+                m,
+                d,
+                codebook,
+                codes,
+            }
+        }
+        Some(p) => {
+            let shape = SqShape::new(p.bits, p.group, cols).map_err(CodecError::Params)?;
+            // The entries S and D correct do not count in the fit, but their codes are
+            // the nearest to their values (a value already on the grid needs no
+            // correction).
+            for (i, &v) in diag_w1.iter().enumerate() {
+                w1[i * cols_us + i] = v;
+            }
+            for (i, row) in outliers.iter().enumerate() {
+                for &(j, v) in row {
+                    w1[i * cols_us + j as usize] = v;
+                }
+            }
+            let weight = |i: usize, row: &mut [f32]| {
+                if i < cols_us {
+                    row[i] = 0.0;
+                }
+                for &(j, _) in &outliers[i] {
+                    row[j as usize] = 0.0;
+                }
+            };
+            let rows = sq::quantize(&w1, shape, weight).map_err(CodecError::Params)?;
+            RCodes::Sq { p, shape, rows }
+        }
+    };
     drop(w1);
     // Corrections against L̂ + R̂ at the outliers and on the diagonal.
-    let rhat = |i: usize, j: usize| codebook[codes[i * m + j / d] as usize * d + j % d];
-    let diag_h = outliers::correct(&mut outliers, &diag_w1, rhat);
+    let diag_h = outliers::correct(&mut outliers, &diag_w1, |i, j| r.value(i, j));
     let f = Factors {
         l,
-        m,
-        d,
-        codebook,
-        codes,
+        r,
         diag_h,
         outliers,
     };
@@ -80,9 +161,10 @@ pub(in crate::codec) fn encode(
     let blocks = block_payloads(&f, rows, cols_us, rows_per_block);
     let codec = TensorCodec::Ndsq {
         rank: rank as u32,
-        pq_dim: d as u32,
-        pq_k: f.k() as u32,
+        pq_dim: f.r.pq_dim() as u32,
+        pq_k: f.r.pq_k() as u32,
         outlier_q: opts.outlier_q,
+        sq: f.r.sq(),
     };
     let rel_err = measured_rel_err(w, &global, &blocks, (rows, cols, rows_per_block), &f)?;
     Ok(EncodedTensor {
@@ -118,6 +200,10 @@ fn check_params(
         return Err(p(format!("outlier_q {} is not in [0, 1]", opts.outlier_q)));
     }
     let cols_us = cols as usize;
+    if opts.sq.is_some() {
+        // R's own shape checks come with its fit; PQ's fields are unused.
+        return Ok((0, 0));
+    }
     let (m, d) = match opts.pq_m {
         Some(m) => {
             if m == 0 || cols % m as u64 != 0 {
@@ -209,22 +295,28 @@ fn residual(w: &[f32], l: &LowRank, rows: usize, cols: usize) -> Vec<f32> {
     w1
 }
 
-/// The global blob (docs/CODECS.md): header, Σ·Vᵀ / scale in f16, the codebook.
+/// The global blob (docs/CODECS.md): header, Σ·Vᵀ / scale in f16, the codebook (PQ).
 fn global_blob(f: &Factors, cols: u64) -> Vec<u8> {
-    let mut global = Vec::with_capacity(24 + f.l.svt_h.len() * 2 + f.codebook.len() * 4);
-    global.extend_from_slice(MAGIC);
-    for v in [f.l.rank as u32, cols as u32, f.d as u32, f.k() as u32] {
+    let mut global = Vec::with_capacity(24 + f.l.svt_h.len() * 2);
+    let (magic, a, b) = match &f.r {
+        RCodes::Pq { d, .. } => (MAGIC, *d as u32, f.r.pq_k() as u32),
+        RCodes::Sq { p, .. } => (MAGIC_SQ, p.group, p.bits),
+    };
+    global.extend_from_slice(magic);
+    for v in [f.l.rank as u32, cols as u32, a, b] {
         global.extend_from_slice(&v.to_le_bytes());
     }
     global.extend_from_slice(&f.l.scale.to_le_bytes());
     le::push_le(&f.l.svt_h, &mut global);
-    le::push_le(&f.codebook, &mut global);
+    if let RCodes::Pq { codebook, .. } = &f.r {
+        le::push_le(codebook, &mut global);
+    }
     global
 }
 
 /// One payload per row block: U rows, codes, diagonal, outlier counts, columns, values.
 fn block_payloads(f: &Factors, rows: u64, cols: usize, rows_per_block: u64) -> Vec<Vec<u8>> {
-    let (rank, m) = (f.l.rank, f.m);
+    let rank = f.l.rank;
     let nd = f.diag_h.len();
     let wd = idx_width(cols);
     let put_idx = |buf: &mut Vec<u8>, v: usize| {
@@ -239,7 +331,14 @@ fn block_payloads(f: &Factors, rows: u64, cols: usize, rows_per_block: u64) -> V
         let (a, b) = (first as usize, (first + nrows) as usize);
         let mut buf = Vec::new();
         le::push_le(&f.l.u_h[a * rank..b * rank], &mut buf);
-        buf.extend_from_slice(&f.codes[a * m..b * m]);
+        match &f.r {
+            RCodes::Pq { m, codes, .. } => buf.extend_from_slice(&codes[a * m..b * m]),
+            RCodes::Sq { shape, rows, .. } => {
+                let (g2, cb) = (shape.groups() * 2, shape.code_bytes());
+                le::push_le(&rows.params[a * g2..b * g2], &mut buf);
+                buf.extend_from_slice(&rows.codes[a * cb..b * cb]);
+            }
+        }
         le::push_le(&f.diag_h[a.min(nd)..b.min(nd)], &mut buf);
         let rows_out = &f.outliers[a..b];
         for row in rows_out {
@@ -266,8 +365,8 @@ fn measured_rel_err(
     f: &Factors,
 ) -> Result<f64, CodecError> {
     let cols_us = cols as usize;
-    let (rank, d, k) = (f.l.rank as u32, f.d as u32, f.k() as u32);
-    let g = NdsqGlobal::parse(global, rows, cols, rank, d, k)?;
+    let (rank, d, k) = (f.l.rank as u32, f.r.pq_dim() as u32, f.r.pq_k() as u32);
+    let g = NdsqGlobal::parse(global, rows, cols, rank, d, k, f.r.sq())?;
     let (mut num, mut den) = (0f64, 0f64);
     let mut out = Vec::new();
     for ((first, nrows), payload) in blocks_of(rows, rows_per_block).zip(blocks) {

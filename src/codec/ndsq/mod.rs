@@ -1,7 +1,8 @@
 //! NDSQ codec: W ≈ D + L + R + S, factorized in the paper's order (seed 000 §3):
 //! L = truncated SVD of W (rank r); S = entries of W − L above the |value| quantile
 //! `outlier_q`; D = the diagonal of what remains; R = the rest, product-quantized
-//! along rows with one k-means codebook per tensor.
+//! along rows with one k-means codebook per tensor, or (`sq`) scalar-quantized in
+//! groups along rows on affine grids ([`crate::codec::sq`]).
 //!
 //! Storage (exact bytes in docs/CODECS.md): the global blob holds Σ·Vᵀ (f16, with a
 //! power-of-two scale) and the PQ codebook (f32); each row block holds its rows of U
@@ -27,6 +28,8 @@ pub(crate) use svd::thin_svd;
 pub(super) use svd::truncated_svd;
 
 const MAGIC: &[u8; 4] = b"NDQ1";
+/// The global's magic when R is scalar groups.
+const MAGIC_SQ: &[u8; 4] = b"NDQ2";
 
 /// Shape/parameter consistency shared by encode and parse (rank is the effective one).
 fn check_shape_params(

@@ -24,6 +24,7 @@ fn opts(rank: u32, pq_dim: u32, k: u32) -> NdsqOptions {
         pq_m: None,
         pq_k: k,
         kmeans_iters: 15,
+        sq: None,
         seed: 42,
     }
 }
@@ -301,6 +302,57 @@ fn corrupt_inputs_are_errors_not_panics() {
     let mut o = opts(4, 4, 32);
     o.outlier_q = 0.97;
     let enc = encode_ndsq(&w, rows, cols, rpb, &o).unwrap();
+    check_corruption(&enc, (rows, cols, rpb));
+    // Mismatched table parameters.
+    let TensorCodec::Ndsq {
+        rank,
+        pq_dim,
+        pq_k,
+        outlier_q,
+        sq,
+    } = enc.codec.clone()
+    else {
+        unreachable!()
+    };
+    for c in [
+        TensorCodec::Ndsq {
+            rank: rank + 1,
+            pq_dim,
+            pq_k,
+            outlier_q,
+            sq,
+        },
+        TensorCodec::Ndsq {
+            rank,
+            pq_dim: 3,
+            pq_k,
+            outlier_q,
+            sq,
+        },
+        TensorCodec::Ndsq {
+            rank,
+            pq_dim,
+            pq_k: 0,
+            outlier_q,
+            sq,
+        },
+        // A PQ global read as a scalar R's.
+        TensorCodec::Ndsq {
+            rank,
+            pq_dim: 0,
+            pq_k: 0,
+            outlier_q,
+            sq: Some(SqParams { bits: 4, group: 4 }),
+        },
+    ] {
+        assert!(decode_global(&c, &enc.global, rows, cols).is_err());
+    }
+}
+
+/// Truncations, extensions, random mutations and garbage of a 3-block tensor's first
+/// block and global: errors or changed values, never a panic; most mutations detected;
+/// a global parsed for other cols is refused.
+fn check_corruption(enc: &EncodedTensor, (rows, cols, rpb): (u64, u64, u64)) {
     let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
     let mut out = vec![0f32; (rpb * cols) as usize];
     let mut y = vec![0f32; rpb as usize];
@@ -358,38 +410,6 @@ fn corrupt_inputs_are_errors_not_panics() {
         let _ = decode_block_rows(&enc.codec, &g, &garbage, 0, rpb, cols, 0, rpb, &mut out);
         let _ = decode_global(&enc.codec, &garbage, rows, cols);
     }
-    // Mismatched table parameters.
-    let TensorCodec::Ndsq {
-        rank,
-        pq_dim,
-        pq_k,
-        outlier_q,
-    } = enc.codec.clone()
-    else {
-        unreachable!()
-    };
-    for c in [
-        TensorCodec::Ndsq {
-            rank: rank + 1,
-            pq_dim,
-            pq_k,
-            outlier_q,
-        },
-        TensorCodec::Ndsq {
-            rank,
-            pq_dim: 3,
-            pq_k,
-            outlier_q,
-        },
-        TensorCodec::Ndsq {
-            rank,
-            pq_dim,
-            pq_k: 0,
-            outlier_q,
-        },
-    ] {
-        assert!(decode_global(&c, &enc.global, rows, cols).is_err());
-    }
     assert!(decode_global(&enc.codec, &enc.global, rows, cols + 4).is_err());
     // cols other than the global's.
     let mut wide = vec![0f32; (rpb * (cols + 4)) as usize];
@@ -427,4 +447,207 @@ fn centroid_adds_match_the_generic_loop() {
     check::<2>(&mut rng);
     check::<4>(&mut rng);
     check::<8>(&mut rng);
+}
+
+fn sq_opts(rank: u32, outlier_q: f32, bits: u32, group: u32) -> NdsqOptions {
+    NdsqOptions {
+        outlier_q,
+        sq: Some(SqParams { bits, group }),
+        ..opts(rank, 1, 1)
+    }
+}
+
+/// Rows of 4-bit groups of 32 on f16 grids, as a dequantized Q4_1 tensor holds.
+fn q4_1_like(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut w = Vec::with_capacity(rows * cols);
+    for _ in 0..rows * cols / 32 {
+        let d = half::f16::from_f32(rng.random_range(0.001f32..0.02)).to_f32();
+        let m = half::f16::from_f32(rng.random_range(-0.2f32..0.0)).to_f32();
+        for t in 0..32 {
+            // Every group spans all 16 levels or (one in four) only 12 of them.
+            let q = match t {
+                0 => 0,
+                1 => 15,
+                _ => rng.random_range(0..16u32),
+            };
+            let q = if rng.random_range(0..4) == 0 {
+                q * 11 / 15
+            } else {
+                q
+            };
+            w.push(m + d * q as f32);
+        }
+    }
+    w
+}
+
+#[test]
+fn scalar_r_gives_back_grid_values_exactly() {
+    let (rows, cols, rpb) = (48u64, 96u64, 20u64);
+    let w = q4_1_like(rows as usize, cols as usize, 5);
+    let enc = encode_ndsq(&w, rows, cols, rpb, &sq_opts(0, 1.0, 4, 32)).unwrap();
+    assert_eq!(decode_all(&enc, rows, cols, rpb), w);
+    assert_eq!(enc.rel_err, 0.0);
+    assert!(matches!(
+        enc.codec,
+        TensorCodec::Ndsq {
+            pq_dim: 0,
+            pq_k: 0,
+            sq: Some(SqParams { bits: 4, group: 32 }),
+            ..
+        }
+    ));
+    // 4-bit codes and two f16 per 32 values, plus U (none), D and S counts.
+    let payload: usize = enc.blocks.iter().map(|b| b.len()).sum();
+    let r_bytes = (rows * cols / 2 + rows * cols / 32 * 4) as usize;
+    assert!(payload > r_bytes && payload < r_bytes + (rows * 6) as usize);
+}
+
+#[test]
+fn scalar_r_with_low_rank_and_outliers() {
+    let (rows, cols, rpb) = (70u64, 64u64, 16u64);
+    let mut w = low_rank_plus_noise(rows as usize, cols as usize, 0.2, 8);
+    // Spikes the rank-4 L does not take (a larger one becomes L's first component).
+    w[5 * 64 + 9] = 6.0;
+    w[33 * 64 + 33] = -5.0; // on the diagonal
+    let err = |rank, q, bits| {
+        let enc = encode_ndsq(&w, rows, cols, rpb, &sq_opts(rank, q, bits, 16)).unwrap();
+        let back = decode_all(&enc, rows, cols, rpb);
+        assert!((rel(&w, &back) - enc.rel_err).abs() < 1e-6);
+        if q < 1.0 {
+            // Outliers (S) exact; the diagonal (D) up to f16 rounding of its correction.
+            assert!(
+                (back[5 * 64 + 9] - 6.0).abs() < 1e-6,
+                "rank {rank} bits {bits}"
+            );
+            assert!(
+                (back[33 * 64 + 33] + 5.0).abs() < 1e-5,
+                "rank {rank} bits {bits}"
+            );
+        }
+        enc.rel_err
+    };
+    let (e3, e4, e4r, e8) = (
+        err(0, 0.999, 3),
+        err(0, 0.999, 4),
+        err(4, 0.995, 4),
+        err(0, 1.0, 8),
+    );
+    assert!(e4 < e3 * 0.6 && e8 < e4 / 8.0, "{e3} {e4} {e8}");
+    assert!(e4r < e4, "{e4r} {e4}");
+    assert!(e4 < 0.08, "{e4}");
+    // Deterministic, whatever the thread count.
+    let a = encode_ndsq(&w, rows, cols, rpb, &sq_opts(4, 0.995, 4, 16)).unwrap();
+    let b = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(|| encode_ndsq(&w, rows, cols, rpb, &sq_opts(4, 0.995, 4, 16)).unwrap());
+    assert_eq!((a.global, a.blocks), (b.global, b.blocks));
+}
+
+#[test]
+fn scalar_r_apply_matches_decode_and_every_width_round_trips() {
+    let (rows, cols, rpb) = (30u64, 40u64, 8u64);
+    let w = low_rank_plus_noise(rows as usize, cols as usize, 0.5, 3);
+    let x: Vec<f32> = (0..cols).map(|j| (j as f32 * 0.37).sin()).collect();
+    for bits in 1..=8 {
+        let enc = encode_ndsq(&w, rows, cols, rpb, &sq_opts(2, 0.99, bits, 8)).unwrap();
+        let full = decode_all(&enc, rows, cols, rpb);
+        let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+        for (b, payload) in enc.blocks.iter().enumerate() {
+            let (s, e) = block_row_range(rows, rpb, b as u64);
+            let mut y = vec![0f32; (e - s) as usize];
+            apply_block(&enc.codec, &g, payload, s, e - s, cols, &x, &mut y).unwrap();
+            for (i, yi) in y.iter().enumerate() {
+                let r = &full[(s as usize + i) * cols as usize..][..cols as usize];
+                let want: f32 = r.iter().zip(&x).map(|(a, b)| a * b).sum();
+                assert!((yi - want).abs() < 1e-4 * (1.0 + want.abs()), "bits {bits}");
+            }
+        }
+    }
+}
+
+#[test]
+fn scalar_r_corrupt_inputs_are_errors_not_panics() {
+    let (rows, cols, rpb) = (50u64, 24u64, 20u64);
+    let w = low_rank_plus_noise(rows as usize, cols as usize, 0.3, 12);
+    for bits in [3, 4] {
+        let enc = encode_ndsq(&w, rows, cols, rpb, &sq_opts(2, 0.97, bits, 8)).unwrap();
+        check_corruption(&enc, (rows, cols, rpb));
+        let g = decode_global(&enc.codec, &enc.global, rows, cols).unwrap();
+        let mut out = vec![0f32; (rpb * cols) as usize];
+        // A negative or infinite scale, an infinite min (group params follow U: 2·n·r bytes).
+        let params_at = (rpb * 2 * 2) as usize;
+        for (off, bytes) in [
+            (0usize, [0x00u8, 0xBC]),
+            (0, [0x00, 0x7C]),
+            (2, [0x00, 0xFC]),
+        ] {
+            let mut p = enc.blocks[0].clone();
+            p[params_at + off..params_at + off + 2].copy_from_slice(&bytes);
+            let e = decode_block_rows(&enc.codec, &g, &p, 0, rpb, cols, 0, rpb, &mut out);
+            assert!(e.unwrap_err().to_string().contains("scalar R"));
+        }
+        let Some(sq) = (match &enc.codec {
+            TensorCodec::Ndsq { sq, .. } => *sq,
+            _ => None,
+        }) else {
+            unreachable!()
+        };
+        for bad in [
+            TensorCodec::Ndsq {
+                rank: 2,
+                pq_dim: 0,
+                pq_k: 0,
+                outlier_q: 0.97,
+                sq: Some(SqParams {
+                    bits: sq.bits + 1,
+                    ..sq
+                }),
+            },
+            TensorCodec::Ndsq {
+                rank: 2,
+                pq_dim: 0,
+                pq_k: 0,
+                outlier_q: 0.97,
+                sq: Some(SqParams { group: 12, ..sq }),
+            },
+            TensorCodec::Ndsq {
+                rank: 2,
+                pq_dim: 8,
+                pq_k: 16,
+                outlier_q: 0.97,
+                sq: Some(sq),
+            },
+            TensorCodec::Ndsq {
+                rank: 2,
+                pq_dim: 8,
+                pq_k: 16,
+                outlier_q: 0.97,
+                sq: None,
+            },
+        ] {
+            assert!(decode_global(&bad, &enc.global, rows, cols).is_err());
+        }
+    }
+}
+
+#[test]
+fn tables_without_sq_read_as_pq() {
+    let old = r#"{"codec":"ndsq","rank":4,"pq_dim":2,"pq_k":256,"outlier_q":0.999}"#;
+    let c: TensorCodec = serde_json::from_str(old).unwrap();
+    assert!(matches!(c, TensorCodec::Ndsq { sq: None, .. }));
+    assert_eq!(serde_json::to_string(&c).unwrap(), old);
+    let new = TensorCodec::Ndsq {
+        rank: 0,
+        pq_dim: 0,
+        pq_k: 0,
+        outlier_q: 1.0,
+        sq: Some(SqParams { bits: 4, group: 32 }),
+    };
+    let s = serde_json::to_string(&new).unwrap();
+    assert!(s.contains(r#""sq":{"bits":4,"group":32}"#), "{s}");
+    assert_eq!(serde_json::from_str::<TensorCodec>(&s).unwrap(), new);
 }

@@ -451,12 +451,13 @@ pub fn batchable_prefix(jobs: &[(Work<'_>, &mut [f32])]) -> (usize, bool) {
         _ => false,
     };
     let n = jobs.iter().take_while(|(w, _)| alike(w)).count();
+    // F32 rows are a copy; NDSQ with a scalar R has no kernel yet (docs/CUDA.md).
     let gpu = !matches!(
         first,
         Work::Block(BlockParts::Raw {
             format: SourceType::F32,
             ..
         })
-    );
+    ) && !matches!(first, Work::Block(BlockParts::Ndsq(q)) if q.scalar_r());
     (n, gpu)
 }
