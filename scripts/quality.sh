@@ -69,7 +69,7 @@ gen() { "$bin/llama-completion" -m "$1" -p "$prompt" -n 32 --temp 0 -no-cnv --no
 echo "- **original Q4_1 GGUF**: $(gen "$model")" > "$work/outputs.md"
 
 # llama.cpp's own quantizations of the same values (from the F32 export, no imatrix).
-for q in Q8_0 Q6_K Q5_K_M Q4_K_M Q4_0; do
+for q in Q8_0 Q6_K Q5_K_M Q4_K_M IQ4_XS Q4_0 Q3_K_M Q2_K; do
   "$bin/llama-quantize" "$work/ref32.gguf" "$work/lq.gguf" "$q" "$(nproc)" >/dev/null 2>&1
   echo "| llama-quantize | $q | — | — | $(gbpw "$work/lq.gguf") | $(kld "$work/lq.gguf") |" >> "$work/table.md"
   rm -f "$work/lq.gguf"
@@ -93,6 +93,9 @@ done <<'EOF2'
 cawsf|exact|--passthrough *|source,q8_0,q4_k_m
 cawsf|default||auto,f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0
 cawsf|q4|--pq-dim 2 --rank 0|auto,f16
+cawsf|sq4|--sq-bits 4 --rank 0 --outlier-q 1|auto,f16
+cawsf|sq4-e4|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough|auto,f16
+cawsf|sq4-e5|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough --sq-for model.embed_tokens.weight=5/192|auto,f16
 npy-dir|int8|--bits 8|auto,f16
 npy-dir|int4|--bits 4|auto,f16
 delta|e01|--max-rel-err 0.01|auto,f16

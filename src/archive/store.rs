@@ -48,6 +48,10 @@ pub struct TensorSummary {
     pub stored_bytes: u64,
     /// ‖W−Ŵ‖/‖W‖ measured at conversion, when known.
     pub rel_err: Option<f64>,
+    /// The reconstructed values lie on an affine grid of `bits` bits per `group`
+    /// values of a row (NDSQ with scalar R, no L and no S; only D's diagonal may be
+    /// off it), which a ggml type of the same grid holds almost exactly.
+    pub grid: Option<crate::codec::SqParams>,
 }
 
 /// Read cost counters every kind keeps: blocks (or files) fetched, their stored bytes

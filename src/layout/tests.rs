@@ -992,6 +992,30 @@ fn auto_picks_the_mix_by_the_archive_error() {
     assert_eq!(q(Some(0.3)).0, GgmlType::Q4_K);
 }
 
+/// Auto serves NDSQ's scalar grids (groups of a multiple of 32) as the ggml type of
+/// that grid, whatever the error; other groups go by the error as any lossy tensor.
+#[test]
+fn auto_serves_scalar_grids_as_their_ggml_type() {
+    use crate::codec::SqParams;
+    let model = k_model(SourceType::F16);
+    let q = |bits, group, err| {
+        let held = vec![Held::Grid(SqParams { bits, group }, err); model.tensors.len()];
+        let plan = view::plan(&model, GgufView::Auto, &held).unwrap();
+        let of = |n: &str| plan.tensors.iter().find(|t| t.gguf_name == n).unwrap().ty;
+        (of("blk.0.attn_q.weight"), of("blk.0.attn_norm.weight"))
+    };
+    assert_eq!(q(4, 32, Some(1e-5)), (GgmlType::Q4_1, GgmlType::F32));
+    assert_eq!(q(3, 64, Some(0.1)).0, GgmlType::Q4_1);
+    assert_eq!(q(5, 32, None).0, GgmlType::Q5_1);
+    // Longer groups do not line up with 32-value blocks.
+    assert_eq!(q(5, 192, None).0, GgmlType::Q8_0);
+    assert_eq!(q(4, 64, None).0, GgmlType::Q8_0);
+    assert_eq!(q(6, 32, Some(0.01)).0, GgmlType::Q8_0);
+    assert_eq!(q(8, 32, Some(0.001)).0, GgmlType::Q8_0);
+    assert_eq!(q(4, 16, Some(0.09)).0, GgmlType::Q5_K);
+    assert_eq!(q(4, 48, None).0, GgmlType::Q8_0);
+}
+
 #[test]
 fn fingerprints_follow_what_a_file_is_made_of() {
     let model = k_model(SourceType::F16);

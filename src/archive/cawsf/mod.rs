@@ -668,6 +668,15 @@ impl Store for CawsfArchive {
             n_blocks: info.n_blocks,
             stored_bytes: info.stored_bytes,
             rel_err: rel_err_of(CawsfArchive::extra(self), name),
+            grid: match info.codec {
+                TensorCodec::Ndsq {
+                    rank: 0,
+                    outlier_q,
+                    sq,
+                    ..
+                } if outlier_q >= 1.0 => sq,
+                _ => None,
+            },
         }
     }
     fn parts(&self) -> Vec<SectionInfo> {

@@ -446,6 +446,7 @@ impl Store for DeltaArchive {
             n_blocks: t.n_blocks,
             stored_bytes: stored,
             rel_err: rel_err_of(&self.extra, &t.name),
+            grid: None,
         }
     }
     fn identity(&self) -> u128 {

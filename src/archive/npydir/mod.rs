@@ -480,6 +480,7 @@ impl Store for NpyDir {
             n_blocks: e.geom.n_blocks(),
             stored_bytes: e.stored_bytes,
             rel_err: rel_err_of(&self.extra, &self.model.tensors[tensor].name),
+            grid: None,
         }
     }
     fn identity(&self) -> u128 {
