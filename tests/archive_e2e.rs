@@ -382,3 +382,60 @@ fn uncodable_tensors_fall_back_to_passthrough() {
     assert!(err.to_string().contains("--pq-k 300"), "{err}");
     assert!(!tmp.path().join("bad.cawsf").exists());
 }
+
+/// Scalar R with a per-tensor rule: the first matching `sq_for` pattern sets a tensor's
+/// bits and group, the others take the default; reads equal full reconstruction and
+/// the archive verifies. Bad rules are option errors naming the flag.
+#[test]
+fn scalar_r_rules_apply_per_tensor() {
+    use cawsfs::codec::{SqParams, TensorCodec};
+    let tmp = tempfile::tempdir().unwrap();
+    let mut opts = ConvertOptions::default();
+    opts.passthrough.clear();
+    opts.ndsq.rank = 0;
+    opts.ndsq.sq = Some(SqParams { bits: 4, group: 32 });
+    let wide = SqParams { bits: 6, group: 16 };
+    opts.sq_for = vec![
+        ("*embed_tokens*".into(), wide),
+        ("*".into(), SqParams { bits: 3, group: 32 }),
+    ];
+    let path = converted(tmp.path(), &opts);
+    let ar = CawsfArchive::open(&path).unwrap();
+    let mut seen = 0;
+    for (i, t) in ar.model().tensors.iter().enumerate() {
+        let TensorCodec::Ndsq { sq: Some(sq), .. } = ar.tensor_info(i).codec else {
+            assert!(t.shape.len() < 2, "{}", t.name);
+            continue;
+        };
+        let want = if t.name.contains("embed_tokens") {
+            wide
+        } else {
+            SqParams { bits: 3, group: 32 }
+        };
+        assert_eq!(sq, want, "{}", t.name);
+        seen += 1;
+        let all = full(&ar, i);
+        let mut part = vec![0f32; 3 * t.cols() as usize];
+        ar.read_rows(i, 1, 4, &mut part).unwrap();
+        assert_eq!(part, all[t.cols() as usize..4 * t.cols() as usize]);
+    }
+    assert!(seen > 10, "{seen}");
+    ar.verify().unwrap();
+    let src = open_source(&tmp.path().join("hf")).unwrap();
+    for (rules, says) in [
+        (vec![("a[".to_string(), wide)], "--sq-for pattern"),
+        (
+            vec![("*".to_string(), SqParams { bits: 9, group: 16 })],
+            "bits 9",
+        ),
+    ] {
+        let bad = ConvertOptions {
+            sq_for: rules,
+            ..opts.clone()
+        };
+        let out = tmp.path().join("bad.cawsf");
+        let err = convert(src.as_ref(), &out, &bad, &|_, _, _| {}).unwrap_err();
+        assert!(err.to_string().contains(says), "{err}");
+        assert!(!out.exists());
+    }
+}

@@ -87,25 +87,29 @@ impl ConvertOptions {
                 }
             }
         }
-        for (p, _) in &self.sq_for {
-            Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?;
-        }
+        self.sq_rules()?;
         Patterns::new(&self.passthrough).map(drop)
     }
 
-    /// The NDSQ options of tensor `name`: its scalar bits rule and its own seed.
-    fn ndsq_for(&self, name: &str) -> Result<NdsqOptions, ConvertError> {
+    /// `sq_for`'s patterns, compiled once per conversion.
+    fn sq_rules(&self) -> Result<Vec<(Patterns, codec::SqParams)>, ConvertError> {
+        self.sq_for
+            .iter()
+            .map(|(p, r)| Ok((Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?, *r)))
+            .collect()
+    }
+
+    /// The NDSQ options of tensor `name`: its scalar R rule (from [`Self::sq_rules`])
+    /// and its own seed.
+    fn ndsq_for(&self, name: &str, rules: &[(Patterns, codec::SqParams)]) -> NdsqOptions {
         let mut nd = self.ndsq.clone();
         nd.seed = self.ndsq.seed ^ xxh3_64(name.as_bytes());
         if let Some(sq) = nd.sq.as_mut() {
-            for (p, rule) in &self.sq_for {
-                if Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?.is_match(name) {
-                    *sq = *rule;
-                    break;
-                }
+            if let Some((_, r)) = rules.iter().find(|(p, _)| p.is_match(name)) {
+                *sq = *r;
             }
         }
-        Ok(nd)
+        nd
     }
 }
 
@@ -216,6 +220,7 @@ fn encode_one(
     i: usize,
     opts: &ConvertOptions,
     pass: &Patterns,
+    sq_rules: &[(Patterns, codec::SqParams)],
 ) -> Result<EncodedTensor, ConvertError> {
     let t = &src.desc().tensors[i];
     let rpb = rows_per_block(t);
@@ -228,7 +233,7 @@ fn encode_one(
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else {
         let w = src.f32(i)?;
-        let nd = opts.ndsq_for(&t.name)?;
+        let nd = opts.ndsq_for(&t.name, sq_rules);
         match codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd) {
             // A width the sub-vectors don't divide, or non-finite values: NDSQ cannot
             // code this tensor, so keep it exact rather than fail the whole model.
@@ -274,6 +279,7 @@ pub fn convert(
 ) -> Result<ConvertReport, ConvertError> {
     opts.validate()?;
     let pass = Patterns::new(&opts.passthrough)?;
+    let sq_rules = opts.sq_rules()?;
     let desc = src.desc();
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
@@ -281,7 +287,7 @@ pub fn convert(
     in_windows(
         n,
         opts.window,
-        |i| encode_one(src, i, opts, &pass),
+        |i| encode_one(src, i, opts, &pass, &sq_rules),
         |i, enc: EncodedTensor| {
             let t = &desc.tensors[i];
             let rpb = rows_per_block(t);
