@@ -63,17 +63,10 @@ impl NdsqGlobal {
                 "header (rank, cols, pq_dim, pq_k) = {fields:?}, tensor table says ({rank}, {cols}, {pq_dim}, {pq_k})"
             )));
         }
-        let scale = r.f32()?;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(bad(format!("L scale {scale} is not a positive number")));
-        }
         let (rank, cols, d, k) = (rank as usize, cols as usize, pq_dim as usize, pq_k as usize);
-        let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
+        let svt = read_svt(&mut r, rank, cols)?;
         let cb_b = r.take_n(k * d, 4)?;
         r.finish()?;
-        let mut svt = vec![0f32; rank * cols];
-        le::f16s_to_f32(svt_b, &mut svt);
-        svt.iter_mut().for_each(|x| *x *= scale);
         let mut codebook = vec![0f32; k * d];
         le::f32s_from_le(cb_b, &mut codebook);
         Ok(NdsqGlobal {
@@ -117,16 +110,9 @@ impl NdsqGlobal {
                 p.group, p.bits
             )));
         }
-        let scale = r.f32()?;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(bad(format!("L scale {scale} is not a positive number")));
-        }
         let (rank, cols) = (rank as usize, cols as usize);
-        let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
+        let svt = read_svt(&mut r, rank, cols)?;
         r.finish()?;
-        let mut svt = vec![0f32; rank * cols];
-        le::f16s_to_f32(svt_b, &mut svt);
-        svt.iter_mut().for_each(|x| *x *= scale);
         Ok(NdsqGlobal {
             rank,
             cols,
@@ -138,6 +124,22 @@ impl NdsqGlobal {
             sq: Some(shape),
         })
     }
+}
+
+/// The L part of a global after its header: the f32 scale, then Σ·Vᵀ / scale in f16;
+/// returns Σ·Vᵀ with the scale applied.
+fn read_svt(r: &mut Reader<'_>, rank: usize, cols: usize) -> Result<Vec<f32>, CodecError> {
+    let scale = r.f32()?;
+    if !(scale.is_finite() && scale > 0.0) {
+        return Err(CodecError::Corrupt(format!(
+            "NDSQ global: L scale {scale} is not a positive number"
+        )));
+    }
+    let svt_b = r.take_n(rank.saturating_mul(cols), 2)?;
+    let mut svt = vec![0f32; rank * cols];
+    le::f16s_to_f32(svt_b, &mut svt);
+    svt.iter_mut().for_each(|x| *x *= scale);
+    Ok(svt)
 }
 
 /// A validated view of one block payload.
