@@ -437,10 +437,6 @@ impl<'a> NdsqParts<'a> {
     pub fn rank(&self) -> usize {
         self.g.rank
     }
-    /// R is scalar groups (docs/CODECS.md), not PQ: the PQ accessors below are empty.
-    pub fn scalar_r(&self) -> bool {
-        self.g.sq.is_some()
-    }
     /// PQ sub-vector length.
     pub fn sub_dim(&self) -> usize {
         self.g.d
@@ -465,9 +461,25 @@ impl<'a> NdsqParts<'a> {
     pub fn u_f16(&self) -> &'a [u8] {
         &self.view.u[self.r0 * self.g.rank * 2..self.r1 * self.g.rank * 2]
     }
-    /// PQ codes of the rows, `rows × sub_vectors`.
+    /// R's scalar grid, `(bits, group)`, where R is scalar groups (docs/CODECS.md); the
+    /// PQ accessors are then empty.
+    pub fn scalar_shape(&self) -> Option<(usize, usize)> {
+        self.g.sq.map(|s| (s.bits, s.group))
+    }
+    /// Bytes of one row's codes: `sub_vectors` PQ codes, or the packed scalar codes.
+    pub fn code_stride(&self) -> usize {
+        self.g.sq.map_or(self.g.m, |s| s.code_bytes())
+    }
+    /// Codes of the rows, `rows × code_stride`.
     pub fn codes(&self) -> &'a [u8] {
-        &self.view.codes[self.r0 * self.g.m..self.r1 * self.g.m]
+        let c = self.code_stride();
+        &self.view.codes[self.r0 * c..self.r1 * c]
+    }
+    /// Scalar R's [scale, min] f16 pairs (little-endian) of the rows, `rows × groups × 4`
+    /// bytes; empty for PQ.
+    pub fn scalar_params(&self) -> &'a [u8] {
+        let p = self.g.sq.map_or(0, |s| s.groups() * 4);
+        &self.view.params[self.r0 * p..self.r1 * p]
     }
     /// Row `i`'s (relative to `r0`) diagonal entry: (column, value), added after R.
     pub fn diagonal(&self, i: usize) -> Option<(usize, f32)> {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{Cuda, GpuError, OutType, ALIGN, ROWS, THREADS_1D, TILE};
+use super::{Cuda, GpuError, OutType, ALIGN, KT, ROWS, THREADS_1D, TILE};
 use crate::codec::BlockParts;
 use crate::model::SourceType;
 use crate::reconstruct::Work;
@@ -23,7 +23,8 @@ impl Cuda {
         let stream = self.ctx.default_stream();
         match first {
             Work::Block(BlockParts::Ndsq(f)) => {
-                let (rank, cols, d, m) = (f.rank(), f.cols(), f.sub_dim(), f.sub_vectors());
+                let (rank, cols, d, cstride) = (f.rank(), f.cols(), f.sub_dim(), f.code_stride());
+                let (sqbits, sqgroup) = f.scalar_shape().unwrap_or((0, 0));
                 let cb_off = f.svt().len() * 4;
                 let global = self.resident(&stream, f.global_key(), || {
                     let mut g = Vec::with_capacity(cb_off + f.codebook().len() * 4);
@@ -42,6 +43,8 @@ impl Cuda {
                 each(&mut |q| p.put(q.u_f16()));
                 let codes = p.start();
                 each(&mut |q| p.put(q.codes()));
+                let params = p.start();
+                each(&mut |q| p.put(q.scalar_params()));
                 let dc = p.start();
                 each(&mut |q| {
                     for i in 0..q.rows() {
@@ -87,10 +90,11 @@ impl Cuda {
                     cols,
                     rank,
                     d,
-                    m,
+                    cstride,
+                    sq: (sqbits, sqgroup),
                     global,
                     cb_off,
-                    offs: [u, codes, dc, dv, os, oc, ov],
+                    offs: [u, codes, params, dc, dv, os, oc, ov],
                 })
             }
             Work::LowRank(f) => {
@@ -191,41 +195,45 @@ impl Cuda {
                 cols,
                 rank,
                 d,
-                m,
+                cstride,
+                sq,
                 global,
                 cb_off,
                 offs,
             } => {
-                let (cols32, rank32, d32, m32) = (*cols as u32, *rank as u32, *d as u32, *m as u32);
+                let [cols32, rank32, d32, cs32, sqb32, sqg32] =
+                    [*cols, *rank, *d, *cstride, sq.0, sq.1].map(|v| v as u32);
                 let svt = global.slice(..);
                 let cb = global.slice(*cb_off..);
+                // Bytes of scalar params per row.
+                let pb = if sq.0 > 0 { cols / sq.1 * 4 } else { 0 };
                 // gridDim.y is at most 65535: very tall batches in several launches.
                 let step = (ROWS as usize) * 65535;
                 let mut r0 = 0usize;
                 while r0 < *rows {
                     let nr = (*rows - r0).min(step);
                     let v = |off: usize, per_row: usize| din.slice(off + r0 * per_row..);
-                    let (u, codes) = (v(offs[0], rank * 2), v(offs[1], *m));
-                    let (dc, dv, osv) = (v(offs[2], 4), v(offs[3], 4), v(offs[4], 4));
-                    let (oc, ov) = (din.slice(offs[5]..), din.slice(offs[6]..));
+                    let (u, codes, params) =
+                        (v(offs[0], rank * 2), v(offs[1], *cstride), v(offs[2], pb));
+                    let (dc, dv, osv) = (v(offs[3], 4), v(offs[4], 4), v(offs[5], 4));
+                    let (oc, ov) = (din.slice(offs[6]..), din.slice(offs[7]..));
                     let mut outv = dout.slice_mut(r0 * cols * os..);
                     let nr32 = nr as u32;
-                    let cfg = LaunchConfig {
-                        grid_dim: (cols32.div_ceil(TILE), nr32.div_ceil(ROWS), 1),
-                        block_dim: (TILE, 1, 1),
-                        shared_mem_bytes: ROWS * rank32 * 4,
-                    };
+                    let cfg = low_rank_config(cols32, nr32, rank32);
                     let mut b = stream.launch_builder(&self.k.ndsq[o]);
                     b.arg(&mut outv)
                         .arg(&nr32)
                         .arg(&cols32)
                         .arg(&rank32)
                         .arg(&d32)
-                        .arg(&m32)
+                        .arg(&cs32)
+                        .arg(&sqb32)
+                        .arg(&sqg32)
                         .arg(&svt)
                         .arg(&cb)
                         .arg(&u)
                         .arg(&codes)
+                        .arg(&params)
                         .arg(&dc)
                         .arg(&dv)
                         .arg(&osv)
@@ -255,11 +263,7 @@ impl Cuda {
                     let uv = din.slice(offs[0] + r0 * rank * 2..);
                     let bv = din.slice(offs[1] + r0 * 8..);
                     let mut outv = dout.slice_mut(r0 * cols * os..);
-                    let cfg = LaunchConfig {
-                        grid_dim: (cols32.div_ceil(TILE), nr32.div_ceil(ROWS), 1),
-                        block_dim: (TILE, 1, 1),
-                        shared_mem_bytes: ROWS * rank32 * 4,
-                    };
+                    let cfg = low_rank_config(cols32, nr32, rank32);
                     let mut b = stream.launch_builder(&self.k.lowrank[o]);
                     b.arg(&mut outv)
                         .arg(&nr32)
@@ -323,6 +327,16 @@ impl Cuda {
     }
 }
 
+/// A launch of the ndsq / lowrank kernels over `rows` rows: TILE columns by ROWS rows per
+/// thread block, U staged in shared memory KT values per row at a time.
+fn low_rank_config(cols: u32, rows: u32, rank: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(TILE), rows.div_ceil(ROWS), 1),
+        block_dim: (TILE, 1, 1),
+        shared_mem_bytes: ROWS * rank.min(KT) * 4,
+    }
+}
+
 trait OneD {
     fn for_num_elems_1d(n: usize, threads: u32) -> LaunchConfig;
 }
@@ -344,11 +358,15 @@ pub(super) enum Launch {
         cols: usize,
         rank: usize,
         d: usize,
-        m: usize,
+        /// Bytes of codes per row.
+        cstride: usize,
+        /// Scalar R's (bits, group); (0, 0) for PQ.
+        sq: (usize, usize),
         global: Arc<CudaSlice<u8>>,
         cb_off: usize,
-        /// u, codes, diag col, diag val, outlier starts, outlier cols, outlier vals.
-        offs: [usize; 7],
+        /// u, codes, scalar params, diag col, diag val, outlier starts, outlier cols,
+        /// outlier vals.
+        offs: [usize; 8],
     },
     LowRank {
         rows: usize,
@@ -451,13 +469,13 @@ pub fn batchable_prefix(jobs: &[(Work<'_>, &mut [f32])]) -> (usize, bool) {
         _ => false,
     };
     let n = jobs.iter().take_while(|(w, _)| alike(w)).count();
-    // F32 rows are a copy; NDSQ with a scalar R has no kernel yet (docs/CUDA.md).
+    // F32 rows are a copy.
     let gpu = !matches!(
         first,
         Work::Block(BlockParts::Raw {
             format: SourceType::F32,
             ..
         })
-    ) && !matches!(first, Work::Block(BlockParts::Ndsq(q)) if q.scalar_r());
+    );
     (n, gpu)
 }

@@ -56,44 +56,82 @@ __device__ __forceinline__ void store(u16* o, size_t i, float v) { o[i] = cvt_f2
 
 #define ROWS 8      // rows per thread in the low-rank kernels (accumulators in registers)
 #define TILE 128    // columns per thread block in the low-rank kernels
+#define KT 256      // U values per row staged in shared memory at a time (any rank fits)
 
-// NDSQ rows: acc = 0; acc += u[i,k] * svt[k,j] for k = 0..rank; acc += centroid;
+// acc[r] += u[i0+r, k] * vt[k, j] for k = 0..rank, in that order (`add_low_rank` on the
+// CPU). U (f16 bits, R × rank) goes through shared memory KT columns at a time, so the
+// shared memory a launch needs is ROWS × min(rank, KT) floats whatever the rank. Every
+// thread of the block reaches the barriers; `live` says whether column j exists.
+__device__ __forceinline__ void add_lowrank(float* acc, u32 nr, u32 i0, u32 j, bool live,
+                                            u32 cols, u32 rank, const float* __restrict__ vt,
+                                            const u16* __restrict__ u) {
+    extern __shared__ float sh[];           // ROWS × kt: the launch's size
+    const u32 kt = min((u32)KT, rank);
+    for (u32 k0 = 0; k0 < rank; k0 += kt) {
+        const u32 kn = min(kt, rank - k0);
+        __syncthreads();                    // the previous piece is used up
+        for (u32 t = threadIdx.x; t < nr * kn; t += blockDim.x) {
+            const u32 r = t / kn, k = t % kn;
+            sh[r * kt + k] = h2f(u[(size_t)(i0 + r) * rank + k0 + k]);
+        }
+        __syncthreads();
+        if (!live) continue;
+        for (u32 k = 0; k < kn; k++) {
+            const float v = vt[(size_t)(k0 + k) * cols + j];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < nr) acc[r] = __fadd_rn(acc[r], __fmul_rn(sh[r * kt + k], v));
+            }
+        }
+    }
+}
+
+// Code j of a row of `bits`-bit codes packed LSB first (src/codec/sq.rs `code`).
+__device__ __forceinline__ u32 sq_code(const u8* row, u32 bits, u32 j) {
+    const u32 bit = j * bits;
+    const u32 lo = row[bit / 8];
+    const u32 hi = (bit % 8 + bits > 8) ? row[bit / 8 + 1] : 0u;
+    return ((lo | (hi << 8)) >> (bit % 8)) & ((1u << bits) - 1u);
+}
+
+// NDSQ rows: acc = 0; acc += u[i,k] * svt[k,j] for k = 0..rank; acc += R's value;
 // acc += diagonal (where the row has one at column j); acc += outlier (where row i has
-// one at column j). `u` is f16 bits (R × rank), `codes` R × m, `diag_col` -1 for none,
-// outliers per row: [ostart[i], ostart[i+1]) into ocol (ascending) / oval.
+// one at column j). R is PQ (sqbits 0: `codes` R × cstride centroid indices into
+// `codebook`) or scalar groups (sqbits 1..8: `codes` R × cstride packed codes, `params`
+// R × cols/sqgroup [scale, min] f16 pairs, value min + scale·q). `u` is f16 bits
+// (R × rank), `diag_col` -1 for none, outliers per row: [ostart[i], ostart[i+1]) into
+// ocol (ascending) / oval.
 template <typename T>
-__device__ void ndsq_rows(T* __restrict__ out, u32 R, u32 cols, u32 rank, u32 d, u32 m,
-                          const float* __restrict__ svt, const float* __restrict__ codebook,
-                          const u16* __restrict__ u, const u8* __restrict__ codes,
+__device__ void ndsq_rows(T* __restrict__ out, u32 R, u32 cols, u32 rank, u32 d, u32 cstride,
+                          u32 sqbits, u32 sqgroup, const float* __restrict__ svt,
+                          const float* __restrict__ codebook, const u16* __restrict__ u,
+                          const u8* __restrict__ codes, const u8* __restrict__ params,
                           const int* __restrict__ diag_col, const float* __restrict__ diag_val,
                           const u32* __restrict__ ostart, const u32* __restrict__ ocol,
                           const float* __restrict__ oval) {
-    extern __shared__ float sh[];           // ROWS × rank values of U as f32
     const u32 j = blockIdx.x * TILE + threadIdx.x;
     const u32 i0 = blockIdx.y * ROWS;
     const u32 nr = min((u32)ROWS, R - i0);
-    for (u32 t = threadIdx.x; t < nr * rank; t += blockDim.x) {
-        sh[t] = h2f(u[(size_t)i0 * rank + t]);
-    }
-    __syncthreads();
-    if (j >= cols) return;
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (u32 k = 0; k < rank; k++) {
-        const float v = svt[(size_t)k * cols + j];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            if (r < nr) acc[r] = __fadd_rn(acc[r], __fmul_rn(sh[r * rank + k], v));
-        }
-    }
-    const u32 sub = j / d, within = j % d;
+    add_lowrank(acc, nr, i0, j, j < cols, cols, rank, svt, u);
+    if (j >= cols) return;
+    const u32 ngroups = sqbits ? cols / sqgroup : 0u;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         if (r >= nr) break;
         const u32 i = i0 + r;
-        const u8 c = codes[(size_t)i * m + sub];
-        float a = __fadd_rn(acc[r], codebook[(size_t)c * d + within]);
+        const u8* crow = codes + (size_t)i * cstride;
+        float rv;
+        if (sqbits == 0) {
+            rv = codebook[(size_t)crow[j / d] * d + j % d];
+        } else {
+            const u8* pg = params + ((size_t)i * ngroups + j / sqgroup) * 4;
+            const float sc = h2f(ld16(pg)), mn = h2f(ld16(pg + 2));
+            rv = __fadd_rn(mn, __fmul_rn(sc, (float)sq_code(crow, sqbits, j)));
+        }
+        float a = __fadd_rn(acc[r], rv);
         if (diag_col[i] == (int)j) a = __fadd_rn(a, diag_val[i]);
         // Outlier columns ascend: binary search for j.
         u32 lo = ostart[i], hi = ostart[i + 1];
@@ -114,27 +152,17 @@ template <typename T>
 __device__ void lowrank_rows(T* __restrict__ out, u32 R, u32 cols, u32 rank,
                              const float* __restrict__ vt, const u16* __restrict__ u,
                              const unsigned long long* __restrict__ base_rows) {
-    extern __shared__ float sh[];
     const u32 j = blockIdx.x * TILE + threadIdx.x;
     const u32 i0 = blockIdx.y * ROWS;
     const u32 nr = min((u32)ROWS, R - i0);
-    for (u32 t = threadIdx.x; t < nr * rank; t += blockDim.x) {
-        sh[t] = h2f(u[(size_t)i0 * rank + t]);
-    }
-    __syncthreads();
-    if (j >= cols) return;
+    const bool live = j < cols;
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        acc[r] = r < nr ? ((const float*)base_rows[i0 + r])[j] : 0.0f;
+        acc[r] = (live && r < nr) ? ((const float*)base_rows[i0 + r])[j] : 0.0f;
     }
-    for (u32 k = 0; k < rank; k++) {
-        const float v = vt[(size_t)k * cols + j];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            if (r < nr) acc[r] = __fadd_rn(acc[r], __fmul_rn(sh[r * rank + k], v));
-        }
-    }
+    add_lowrank(acc, nr, i0, j, live, cols, rank, vt, u);
+    if (!live) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         if (r < nr) store(out, (size_t)(i0 + r) * cols + j, acc[r]);
@@ -309,10 +337,12 @@ __device__ void raw_rows(T* __restrict__ out, size_t n, int ty, int src_half, u3
 }
 
 #define INSTANTIATE(SUFFIX, T)                                                                  \
-extern "C" __global__ void ndsq_##SUFFIX(T* out, u32 R, u32 cols, u32 rank, u32 d, u32 m,      \
-    const float* svt, const float* codebook, const u16* u, const u8* codes, const int* dc,      \
-    const float* dv, const u32* os, const u32* oc, const float* ov) {                           \
-    ndsq_rows<T>(out, R, cols, rank, d, m, svt, codebook, u, codes, dc, dv, os, oc, ov);        \
+extern "C" __global__ void ndsq_##SUFFIX(T* out, u32 R, u32 cols, u32 rank, u32 d, u32 cs,     \
+    u32 sqbits, u32 sqgroup, const float* svt, const float* codebook, const u16* u,             \
+    const u8* codes, const u8* params, const int* dc, const float* dv, const u32* os,           \
+    const u32* oc, const float* ov) {                                                           \
+    ndsq_rows<T>(out, R, cols, rank, d, cs, sqbits, sqgroup, svt, codebook, u, codes, params,   \
+                 dc, dv, os, oc, ov);                                                           \
 }                                                                                               \
 extern "C" __global__ void lowrank_##SUFFIX(T* out, u32 R, u32 cols, u32 rank, const float* vt, \
     const u16* u, const unsigned long long* base_rows) {                                        \

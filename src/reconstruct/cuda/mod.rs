@@ -24,9 +24,10 @@ pub use batch::batchable_prefix;
 use batch::Packer;
 
 const KERNELS: &str = include_str!("kernels.cu");
-/// Must match ROWS and TILE in kernels.cu.
+/// Must match ROWS, TILE and KT in kernels.cu.
 const ROWS: u32 = 8;
 const TILE: u32 = 128;
+const KT: u32 = 256;
 const THREADS_1D: u32 = 256;
 /// Concurrent batches (streams with their buffers).
 const MAX_SLOTS: usize = 4;
