@@ -5,7 +5,9 @@
 #   scripts/test-cuda.sh [--bench N] SOURCE...
 #
 # Each SOURCE (a GGUF file or a Hugging Face directory) is converted to every archive
-# kind (.cawsf NDSQ, .cawsf passthrough, delta f16 and int8 bases, npy-dir int8 and int4);
+# kind (.cawsf NDSQ, .cawsf passthrough, delta f16 and int8 bases, npy-dir int8 and int4,
+# .cawsf NDSQ with scalar R: 4 bits alone, and 3 bits under a rank-300 L with outliers,
+# which also takes the kernels' U staging past one shared-memory piece);
 # for each archive `cawsfs device-check` reconstructs every tensor on the CPU and on the
 # GPU and compares the bytes (with --bench N, times both per codec), and the virtual
 # files are exported with --device cpu and --device cuda and compared with cmp. A
@@ -71,6 +73,8 @@ for src in "$@"; do
     "delta-int8|--to delta --base-dtype int8"
     "npy8|--to npy-dir"
     "npy4|--to npy-dir --bits 4"
+    "sq4.cawsf|--sq-bits 4 --rank 0 --outlier-q 1"
+    "sqlr.cawsf|--sq-bits 3 --sq-group 64 --rank 300"
   )
   for k in "${kinds[@]}"; do
     ext="${k%%|*}"
@@ -123,6 +127,17 @@ if [ "$#" -gt 0 ]; then
       say "identical with every third GPU batch failed: $name ($warned fallback lines)"
     else
       fail "fallback: $name export differs or no fallback logged ($warned lines)"
+    fi
+    # Every batch failing: after 8 in a row the GPU rests (batches go to the CPU
+    # untried), so a dead GPU costs a handful of failed batches, not one per read.
+    CAWSFS_CUDA_FAIL_EVERY=1 "$BIN" export "$a" --format safetensors -o "$WORK/f.gpu" \
+      --device cuda >/dev/null 2>"$WORK/f.err"
+    failed=$(grep -c "GPU reconstruction failed" "$WORK/f.err")
+    rested=$(grep -c "reconstructing on the CPU for 1 s" "$WORK/f.err")
+    if cmp -s "$WORK/f.cpu" "$WORK/f.gpu" && [ "$rested" = 1 ] && [ "$failed" -le 32 ]; then
+      say "identical with every GPU batch failed: $name ($failed failed batches, then the GPU rested)"
+    else
+      fail "breaker: $name export differs, or $failed failed batches and $rested rests logged"
     fi
     rm -f "$WORK/f.cpu" "$WORK/f.gpu"
   fi

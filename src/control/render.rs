@@ -65,6 +65,10 @@ fn device_line(d: &crate::reconstruct::DeviceStats) -> String {
             human_bytes(d.resident_bytes),
             human_bytes(d.vram_budget)
         );
+        // Only when it happened: a healthy GPU's line stays as it was.
+        if d.rests > 0 {
+            line += &format!("  rests {}", d.rests);
+        }
     } else {
         line += &format!("  reconstructed {}", human_bytes(d.cpu_bytes));
     }
@@ -315,7 +319,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
     let d = stats.device.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 26] = [
+    let simple: [(&str, &str, &str, Option<u64>); 27] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -465,6 +469,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "GPU batches that failed and were computed on the CPU.",
             d.map(|d| d.fallbacks),
+        ),
+        (
+            "cawsfs_device_rests_total",
+            "counter",
+            "Times the GPU failed so many batches in a row that it rested (batches went to the CPU untried).",
+            d.map(|d| d.rests),
         ),
         (
             "cawsfs_device_resident_bytes",
@@ -643,10 +653,16 @@ mod tests {
             "pinned 100.0 MiB",
             "evictions 12",
             "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
-            "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB",
+            "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB\n",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
         }
+        // A GPU that rested says so at the end of its line.
+        let mut v = sample_stats();
+        v.device.as_mut().unwrap().rests = 3;
+        let s = render_stat(&v);
+        assert!(s.contains("of 8.00 GiB  rests 3\n"), "{s}");
+        assert!(render_prometheus(&v).contains("cawsfs_device_rests_total 3\n"));
         // Per-file rows, most served first.
         let gguf = s.find("model.gguf").unwrap();
         let cfg = s.find("config.json").unwrap();

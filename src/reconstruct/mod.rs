@@ -12,6 +12,7 @@
 //! The backend is chosen once per process ([`init`], from `--device`); until then, and
 //! in every test of the library, the CPU runs.
 
+mod breaker;
 pub mod cuda;
 
 use std::str::FromStr;
@@ -142,6 +143,7 @@ static GPU_BATCHES: AtomicU64 = AtomicU64::new(0);
 static GPU_BYTES: AtomicU64 = AtomicU64::new(0);
 static GPU_NANOS: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static BREAKER: breaker::Breaker = breaker::Breaker::new();
 static CPU_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// Profiling (device checks and benchmarks): GPU batches time their copies and their
@@ -311,7 +313,7 @@ pub fn decode(jobs: Vec<(Work<'_>, &mut [f32])>) {
     if jobs.is_empty() {
         return;
     }
-    if let Some(g) = gpu() {
+    if let Some(g) = gpu().filter(|_| BREAKER.allows(clock())) {
         let mut jobs = jobs;
         // Batches of jobs the GPU runs in one launch: consecutive and alike.
         while !jobs.is_empty() {
@@ -326,6 +328,7 @@ pub fn decode(jobs: Vec<(Work<'_>, &mut [f32])>) {
             let t0 = std::time::Instant::now();
             match g.decode(&mut jobs) {
                 Ok(()) => {
+                    BREAKER.success();
                     GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
                     GPU_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
                     GPU_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -341,14 +344,36 @@ pub fn decode(jobs: Vec<(Work<'_>, &mut [f32])>) {
                     } else if n == 20 {
                         tracing::warn!("GPU reconstruction keeps failing; further failures are only counted (`cawsfs stat`)");
                     }
+                    if let Some(rest) = BREAKER.failure(clock()) {
+                        // Rare by construction: at most one line per rest.
+                        tracing::warn!(
+                            "the GPU failed {} batches in a row: reconstructing on the CPU for {} s, then trying it again",
+                            breaker::STREAK,
+                            rest.as_secs()
+                        );
+                    }
                     decode_cpu(jobs);
                 }
             }
             jobs = rest;
+            // A rest begun by this call's failure sends its other batches to the CPU.
+            if !BREAKER.allows(clock()) {
+                decode_cpu(jobs);
+                return;
+            }
         }
         return;
     }
     decode_cpu(jobs)
+}
+
+/// Nanoseconds since the first call: the breaker's clock.
+fn clock() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_nanos() as u64
 }
 
 /// The CPU backend: one rayon task per job when there are several.
@@ -379,6 +404,9 @@ pub struct DeviceStats {
     pub gpu_nanos: u64,
     /// Batches the GPU failed and the CPU computed.
     pub fallbacks: u64,
+    /// Times the GPU failed so often that it rested (batches went to the CPU untried).
+    #[serde(default)]
+    pub rests: u64,
     /// f32 bytes the CPU produced.
     pub cpu_bytes: u64,
     /// Bytes kept resident on the GPU, and its budget.
@@ -401,6 +429,7 @@ pub fn stats() -> DeviceStats {
         gpu_bytes: GPU_BYTES.load(Ordering::Relaxed),
         gpu_nanos: GPU_NANOS.load(Ordering::Relaxed),
         fallbacks: FALLBACKS.load(Ordering::Relaxed),
+        rests: BREAKER.rests(),
         cpu_bytes: CPU_BYTES.load(Ordering::Relaxed),
         resident_bytes,
         vram_budget,
