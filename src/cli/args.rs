@@ -407,6 +407,12 @@ pub struct ConvertArgs {
     /// Also write the per-tensor report as JSON here.
     #[arg(long)]
     pub report_json: Option<PathBuf>,
+    /// After writing, check the archive as `cawsfs verify` does: every checksum, every
+    /// block decoded (on --device), the virtual files' headers.
+    #[arg(long)]
+    pub verify: bool,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// npy-dir: bits per quantized weight, 8 (int8 per row) or 4 (int4 per group).
     #[arg(long, default_value_t = 8)]
     pub bits: u8,

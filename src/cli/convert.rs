@@ -6,18 +6,35 @@ use clap::ValueEnum;
 
 use cawsfs::archive::Compression;
 use cawsfs::convert::{self, ConvertOptions};
+use cawsfs::reconstruct::DeviceChoice;
 
 use super::args::{BaseDtypeArg, Comp, ConvertArgs, To};
-use super::{bar, init_threads};
+use super::{bar, init_device, init_threads};
 
 pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
     refuse_foreign_flags(&a)?;
-    init_threads(a.threads)?;
-    match a.to {
-        To::Cawsf => {}
-        To::Delta => return cmd_convert_delta(a),
-        To::NpyDir => return cmd_convert_npy(a),
+    if !a.verify && (a.device.device != DeviceChoice::Auto || a.device.vram_budget.is_some()) {
+        bail!("--device and --vram-budget choose where --verify decodes: add --verify");
     }
+    init_threads(a.threads)?;
+    if a.verify {
+        // Before converting: a device that cannot be used fails at once, not minutes later.
+        init_device(&a.device, false)?;
+    }
+    let (verify, output) = (a.verify, a.output.clone());
+    match a.to {
+        To::Cawsf => convert_cawsf(a)?,
+        To::Delta => cmd_convert_delta(a)?,
+        To::NpyDir => cmd_convert_npy(a)?,
+    }
+    if verify {
+        // The written archive read back as a mount would.
+        super::archive::cmd_verify(&output, false)?;
+    }
+    Ok(())
+}
+
+fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
     if let Some(r) = a.rank {

@@ -27,6 +27,7 @@ def test_cuda_without_a_gpu_is_one_line(cawsfs, archives, work):
         ["export", path, "--format", "gguf", "-o", work / "x.gguf", "--device", "cuda"],
         ["verify", path, "--device", "cuda:0"],
         ["device-check", path],
+        ["convert", path, "-o", work / "c.cawsf", "--passthrough", "*", "--verify", "--device", "cuda"],
     ):
         p = run_status([cawsfs, *cmd])
         if HAS_GPU:
@@ -38,6 +39,23 @@ def test_cuda_without_a_gpu_is_one_line(cawsfs, archives, work):
         assert lines[0].startswith("cawsfs: error: --device cuda:0: "), lines[0]
         assert "libcuda" in lines[0] or "no CUDA device" in lines[0], lines[0]
     assert not (work / "x.gguf").exists() or HAS_GPU
+    # The device is tried before converting: nothing was written.
+    assert not (work / "c.cawsf").exists() or HAS_GPU
+
+
+def test_convert_verifies_on_the_device_asked(cawsfs, model_gguf, work):
+    # Two kinds (delta's conversion alone takes 17 s here); all three reach the same pass.
+    for to, opts in (("cawsf", ["--sq-bits", "4", "--rank", "0", "--outlier-q", "1"]),
+                     ("npy-dir", [])):
+        p = run([cawsfs, "convert", model_gguf, "-o", work / to, "--to", to, *opts,
+                 "--verify", "--device", "cpu"])
+        last = p.stdout.strip().splitlines()[-1]
+        assert last.startswith(f"{work / to}: ok (") and "verified and decoded" in last, p.stdout
+    # Without --verify the device has nothing to choose.
+    p = run_status([cawsfs, "convert", model_gguf, "-o", work / "y", "--device", "cpu"])
+    assert p.returncode != 0
+    assert p.stderr.strip() == "cawsfs: error: --device and --vram-budget choose where --verify decodes: add --verify", p.stderr
+    assert not (work / "y").exists()
 
 
 def test_bad_device_names_the_choices(cawsfs, archives, work):
