@@ -57,6 +57,7 @@ impl DeltaArchive {
         }
         Ok(DeltaArchive {
             path: c.path,
+            identity: crate::archive::container::toc_identity("delta", &c.toc),
             toc: c.toc,
             model,
             extra: meta.extra,

@@ -70,6 +70,9 @@ pub struct DeltaArchive {
     pub(super) path: PathBuf,
     pub(super) file: ArchiveFile,
     pub(super) toc: Vec<TocRecord>,
+    /// Hash of the TOC (checksums included), set at open: names resident GPU data and
+    /// the disk tier's entries.
+    pub(super) identity: u128,
     pub(super) model: ModelDesc,
     pub(super) extra: serde_json::Value,
     pub(super) base_dtype: BaseDtype,
@@ -296,7 +299,7 @@ impl RowSource for DeltaArchive {
         } else {
             jobs.par_iter().map(load).collect::<Result<_, _>>()?
         };
-        let id = Store::identity(self);
+        let id = self.identity;
         // A passthrough tensor's (empty) global blob, parsed once for the read.
         let pass = match t.kind {
             TensorKind::Pass { format } => {
@@ -450,7 +453,7 @@ impl Store for DeltaArchive {
         }
     }
     fn identity(&self) -> u128 {
-        crate::archive::container::toc_identity("delta", &self.toc)
+        self.identity
     }
     fn parts(&self) -> Vec<SectionInfo> {
         section_infos(&self.toc, section_name)
