@@ -48,12 +48,13 @@
 //!   have priority: a demand load in progress (or a demand read waiting on a load)
 //!   increments `demand_waiting`, and a worker about to start a job waits on a condvar
 //!   until it is zero (polling it in 200 µs sleeps cost 2 % of a first pass's CPU).
-//!   Loads already running are not interrupted. A chunk loaded by prefetch is marked; the first demand lookup it
+//!   Loads already running are not interrupted. Read-ahead jobs (below) are not held
+//!   back: their reader always has a demand load running. A chunk loaded by prefetch is marked; the first demand lookup it
 //!   serves counts as a prefetch hit (a demand read that joined the prefetch's flight
 //!   counts as a coalesced miss and clears the mark).
 //! - **Read-ahead** (`prefetch.rs`). Per file, `read` remembers where the previous read
 //!   ended; a read starting exactly there is sequential and queues the next
-//!   `readahead_chunks` chunks (default 4) after the last one it touched, using the
+//!   `readahead_chunks` chunks (default 16) after the last one it touched, using the
 //!   loader given to [`ChunkCache::register_file`]. Each chunk is queued once per
 //!   sequential run.
 //! - **Route hints** (router-aware eviction, `lru.rs`). [`ChunkCache::set_hints`] names
@@ -103,7 +104,7 @@ use trace::Trace;
 /// Default chunk size: 256 KiB (two default FUSE read requests).
 pub const DEFAULT_CHUNK_SIZE: u64 = 256 * 1024;
 /// Default read-ahead depth in chunks for sequential readers.
-pub const DEFAULT_READAHEAD_CHUNKS: u64 = 4;
+pub const DEFAULT_READAHEAD_CHUNKS: u64 = 16;
 /// Default bound on queued prefetch jobs; requests beyond it are dropped (counted).
 pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;
 /// Estimated per-entry bookkeeping outside the budget: LRU node (key, value, two

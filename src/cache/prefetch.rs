@@ -17,6 +17,8 @@ pub(super) struct Job {
     key: ChunkKey,
     len: u64,
     loader: ChunkLoader,
+    /// Queued by sequential read-ahead: runs beside demand loads rather than after them.
+    readahead: bool,
 }
 
 #[derive(Default)]
@@ -30,7 +32,14 @@ pub(super) struct Queue {
 }
 
 impl Shared {
-    fn enqueue(&self, file: u32, size: u64, chunks: Range<u64>, loader: &ChunkLoader) -> usize {
+    fn enqueue(
+        &self,
+        file: u32,
+        size: u64,
+        chunks: Range<u64>,
+        loader: &ChunkLoader,
+        readahead: bool,
+    ) -> usize {
         let end = chunks.end.min(self.chunk_count(size));
         let mut q = lock(&self.queue);
         let mut queued = 0;
@@ -51,6 +60,7 @@ impl Shared {
                 key,
                 len,
                 loader: loader.clone(),
+                readahead,
             });
             queued += 1;
         }
@@ -82,7 +92,11 @@ impl Shared {
                 }
             };
             // Demand first: don't start a prefetch load while a reader waits on one.
-            {
+            // Read-ahead is exempt: a sequential reader (the kernel's read-ahead keeps
+            // one or two requests outstanding) always has a demand load running, so
+            // gated read-ahead never ran ahead of it, and the chunks it queues are the
+            // ones that reader asks for next.
+            if !job.readahead {
                 let mut n = lock(&self.demand_waiting);
                 while *n > 0 && !self.shutdown.load(Relaxed) {
                     n = self
@@ -135,7 +149,7 @@ impl ChunkCache {
         }
         f.readahead_next.fetch_max(to, Relaxed);
         bump(&sh.counters.readahead_triggers);
-        sh.enqueue(file, size, from..to, &loader);
+        sh.enqueue(file, size, from..to, &loader, true);
     }
 
     /// Start `threads` background prefetch workers (adds to any already running).
@@ -157,7 +171,7 @@ impl ChunkCache {
     /// queued twice; resident ones are skipped when their turn comes. Returns how
     /// many were queued. Jobs run once [`start_prefetcher`](Self::start_prefetcher) has.
     pub fn prefetch(&self, file: u32, size: u64, chunks: Range<u64>, loader: ChunkLoader) -> usize {
-        self.shared.enqueue(file, size, chunks, &loader)
+        self.shared.enqueue(file, size, chunks, &loader, false)
     }
 
     /// Like [`prefetch`](Self::prefetch) with the loader given to
@@ -165,7 +179,7 @@ impl ChunkCache {
     pub fn prefetch_registered(&self, file: u32, size: u64, chunks: Range<u64>) -> usize {
         let loader = lock(&self.shared.file_state(file).loader).clone();
         match loader {
-            Some(l) => self.shared.enqueue(file, size, chunks, &l),
+            Some(l) => self.shared.enqueue(file, size, chunks, &l, false),
             None => 0,
         }
     }

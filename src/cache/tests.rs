@@ -367,15 +367,16 @@ fn sequential_reads_trigger_read_ahead() {
     read_vec(&c, 4, size, 100, 10, &l);
     assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
     assert_eq!(bg.load(Relaxed), 0);
-    // Sequential: 0..32 then 32..64 → chunks 1..=4 queued.
+    // Sequential: 0..32 then 32..64 → chunks 1..=N queued (N = 16 of the file's 20).
+    let n = crate::cache::DEFAULT_READAHEAD_CHUNKS;
     read_vec(&c, 4, size, 0, 32, &l);
     read_vec(&c, 4, size, 32, 32, &l);
     assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
     assert_eq!(c.stats().readahead_triggers, 1);
-    for i in 1..=4 {
+    for i in 1..=n {
         assert!(c.contains(key(4, i)), "chunk {i}");
     }
-    assert!(!c.contains(key(4, 5)));
+    assert!(!c.contains(key(4, n + 1)));
     let demand_before = demand.load(Relaxed);
     // Continue sequentially through the file: every chunk after 0 comes from read-ahead.
     let mut off = 64u64;
@@ -538,6 +539,59 @@ fn cache_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<ChunkCache>();
     check::<CacheStats>();
+}
+
+#[test]
+fn read_ahead_runs_beside_demand_loads() {
+    // A sequential reader keeps a demand load of its own running (the kernel's read-ahead
+    // sends the next request before the last is answered): read-ahead that waited for
+    // demand loads, as explicit prefetch does, would never get ahead of it.
+    let (cs, size) = (64, 64 * 20);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    c.start_prefetcher(1);
+    let ra_start = Arc::new(Mutex::new(None));
+    let rs = ra_start.clone();
+    c.register_file(
+        0,
+        Arc::new(move |_, buf| {
+            rs.lock().unwrap().get_or_insert(Instant::now());
+            buf.fill(1);
+            Ok(buf.len())
+        }),
+    );
+    let demand_done = Mutex::new(None);
+    let started = Barrier::new(2);
+    std::thread::scope(|s| {
+        let (c, started, demand_done) = (&c, &started, &demand_done);
+        // File 1: a demand load that takes 300 ms.
+        s.spawn(move || {
+            let slow = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+                started.wait();
+                std::thread::sleep(Duration::from_millis(300));
+                buf.fill(2);
+                *demand_done.lock().unwrap() = Some(Instant::now());
+                Ok(buf.len())
+            };
+            c.read(1, size, 0, &mut [0u8; 4], &slow).unwrap();
+        });
+        started.wait();
+        // File 0, meanwhile: two sequential reads queue read-ahead.
+        let fast = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+            buf.fill(1);
+            Ok(buf.len())
+        };
+        c.read(0, size, 0, &mut [0u8; 32], &fast).unwrap();
+        c.read(0, size, 32, &mut [0u8; 32], &fast).unwrap();
+        assert_eq!(c.stats().readahead_triggers, 1);
+        assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    });
+    let start = ra_start.lock().unwrap().expect("read-ahead ran");
+    let done = demand_done.lock().unwrap().unwrap();
+    assert!(
+        start < done,
+        "read-ahead waited for another file's demand load"
+    );
+    assert!(c.contains(key(0, 2)));
 }
 
 #[test]

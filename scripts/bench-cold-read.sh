@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Cold sequential reads of a mounted model.safetensors (a fresh daemon each time, no disk
+# tier) against the FUSE ceiling: examples/memfs serving the same bytes from /dev/shm.
+# Variants are mount options; rounds interleave every variant, medians and memfs/variant.
+#
+#   scripts/bench-cold-read.sh ARCHIVE ROUNDS 'LABEL=MOUNT OPTIONS' ...
+#   e.g. scripts/bench-cold-read.sh w2k.cawsf 5 'cpu=--device cpu' 'pt8=--device cpu --prefetch-threads 8'
+#
+# CAWSFS_BIN (default target/release/cawsfs), MEMFS_BIN (default target/release/examples/memfs).
+# docs/CUDA.md has the figures it made on a GPU machine.
+set -euo pipefail
+BIN="${CAWSFS_BIN:-target/release/cawsfs}"
+MEMFS="${MEMFS_BIN:-target/release/examples/memfs}"
+A=$1 ROUNDS=$2
+shift 2
+W=$(mktemp -d)
+SHM=/dev/shm/bench-cold-read.$$
+mkdir -p "$W/mnt" "$SHM"
+trap 'fusermount3 -u "$W/mnt" 2>/dev/null || true; rm -rf "$W" "$SHM"' EXIT
+"$BIN" export "$A" --format safetensors -o "$SHM/model.safetensors" --device cpu >/dev/null
+now() { date +%s.%N; }
+timed_cat() { local t0 t1; t0=$(now); cat "$1" >/dev/null; t1=$(now); awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.4f", b - a }'; }
+memfs() {
+  "$MEMFS" "$SHM/model.safetensors" "$W/mnt" >/dev/null &
+  local pid=$!
+  for _ in $(seq 100); do [ -e "$W/mnt/model.safetensors" ] && break; sleep 0.05; done
+  echo "memfs $(timed_cat "$W/mnt/model.safetensors")"
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  fusermount3 -u "$W/mnt" 2>/dev/null || umount "$W/mnt" 2>/dev/null || true
+}
+cold() { # LABEL OPTIONS
+  local label=$1
+  # shellcheck disable=SC2086
+  "$BIN" mount "$A" "$W/mnt" --no-disk-cache $2 >/dev/null 2>"$W/err" \
+    || { echo "mount failed ($label): $(tail -1 "$W/err")" >&2; exit 1; }
+  local t
+  t=$(timed_cat "$W/mnt/model.safetensors")
+  echo "$label $t $("$BIN" stat "$W/mnt" | grep -o 'hits [0-9]* (prefetch [0-9]*)  misses [0-9]*')"
+  "$BIN" umount "$W/mnt" >/dev/null
+}
+for _ in $(seq "$ROUNDS"); do
+  memfs
+  for v in "$@"; do cold "${v%%=*}" "${v#*=}"; done
+done | tee "$W/log"
+python3 - "$W/log" <<'PY'
+import collections, statistics, sys
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    p = line.split()
+    try:
+        t[p[0]].append(float(p[1]))
+    except (ValueError, IndexError):
+        continue
+m = statistics.median(t["memfs"])
+for k, v in t.items():
+    print(f"{k:16} median {statistics.median(v):.4f} s  memfs/this {m / statistics.median(v):.3f}"
+          f"  ({' '.join(f'{x:.3f}' for x in v)})")
+PY
