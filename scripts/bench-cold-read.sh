@@ -3,7 +3,7 @@
 # tier) against the FUSE ceiling: examples/memfs serving the same bytes from /dev/shm.
 # Variants are mount options; rounds interleave every variant, medians and memfs/variant.
 #
-#   scripts/bench-cold-read.sh ARCHIVE ROUNDS 'LABEL=MOUNT OPTIONS' ...
+#   scripts/bench-cold-read.sh ARCHIVE ROUNDS 'LABEL=[VAR=VALUE ...] MOUNT OPTIONS' ...
 #   e.g. scripts/bench-cold-read.sh w2k.cawsf 5 'cpu=--device cpu' 'pt8=--device cpu --prefetch-threads 8'
 #
 # CAWSFS_BIN (default target/release/cawsfs), MEMFS_BIN (default target/release/examples/memfs).
@@ -29,10 +29,12 @@ memfs() {
   wait "$pid" 2>/dev/null || true
   fusermount3 -u "$W/mnt" 2>/dev/null || umount "$W/mnt" 2>/dev/null || true
 }
-cold() { # LABEL OPTIONS
-  local label=$1
-  # shellcheck disable=SC2086
-  "$BIN" mount "$A" "$W/mnt" --no-disk-cache $2 >/dev/null 2>"$W/err" \
+cold() { # LABEL '[VAR=VALUE ...] OPTIONS' (variables in the daemon's environment)
+  local label=$1 envs=() opts=() tok
+  for tok in $2; do
+    if [ ${#opts[@]} -eq 0 ] && [[ $tok == *=* && $tok != -* ]]; then envs+=("$tok"); else opts+=("$tok"); fi
+  done
+  env "${envs[@]}" "$BIN" mount "$A" "$W/mnt" --no-disk-cache "${opts[@]}" >/dev/null 2>"$W/err" \
     || { echo "mount failed ($label): $(tail -1 "$W/err")" >&2; exit 1; }
   local t
   t=$(timed_cat "$W/mnt/model.safetensors")
