@@ -541,6 +541,38 @@ fn cache_is_send_and_sync() {
     check::<CacheStats>();
 }
 
+/// A loader that fills chunks with 1 and notes when it was first called.
+fn timed_loader() -> (ChunkLoader, Arc<Mutex<Option<Instant>>>) {
+    let first = Arc::new(Mutex::new(None));
+    let f = first.clone();
+    let l: ChunkLoader = Arc::new(move |_, buf| {
+        f.lock().unwrap().get_or_insert(Instant::now());
+        buf.fill(1);
+        Ok(buf.len())
+    });
+    (l, first)
+}
+
+/// Reads from chunk 0 of `file` with a loader that meets `started`, then takes `ms`
+/// milliseconds, and notes in `done` when it ended.
+fn slow_demand_read(
+    c: &ChunkCache,
+    file: u32,
+    size: u64,
+    ms: u64,
+    started: &Barrier,
+    done: &Mutex<Option<Instant>>,
+) {
+    let slow = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
+        started.wait();
+        std::thread::sleep(Duration::from_millis(ms));
+        buf.fill(2);
+        *done.lock().unwrap() = Some(Instant::now());
+        Ok(buf.len())
+    };
+    c.read(file, size, 0, &mut [0u8; 4], &slow).unwrap();
+}
+
 #[test]
 fn read_ahead_runs_beside_demand_loads() {
     // A sequential reader keeps a demand load of its own running (the kernel's read-ahead
@@ -549,31 +581,14 @@ fn read_ahead_runs_beside_demand_loads() {
     let (cs, size) = (64, 64 * 20);
     let c = ChunkCache::new(1 << 20, cs).unwrap();
     c.start_prefetcher(1);
-    let ra_start = Arc::new(Mutex::new(None));
-    let rs = ra_start.clone();
-    c.register_file(
-        0,
-        Arc::new(move |_, buf| {
-            rs.lock().unwrap().get_or_insert(Instant::now());
-            buf.fill(1);
-            Ok(buf.len())
-        }),
-    );
+    let (bg, ra_start) = timed_loader();
+    c.register_file(0, bg);
     let demand_done = Mutex::new(None);
     let started = Barrier::new(2);
     std::thread::scope(|s| {
         let (c, started, demand_done) = (&c, &started, &demand_done);
         // File 1: a demand load that takes 300 ms.
-        s.spawn(move || {
-            let slow = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
-                started.wait();
-                std::thread::sleep(Duration::from_millis(300));
-                buf.fill(2);
-                *demand_done.lock().unwrap() = Some(Instant::now());
-                Ok(buf.len())
-            };
-            c.read(1, size, 0, &mut [0u8; 4], &slow).unwrap();
-        });
+        s.spawn(move || slow_demand_read(c, 1, size, 300, started, demand_done));
         started.wait();
         // File 0, meanwhile: two sequential reads queue read-ahead.
         let fast = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
@@ -601,27 +616,11 @@ fn prefetch_waits_for_demand_loads() {
     c.start_prefetcher(1);
     let t0 = Instant::now();
     let demand_done = Mutex::new(None);
-    let prefetch_start = Arc::new(Mutex::new(None));
-    let ps = prefetch_start.clone();
-    let bg: ChunkLoader = Arc::new(move |_, buf| {
-        ps.lock().unwrap().get_or_insert(Instant::now());
-        buf.fill(1);
-        Ok(buf.len())
-    });
+    let (bg, prefetch_start) = timed_loader();
     let started = Barrier::new(2);
     std::thread::scope(|s| {
         let (c, started, demand_done) = (&c, &started, &demand_done);
-        s.spawn(move || {
-            let slow = |_: u64, buf: &mut [u8]| -> Result<usize, ReadError> {
-                started.wait();
-                std::thread::sleep(Duration::from_millis(150));
-                buf.fill(2);
-                *demand_done.lock().unwrap() = Some(Instant::now());
-                Ok(buf.len())
-            };
-            let mut b = [0u8; 4];
-            c.read(0, size, 0, &mut b, &slow).unwrap();
-        });
+        s.spawn(move || slow_demand_read(c, 0, size, 150, started, demand_done));
         started.wait();
         c.prefetch(0, size, 3..4, bg.clone());
     });
