@@ -346,9 +346,13 @@ pub fn decode(jobs: Vec<(Work<'_>, &mut [f32])>) {
                     }
                     if let Some(rest) = BREAKER.failure(clock()) {
                         // Rare by construction: at most one line per rest.
+                        let why = if rest == breaker::FIRST_REST {
+                            format!("failed {} batches in a row", breaker::STREAK)
+                        } else {
+                            "failed again after resting".to_string()
+                        };
                         tracing::warn!(
-                            "the GPU failed {} batches in a row: reconstructing on the CPU for {} s, then trying it again",
-                            breaker::STREAK,
+                            "the GPU {why}: reconstructing on the CPU for {} s, then trying it again",
                             rest.as_secs()
                         );
                     }
