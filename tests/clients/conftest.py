@@ -4,7 +4,11 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,63 @@ def run(cmd, **kw):
     if p.returncode != 0 and not kw.get("check_ok_fail"):
         raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+# A hang must fail its test with what every thread was doing, not use up CI's time in
+# silence: past this many seconds (setup, call and teardown together) the watchdog
+# prints the stacks of the test's Python threads and of every cawsfs process (gdb),
+# then kills those processes, so that whatever waited on them fails.
+TEST_LIMIT_S = int(os.environ.get("CAWSFS_TEST_LIMIT_S", "900"))
+
+
+def _daemon_pids():
+    out = subprocess.run(["pgrep", "-x", "cawsfs"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _hung(name):
+    lines = [f"\n=== watchdog: {name} ran past {TEST_LIMIT_S} s ==="]
+    for tid, frame in sys._current_frames().items():
+        if tid != threading.get_ident():
+            lines.append(f"--- python thread {tid}")
+            lines.extend(l.rstrip() for l in traceback.format_stack(frame))
+    for pid in _daemon_pids():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        lines.append(f"--- cawsfs pid {pid}: {cmd}")
+        try:
+            bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx",
+                                 "-ex", "thread apply all bt 16"],
+                                capture_output=True, text=True, timeout=120).stdout
+            lines.extend(l[:200] for l in bt.splitlines() if l.startswith(("#", "Thread")))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines.append(f"(no stacks: {e})")
+    # Straight to the terminal (fd 2 may be pytest's capture file; /dev/tty absent on CI).
+    text = "\n".join(lines) + "\n"
+    try:
+        with open(f"/proc/{os.getppid()}/fd/2", "w") as tty:
+            tty.write(text)
+    except OSError:
+        pass
+    sys.__stderr__.write(text)
+    for pid in _daemon_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    timer = threading.Timer(TEST_LIMIT_S, _hung, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def run_status(cmd):
