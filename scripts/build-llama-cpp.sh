@@ -8,7 +8,7 @@ VER=0.3.36
 SRC="$CACHE/llama.cpp-$VER"
 BUILD="$SRC/build"
 BIN="$BUILD/bin"
-TOOLS=(llama-completion llama-simple llama-perplexity llama-tokenize llama-quantize)
+TOOLS=(llama-completion llama-simple llama-perplexity llama-tokenize llama-quantize llama-imatrix)
 have_all() { for t in "${TOOLS[@]}"; do [ -x "$BIN/$t" ] || return 1; done; }
 if ! have_all; then
   command -v cmake >/dev/null || { echo "build-llama-cpp: cmake is missing (apt-get install cmake)" >&2; exit 1; }

@@ -389,6 +389,11 @@ pub struct ConvertArgs {
         requires = "sq_bits"
     )]
     pub sq_for: Vec<String>,
+    /// Weight every NDSQ fit by how much each input column matters: an importance
+    /// matrix written by llama.cpp's `llama-imatrix` for this model (GGUF or legacy
+    /// .dat; docs/IMATRIX.md has the one-command workflow).
+    #[arg(long, value_name = "FILE")]
+    pub imatrix: Option<PathBuf>,
     /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.

@@ -75,6 +75,11 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     }
     opts.passthrough.extend(a.passthrough.iter().cloned());
     opts.compression = compression_of(a.compression);
+    if let Some(p) = &a.imatrix {
+        opts.imatrix = Some(std::sync::Arc::new(cawsfs::import::imatrix::Imatrix::open(
+            p,
+        )?));
+    }
     let n = src.desc().tensors.len();
     let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
     let report = convert::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
@@ -83,6 +88,21 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     })
     .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
+    if let Some(u) = &report.imatrix {
+        let chunks = u.chunks.map_or(String::new(), |c| format!(", {c} chunks"));
+        println!(
+            "importance matrix {} ({} entries{chunks}): {} coded tensors weighted, {} without an entry{}",
+            u.path,
+            u.entries,
+            u.weighted,
+            u.unweighted.len(),
+            if u.unweighted.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", u.unweighted.join(", "))
+            }
+        );
+    }
     print_report(&report, ("codec", 24), ("archive", "NDSQ"), &a)
 }
 
@@ -135,7 +155,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
     let nd = ConvertOptions::default().ndsq;
-    let given: [(&str, bool, &[To]); 17] = [
+    let given: [(&str, bool, &[To]); 18] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -155,6 +175,7 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ),
         ("--seed", a.seed != 0, &[Cawsf]),
         ("--sq-bits", a.sq_bits.is_some(), &[Cawsf]),
+        ("--imatrix", a.imatrix.is_some(), &[Cawsf]),
         ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
         (
             "--no-default-passthrough",

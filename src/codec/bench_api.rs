@@ -7,7 +7,7 @@ use super::CodecError;
 
 /// k-means training of a PQ codebook (`k` centroids of `d`-wide sub-vectors).
 pub fn pq_train(data: &[f32], d: usize, k: usize, iters: u32, seed: u64) -> Vec<f32> {
-    super::pq::train(data, d, k, iters, seed)
+    super::pq::train(data, d, k, iters, seed, None)
 }
 
 /// Rank-`r` truncated SVD of the row-major `rows × cols` matrix `w` (result dropped).

@@ -120,7 +120,21 @@ pub fn encode_ndsq(
     rows_per_block: u64,
     opts: &NdsqOptions,
 ) -> Result<EncodedTensor, CodecError> {
-    ndsq::encode(w, rows, cols, rows_per_block, opts)
+    ndsq::encode(w, rows, cols, rows_per_block, opts, None)
+}
+
+/// [`encode_ndsq`] fitted to minimise the error weighted by each input column's
+/// `importance` (`cols` non-negative values, e.g. an importance matrix's mean squared
+/// activations); the decoder is the same.
+pub fn encode_ndsq_weighted(
+    w: &[f32],
+    rows: u64,
+    cols: u64,
+    rows_per_block: u64,
+    opts: &NdsqOptions,
+    importance: &[f32],
+) -> Result<EncodedTensor, CodecError> {
+    ndsq::encode(w, rows, cols, rows_per_block, opts, Some(importance))
 }
 
 pub fn encode_passthrough(

@@ -35,40 +35,79 @@ impl Searcher {
         Searcher { k, d, t }
     }
 
-    /// The nearest centroid of every sub-vector of `vs`, into `out`; compiled for AVX2
-    /// too, used where the CPU has it (same results: the same separate multiplies, adds
-    /// and comparisons, only wider).
-    pub(super) fn nearest_all(&self, vs: &[f32], out: &mut [u32]) {
+    /// The nearest centroid of every sub-vector of `vs`, into `out`; `vs`'s first
+    /// sub-vector is sub-vector `first` of the tensor (which column weights it takes).
+    /// Compiled for AVX2 too, used where the CPU has it (same results: the same
+    /// separate multiplies, adds and comparisons, only wider).
+    pub(super) fn nearest_all(
+        &self,
+        vs: &[f32],
+        first: usize,
+        cw: Option<ColWeights<'_>>,
+        out: &mut [u32],
+    ) {
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx2")]
-            unsafe fn avx2(s: &Searcher, vs: &[f32], out: &mut [u32]) {
-                s.nearest_all_body(vs, out)
+            unsafe fn avx2(
+                s: &Searcher,
+                vs: &[f32],
+                first: usize,
+                cw: Option<ColWeights<'_>>,
+                out: &mut [u32],
+            ) {
+                s.nearest_all_body(vs, first, cw, out)
             }
             if std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU has AVX2, the one feature `avx2` is compiled for.
-                return unsafe { avx2(self, vs, out) };
+                return unsafe { avx2(self, vs, first, cw, out) };
             }
         }
-        self.nearest_all_body(vs, out)
+        self.nearest_all_body(vs, first, cw, out)
     }
 
     #[inline(always)]
-    fn nearest_all_body(&self, vs: &[f32], out: &mut [u32]) {
-        for (o, v) in out.iter_mut().zip(vs.chunks_exact(self.d)) {
-            *o = self.nearest(v) as u32;
+    fn nearest_all_body(
+        &self,
+        vs: &[f32],
+        first: usize,
+        cw: Option<ColWeights<'_>>,
+        out: &mut [u32],
+    ) {
+        for (i, (o, v)) in out.iter_mut().zip(vs.chunks_exact(self.d)).enumerate() {
+            let w = cw.map(|c| c.of(first + i, self.d));
+            *o = self.nearest_weighted(v, w) as u32;
         }
     }
 
     /// Index of the centroid nearest to `v` (squared L2; ties go to the lowest index).
+    #[cfg(test)]
+    fn nearest(&self, v: &[f32]) -> usize {
+        self.nearest_weighted(v, None)
+    }
+
+    /// Like [`Searcher::nearest`], each coordinate's squared difference times `w`'s
+    /// (the unweighted sums are unchanged: no multiply by one is added).
     #[inline(always)]
-    pub(super) fn nearest(&self, v: &[f32]) -> usize {
+    fn nearest_weighted(&self, v: &[f32], w: Option<&[f32]>) -> usize {
         let mut dist = [0f32; 256];
         let dist = &mut dist[..self.k];
         for (j, &x) in v.iter().enumerate().take(self.d) {
-            for (dc, &cj) in dist.iter_mut().zip(&self.t[j * self.k..(j + 1) * self.k]) {
-                let t = cj - x;
-                *dc += t * t;
+            let col = &self.t[j * self.k..(j + 1) * self.k];
+            match w {
+                None => {
+                    for (dc, &cj) in dist.iter_mut().zip(col) {
+                        let t = cj - x;
+                        *dc += t * t;
+                    }
+                }
+                Some(w) => {
+                    let wj = w[j];
+                    for (dc, &cj) in dist.iter_mut().zip(col) {
+                        let t = cj - x;
+                        *dc += wj * (t * t);
+                    }
+                }
             }
         }
         // Eight running minima, one per lane, updated by selects rather than a branch
@@ -112,59 +151,107 @@ impl Searcher {
 /// Sub-vectors labelled per parallel task.
 const CHUNK: usize = 4096;
 
+/// Per-column weights of a tensor's sub-vectors (from an importance matrix): the
+/// tensor's sub-vector i, row-major over rows × m, is weighted by
+/// `w[(i % m)·d..][..d]`.
+#[derive(Clone, Copy)]
+pub(super) struct ColWeights<'a> {
+    /// One weight per column (m·d of them).
+    pub w: &'a [f32],
+    pub m: usize,
+}
+
+impl<'a> ColWeights<'a> {
+    #[inline(always)]
+    fn of(self, i: usize, d: usize) -> &'a [f32] {
+        let p = i % self.m;
+        &self.w[p * d..(p + 1) * d]
+    }
+}
+
 /// Nearest centroid of every sub-vector of `data`, in parallel.
-fn labels(search: &Searcher, d: usize, data: &[f32]) -> Vec<u32> {
+fn labels(search: &Searcher, d: usize, data: &[f32], cw: Option<ColWeights<'_>>) -> Vec<u32> {
     let mut out = vec![0u32; data.len() / d];
     out.par_chunks_mut(CHUNK)
         .zip(data.par_chunks(CHUNK * d))
-        .for_each(|(o, vs)| search.nearest_all(vs, o));
+        .enumerate()
+        .for_each(|(c, (o, vs))| search.nearest_all(vs, c * CHUNK, cw, o));
     out
 }
 
-/// Codes for all sub-vectors (`data.len() / d` of them).
-pub(super) fn assign(codebook: &[f32], d: usize, data: &[f32]) -> Vec<u8> {
+/// Codes for all sub-vectors (`data.len() / d` of them), nearest by the weighted
+/// distance when `cw` is given.
+pub(super) fn assign(
+    codebook: &[f32],
+    d: usize,
+    data: &[f32],
+    cw: Option<ColWeights<'_>>,
+) -> Vec<u8> {
     let search = Searcher::new(codebook, d);
     // Labels are below k ≤ 256.
-    labels(&search, d, data)
+    labels(&search, d, data, cw)
         .into_iter()
         .map(|l| l as u8)
         .collect()
 }
 
 /// Trains a codebook of at most `k` centroids (fewer when there are fewer training
-/// sub-vectors) for the sub-vectors `data.chunks_exact(d)`. Returns `k_eff × d` values.
-pub(super) fn train(data: &[f32], d: usize, k: usize, iters: u32, seed: u64) -> Vec<f32> {
+/// sub-vectors) for the sub-vectors `data.chunks_exact(d)`, minimising the weighted
+/// squared error when `cw` is given (seeding, assignment and each centroid coordinate's
+/// weighted mean). Returns `k_eff × d` values.
+pub(super) fn train(
+    data: &[f32],
+    d: usize,
+    k: usize,
+    iters: u32,
+    seed: u64,
+    cw: Option<ColWeights<'_>>,
+) -> Vec<f32> {
     let n = data.len() / d;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5051_5f4b_4d45_414e);
-    let train: Vec<f32> = if n <= MAX_TRAIN {
-        data[..n * d].to_vec()
+    // The training sub-vectors and, with weights, each one's weights.
+    let idx: Vec<usize> = if n <= MAX_TRAIN {
+        (0..n).collect()
     } else {
         let mut idx = rand::seq::index::sample(&mut rng, n, MAX_TRAIN).into_vec();
         idx.sort_unstable();
-        idx.iter()
-            .flat_map(|&i| data[i * d..(i + 1) * d].iter().copied())
-            .collect()
+        idx
     };
+    let train: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| data[i * d..(i + 1) * d].iter().copied())
+        .collect();
+    let tw: Option<Vec<f32>> = cw.map(|c| {
+        idx.iter()
+            .flat_map(|&i| c.of(i, d).iter().copied())
+            .collect()
+    });
     let s = train.len() / d;
     let k = k.min(s).max(1);
     if s == 0 {
         return vec![0.0; k * d];
     }
+    let weights_of = |i: usize| tw.as_ref().map(|w| &w[i * d..(i + 1) * d]);
 
     // k-means++ seeding.
     let mut cb = Vec::with_capacity(k * d);
     let first = rng.random_range(0..s);
     cb.extend_from_slice(&train[first * d..(first + 1) * d]);
-    let dist2 = |a: &[f32], b: &[f32]| -> f64 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| {
-                let t = (x - y) as f64;
-                t * t
-            })
-            .sum()
+    let dist2 = |a: &[f32], b: &[f32], w: Option<&[f32]>| -> f64 {
+        let sq = a.iter().zip(b).map(|(x, y)| {
+            let t = (x - y) as f64;
+            t * t
+        });
+        match w {
+            None => sq.sum(),
+            Some(w) => sq.zip(w).map(|(t, &w)| w as f64 * t).sum(),
+        }
     };
-    let mut best: Vec<f64> = train.chunks_exact(d).map(|v| dist2(v, &cb[..d])).collect();
+    let mut best: Vec<f64> = train
+        .chunks_exact(d)
+        .enumerate()
+        .map(|(i, v)| dist2(v, &cb[..d], weights_of(i)))
+        .collect();
     while cb.len() < k * d {
         let total: f64 = best.iter().sum();
         let pick = if total > 0.0 {
@@ -183,39 +270,50 @@ pub(super) fn train(data: &[f32], d: usize, k: usize, iters: u32, seed: u64) -> 
         };
         let c0 = cb.len();
         cb.extend_from_slice(&train[pick * d..(pick + 1) * d]);
-        for (b, v) in best.iter_mut().zip(train.chunks_exact(d)) {
-            let nd = dist2(v, &cb[c0..c0 + d]);
+        for (i, (b, v)) in best.iter_mut().zip(train.chunks_exact(d)).enumerate() {
+            let nd = dist2(v, &cb[c0..c0 + d], weights_of(i));
             if nd < *b {
                 *b = nd;
             }
         }
     }
 
-    // Lloyd iterations; an empty cluster keeps its centroid.
+    // Lloyd iterations; an empty cluster (or coordinate without weight) keeps its value.
+    // The training set's weights are laid out per training sub-vector: m = s, d = d.
+    let tcw = tw.as_ref().map(|w| ColWeights { w, m: s });
     let mut labels = vec![u32::MAX; s];
     let mut sums = vec![0f64; k * d];
-    let mut counts = vec![0u64; k];
+    let mut mass = vec![0f64; k * d];
     for _ in 0..iters {
         let search = Searcher::new(&cb, d);
-        let new = self::labels(&search, d, &train);
+        let new = self::labels(&search, d, &train, tcw);
         if new == labels {
             break;
         }
         labels = new;
         sums.iter_mut().for_each(|x| *x = 0.0);
-        counts.iter_mut().for_each(|x| *x = 0);
-        for (&l, v) in labels.iter().zip(train.chunks_exact(d)) {
+        mass.iter_mut().for_each(|x| *x = 0.0);
+        for (i, (&l, v)) in labels.iter().zip(train.chunks_exact(d)).enumerate() {
             let l = l as usize;
-            counts[l] += 1;
-            for (s, &x) in sums[l * d..(l + 1) * d].iter_mut().zip(v) {
-                *s += x as f64;
+            let (s, m) = (&mut sums[l * d..(l + 1) * d], &mut mass[l * d..(l + 1) * d]);
+            match weights_of(i) {
+                None => {
+                    for ((s, m), &x) in s.iter_mut().zip(m.iter_mut()).zip(v) {
+                        *s += x as f64;
+                        *m += 1.0;
+                    }
+                }
+                Some(w) => {
+                    for (((s, m), &x), &w) in s.iter_mut().zip(m.iter_mut()).zip(v).zip(w) {
+                        *s += w as f64 * x as f64;
+                        *m += w as f64;
+                    }
+                }
             }
         }
-        for c in 0..k {
-            if counts[c] > 0 {
-                for j in 0..d {
-                    cb[c * d + j] = (sums[c * d + j] / counts[c] as f64) as f32;
-                }
+        for (c, (s, m)) in cb.iter_mut().zip(sums.iter().zip(&mass)) {
+            if *m > 0.0 {
+                *c = (s / m) as f32;
             }
         }
     }
@@ -236,22 +334,26 @@ mod tests {
             let jitter = (i as f32 * 0.37).sin() * 0.1;
             data.extend_from_slice(&[c[0] + jitter, c[1] - jitter]);
         }
-        let cb = train(&data, 2, 4, 20, 7);
+        let cb = train(&data, 2, 4, 20, 7, None);
         assert_eq!(cb.len(), 8);
-        let codes = assign(&cb, 2, &data);
+        let codes = assign(&cb, 2, &data, None);
         for (i, v) in data.chunks_exact(2).enumerate() {
             let c = &cb[codes[i] as usize * 2..codes[i] as usize * 2 + 2];
             assert!((c[0] - v[0]).abs() < 0.3 && (c[1] - v[1]).abs() < 0.3);
         }
-        assert_eq!(train(&data, 2, 4, 20, 7), cb, "deterministic for a seed");
+        assert_eq!(
+            train(&data, 2, 4, 20, 7, None),
+            cb,
+            "deterministic for a seed"
+        );
     }
 
     #[test]
     fn fewer_points_than_centroids() {
         let data = [1.0f32, 2.0, 3.0, 4.0];
-        let cb = train(&data, 2, 256, 5, 1);
+        let cb = train(&data, 2, 256, 5, 1, None);
         assert_eq!(cb.len(), 4);
-        assert_eq!(assign(&cb, 2, &data).len(), 2);
+        assert_eq!(assign(&cb, 2, &data, None).len(), 2);
     }
 
     /// The first centroid at the smallest squared distance, by a plain scan.
@@ -279,7 +381,7 @@ mod tests {
             let data: Vec<f32> = (0..5000 * d).map(|_| val()).collect();
             let search = Searcher::new(&cb, d);
             let mut got = vec![0u32; 5000];
-            search.nearest_all(&data, &mut got);
+            search.nearest_all(&data, 0, None, &mut got);
             for (i, v) in data.chunks_exact(d).enumerate() {
                 assert_eq!(got[i], reference(&cb, d, v), "k {k} d {d} point {i}");
             }

@@ -34,6 +34,8 @@ pub struct ConvertOptions {
     /// (pattern, scalar R): the scalar R of the tensors matching the pattern instead of
     /// `ndsq.sq`, first match first (used only when `ndsq.sq` is set).
     pub sq_for: Vec<(String, codec::SqParams)>,
+    /// Weights every NDSQ fit by the importance of each input column (docs/IMATRIX.md).
+    pub imatrix: Option<std::sync::Arc<crate::import::imatrix::Imatrix>>,
 }
 
 impl Default for ConvertOptions {
@@ -55,6 +57,7 @@ impl Default for ConvertOptions {
             compression: Compression::Zstd(3),
             window: 8,
             sq_for: Vec::new(),
+            imatrix: None,
         }
     }
 }
@@ -148,6 +151,21 @@ pub struct ConvertReport {
     /// Weighted by element count over NDSQ-coded tensors.
     pub mean_rel_err: f64,
     pub max_rel_err: f64,
+    /// How an importance matrix was used, when one was given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub imatrix: Option<ImatrixUse>,
+}
+
+/// What `--imatrix` weighted: its entries against the tensors the model codes.
+#[derive(Clone, Debug, Serialize)]
+pub struct ImatrixUse {
+    pub path: String,
+    pub entries: usize,
+    pub chunks: Option<u64>,
+    /// Coded tensors fitted with its weights.
+    pub weighted: usize,
+    /// Coded tensors it has no entry for (fitted unweighted).
+    pub unweighted: Vec<String>,
 }
 
 impl ConvertReport {
@@ -175,6 +193,7 @@ impl ConvertReport {
             total_weights,
             bits_per_weight: archive_bytes as f64 * 8.0 / total_weights.max(1) as f64,
             mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
+            imatrix: None,
             max_rel_err,
         }
     }
@@ -215,6 +234,43 @@ fn is_passthrough(t: &TensorDesc, pass: &Patterns) -> bool {
     t.shape.len() < 2 || pass.is_match(&t.name)
 }
 
+/// Checks `--imatrix` against the tensors to be coded before any work: an entry of the
+/// wrong length, or no entry for any of them, is an error naming the file.
+fn imatrix_use(
+    m: &crate::import::imatrix::Imatrix,
+    desc: &crate::model::ModelDesc,
+    pass: &Patterns,
+) -> Result<ImatrixUse, ConvertError> {
+    let coded: Vec<&TensorDesc> = desc
+        .tensors
+        .iter()
+        .filter(|t| !is_passthrough(t, pass))
+        .collect();
+    let mut unweighted = Vec::new();
+    for t in &coded {
+        if m.for_tensor(&t.name, t.cols())?.is_none() {
+            unweighted.push(t.name.clone());
+        }
+    }
+    if !coded.is_empty() && unweighted.len() == coded.len() {
+        return Err(crate::error::FileError::invalid(
+            m.path(),
+            format!(
+                "none of its {} entries names a tensor this model codes (an importance matrix of another model?)",
+                m.len()
+            ),
+        )
+        .into());
+    }
+    Ok(ImatrixUse {
+        path: m.path().display().to_string(),
+        entries: m.len(),
+        chunks: m.chunks,
+        weighted: coded.len() - unweighted.len(),
+        unweighted,
+    })
+}
+
 fn encode_one(
     src: &dyn SourceModel,
     i: usize,
@@ -234,7 +290,15 @@ fn encode_one(
     } else {
         let w = src.f32(i)?;
         let nd = opts.ndsq_for(&t.name, sq_rules);
-        match codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd) {
+        let imp = match &opts.imatrix {
+            Some(m) => m.for_tensor(&t.name, t.cols())?,
+            None => None,
+        };
+        let enc = match imp {
+            Some(imp) => codec::encode_ndsq_weighted(&w, t.rows(), t.cols(), rpb, &nd, imp),
+            None => codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd),
+        };
+        match enc {
             // A width the sub-vectors don't divide, or non-finite values: NDSQ cannot
             // code this tensor, so keep it exact rather than fail the whole model.
             Err(CodecError::Params(why)) => {
@@ -281,6 +345,10 @@ pub fn convert(
     let pass = Patterns::new(&opts.passthrough)?;
     let sq_rules = opts.sq_rules()?;
     let desc = src.desc();
+    let imatrix = match &opts.imatrix {
+        Some(m) => Some(imatrix_use(m, desc, &pass)?),
+        None => None,
+    };
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
     let mut reports = Vec::with_capacity(n);
@@ -314,6 +382,9 @@ pub fn convert(
             "kmeans_iters": opts.ndsq.kmeans_iters,
             "seed": opts.ndsq.seed,
             "passthrough": opts.passthrough,
+            "imatrix": imatrix.as_ref().map(|u| serde_json::json!({
+                "path": u.path, "entries": u.entries, "chunks": u.chunks, "weighted": u.weighted,
+            })),
         },
         "rel_err": reports.iter().map(|r| (r.name.clone(), serde_json::json!(r.rel_err))).collect::<serde_json::Map<String, serde_json::Value>>(),
     });
@@ -325,9 +396,11 @@ pub fn convert(
         r.bytes = archive.tensor_info(i).stored_bytes;
         r.bits_per_weight = r.bytes as f64 * 8.0 / desc.tensors[i].numel().max(1) as f64;
     }
-    Ok(ConvertReport::new(reports, archive_bytes, desc, |_, r| {
+    let mut report = ConvertReport::new(reports, archive_bytes, desc, |_, r| {
         r.codec.starts_with("ndsq")
-    }))
+    });
+    report.imatrix = imatrix;
+    Ok(report)
 }
 
 /// The ROUTING bytes (docs/FORMAT.md §7, docs/ROUTER.md) every archive kind stores

@@ -7,6 +7,7 @@ use crate::model::ModelDesc;
 
 pub mod gguf;
 pub mod hf;
+pub mod imatrix;
 
 /// Why a source model cannot be imported: the file and the problem.
 pub use crate::error::FileError as ImportError;

@@ -93,28 +93,76 @@ struct Factors {
     outliers: Vec<RowOutliers>,
 }
 
+/// Column weights from per-column importances (an importance matrix's mean squared
+/// activations): scaled to mean 1 and floored at [`MIN_WEIGHT`], so a column the
+/// calibration text never exercised still counts a little. None when every importance
+/// is zero (nothing to weight by).
+pub(crate) fn column_weights(
+    importance: &[f32],
+    cols: usize,
+) -> Result<Option<Vec<f32>>, CodecError> {
+    if importance.len() != cols {
+        return Err(CodecError::Params(format!(
+            "{} importances for {cols} columns",
+            importance.len()
+        )));
+    }
+    if let Some(j) = importance
+        .iter()
+        .position(|x| !(x.is_finite() && *x >= 0.0))
+    {
+        return Err(CodecError::Params(format!(
+            "importance {} of column {j} is not a finite non-negative number",
+            importance[j]
+        )));
+    }
+    let mean = importance.iter().map(|&x| x as f64).sum::<f64>() / cols.max(1) as f64;
+    if !(mean > 0.0 && mean.is_finite()) {
+        return Ok(None);
+    }
+    Ok(Some(
+        importance
+            .iter()
+            .map(|&x| ((x as f64 / mean) as f32).max(MIN_WEIGHT))
+            .collect(),
+    ))
+}
+
+/// The smallest column weight (relative to the mean of 1).
+const MIN_WEIGHT: f32 = 0.01;
+
 pub(in crate::codec) fn encode(
     w: &[f32],
     rows: u64,
     cols: u64,
     rows_per_block: u64,
     opts: &NdsqOptions,
+    importance: Option<&[f32]>,
 ) -> Result<EncodedTensor, CodecError> {
     let (m, d) = check_params(w, rows, cols, rows_per_block, opts)?;
     let (rows_us, cols_us) = (rows as usize, cols as usize);
     let rank = (opts.rank as usize).min(rows_us).min(cols_us);
+    // With an importance matrix every fit minimises Σ weight_j·(W − Ŵ)²_ij instead of
+    // the plain squared error (docs/CODECS.md, "Importance").
+    let cw = match importance {
+        Some(imp) => column_weights(imp, cols_us)?,
+        None => None,
+    };
+    let cw = cw.as_deref();
 
     // L: f16-rounded factors; everything after works against the stored L̂.
-    let l = low_rank(w, rows_us, cols_us, rank, opts.seed)?;
+    let l = low_rank(w, rows_us, cols_us, rank, opts.seed, cw)?;
     let mut w1 = residual(w, &l, rows_us, cols_us);
     // S, then D; both are zeroed in w1, which leaves R.
-    let mut outliers = outliers::split(&mut w1, cols_us, opts.outlier_q);
+    let mut outliers = outliers::split(&mut w1, cols_us, opts.outlier_q, cw);
     let diag_w1 = outliers::take_diagonal(&mut w1, rows_us, cols_us);
     // R: product quantization or scalar groups of the rest.
     let r = match opts.sq {
         None => {
-            let codebook = pq::train(&w1, d, opts.pq_k as usize, opts.kmeans_iters, opts.seed);
-            let codes = pq::assign(&codebook, d, &w1);
+            let pw = cw.map(|w| pq::ColWeights { w, m });
+            let k = opts.pq_k as usize;
+            let codebook = pq::train(&w1, d, k, opts.kmeans_iters, opts.seed, pw);
+            let codes = pq::assign(&codebook, d, &w1, pw);
             RCodes::Pq {
                 m,
                 d,
@@ -136,6 +184,9 @@ pub(in crate::codec) fn encode(
                 }
             }
             let weight = |i: usize, row: &mut [f32]| {
+                if let Some(cw) = cw {
+                    row.copy_from_slice(cw);
+                }
                 if i < cols_us {
                     row[i] = 0.0;
                 }
@@ -238,12 +289,15 @@ fn l_scale(max_abs: f32) -> f32 {
 }
 
 /// The rank-`rank` L factor of W, rounded to f16 as it is stored (empty for rank 0).
+/// With column weights it is the best rank-`rank` fit in the weighted norm: the SVD of
+/// W·diag(√weight), whose Σ·Vᵀ is then divided by √weight column by column.
 fn low_rank(
     w: &[f32],
     rows: usize,
     cols: usize,
     rank: usize,
     seed: u64,
+    cw: Option<&[f32]>,
 ) -> Result<LowRank, CodecError> {
     if rank == 0 {
         return Ok(LowRank {
@@ -253,20 +307,36 @@ fn low_rank(
             scale: 1.0,
         });
     }
-    let wm = MatRef::from_row_major_slice(w, rows, cols);
+    let sw: Option<Vec<f32>> = cw.map(|w| w.iter().map(|x| x.sqrt()).collect());
+    let scaled: Vec<f32>;
+    let src = match &sw {
+        None => w,
+        Some(s) => {
+            scaled = w
+                .chunks_exact(cols)
+                .flat_map(|row| row.iter().zip(s).map(|(x, s)| x * s))
+                .collect();
+            &scaled
+        }
+    };
+    let wm = MatRef::from_row_major_slice(src, rows, cols);
     let (u, svt) = truncated_svd(wm, rank, seed)?;
     let (u, svt) = (u.as_ref(), svt.as_ref());
-    let max_abs = (0..rank)
-        .flat_map(|i| (0..cols).map(move |j| (i, j)))
-        .fold(0f32, |a, (i, j)| a.max(svt[(i, j)].abs()));
-    let scale = l_scale(max_abs);
     // faer's matrices are column-major: gather row-major f32, then round as a slice.
     let u_rows: Vec<f32> = (0..rows)
         .flat_map(|i| (0..rank).map(move |j| u[(i, j)]))
         .collect();
-    let svt_rows: Vec<f32> = (0..rank)
-        .flat_map(|i| (0..cols).map(move |j| svt[(i, j)] / scale))
+    let mut svt_rows: Vec<f32> = (0..rank)
+        .flat_map(|i| (0..cols).map(move |j| svt[(i, j)]))
         .collect();
+    if let Some(s) = &sw {
+        for row in svt_rows.chunks_exact_mut(cols) {
+            row.iter_mut().zip(s).for_each(|(x, s)| *x /= s);
+        }
+    }
+    let max_abs = svt_rows.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let scale = l_scale(max_abs);
+    svt_rows.iter_mut().for_each(|x| *x /= scale);
     Ok(LowRank {
         rank,
         u_h: le::to_f16s(&u_rows),

@@ -8,25 +8,39 @@ use half::f16;
 pub(super) type RowOutliers = Vec<(u32, f32)>;
 
 /// S: moves the entries of `w1` (rows × `cols`) whose |value| is strictly above the
-/// `outlier_q` quantile out of it (zeroing them), per row in column order.
-pub(super) fn split(w1: &mut [f32], cols: usize, outlier_q: f32) -> Vec<RowOutliers> {
+/// `outlier_q` quantile out of it (zeroing them), per row in column order. With column
+/// weights `cw` the ranking is by |value|·√weight (the entries costing the model most).
+pub(super) fn split(
+    w1: &mut [f32],
+    cols: usize,
+    outlier_q: f32,
+    cw: Option<&[f32]>,
+) -> Vec<RowOutliers> {
     let n = w1.len();
     let n_out = (((1.0 - outlier_q as f64) * n as f64).floor() as usize).min(n);
     let mut outliers: Vec<RowOutliers> = vec![Vec::new(); n / cols];
     if n_out == 0 {
         return outliers;
     }
-    let is_out: Box<dyn Fn(f32) -> bool> = if n_out >= n {
-        Box::new(|_| true)
+    let sw: Option<Vec<f32>> = cw.map(|w| w.iter().map(|x| x.sqrt()).collect());
+    let key = |j: usize, v: f32| match &sw {
+        None => v.abs(),
+        Some(s) => v.abs() * s[j],
+    };
+    let t = if n_out >= n {
+        None
     } else {
-        let mut abs: Vec<f32> = w1.iter().map(|x| x.abs()).collect();
+        let mut abs: Vec<f32> = w1
+            .iter()
+            .enumerate()
+            .map(|(k, &x)| key(k % cols, x))
+            .collect();
         let (_, t, _) = abs.select_nth_unstable_by(n - n_out - 1, f32::total_cmp);
-        let t = *t;
-        Box::new(move |v: f32| v.abs() > t)
+        Some(*t)
     };
     for (i, row) in w1.chunks_exact_mut(cols).enumerate() {
         for (j, v) in row.iter_mut().enumerate() {
-            if is_out(*v) {
+            if t.is_none_or(|t| key(j, *v) > t) {
                 outliers[i].push((j as u32, *v));
                 *v = 0.0;
             }
