@@ -28,9 +28,9 @@
 set -euo pipefail
 
 AFL_VERSION=0.18.2
-ALL_TARGETS=(cawsf delta npydir npy_header gguf safetensors hf_json routing control)
+ALL_TARGETS=(cawsf delta npydir npy_header gguf safetensors hf_json routing control imatrix)
 # --long's default order: cheapest executions first.
-LONG_ORDER=(control routing npy_header cawsf delta npydir hf_json safetensors gguf)
+LONG_ORDER=(control routing npy_header imatrix cawsf delta npydir hf_json safetensors gguf)
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FUZZ=$ROOT/fuzz

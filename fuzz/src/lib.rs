@@ -33,6 +33,7 @@ pub const TARGETS: &[&str] = &[
     "hf_json",
     "routing",
     "control",
+    "imatrix",
 ];
 
 /// Separates the files of a directory input.

@@ -27,6 +27,7 @@ pub fn by_name(name: &str) -> Option<fn(&[u8])> {
         "hf_json" => hf_json,
         "routing" => routing,
         "control" => control,
+        "imatrix" => imatrix,
         _ => return None,
     })
 }
@@ -94,6 +95,23 @@ pub fn routing(data: &[u8]) {
         let once = encode_routing(&r);
         let back = parse_routing(&once).expect("encoded routing parses");
         assert_eq!(encode_routing(&back), once);
+    }
+}
+
+pub fn imatrix(data: &[u8]) {
+    crate::init();
+    if let Ok(m) = cawsfs::import::imatrix::Imatrix::parse(data) {
+        assert!(!m.is_empty());
+        for (name, v) in m.entries() {
+            assert!(
+                !v.is_empty() && v.iter().all(|x| x.is_finite() && *x >= 0.0),
+                "{name}"
+            );
+        }
+        // Lookups by model name: a match of the wrong width is an error, never a panic.
+        for name in ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"] {
+            let _ = m.for_tensor(name, 64);
+        }
     }
 }
 

@@ -210,6 +210,13 @@ fn main() -> Res<()> {
     reply.insert("ok".into(), true.into());
     seeds.bytes("control", "stat", serde_json::to_string(&reply)?.as_bytes())?;
 
+    // Importance matrices of the tiny model, in llama.cpp's two formats; each must parse.
+    for (name, bytes) in imatrix_seeds(src.desc())? {
+        let p = seeds.bytes("imatrix", name, &bytes)?;
+        cawsfs::import::imatrix::Imatrix::parse(&bytes)
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+
     for t in cawsfs_fuzz::TARGETS {
         let n = cawsfs_fuzz::seed_files(&out, t).len();
         let bytes: u64 = cawsfs_fuzz::seed_files(&out, t)
@@ -219,6 +226,60 @@ fn main() -> Res<()> {
         println!("{t:12} {n:3} seeds {bytes:8} bytes");
     }
     Ok(())
+}
+
+/// A legacy (.dat) and a GGUF importance matrix with an entry per 2-D tensor of `desc`
+/// that llama.cpp names, as `llama-imatrix` writes them (docs/IMATRIX.md).
+fn imatrix_seeds(desc: &cawsfs::model::ModelDesc) -> Res<Vec<(&'static str, Vec<u8>)>> {
+    use cawsfs::gguf::GgufValue;
+    let entries: Vec<(String, Vec<f32>)> = desc
+        .tensors
+        .iter()
+        .filter(|t| t.shape.len() == 2)
+        .filter_map(|t| cawsfs::model::names::hf_to_gguf(&t.name).map(|g| (g, t.cols())))
+        .map(|(g, cols)| (g, (0..cols).map(|j| (j % 5) as f32 + 0.5).collect()))
+        .collect();
+    let mut dat = (entries.len() as i32).to_le_bytes().to_vec();
+    for (name, v) in &entries {
+        dat.extend((name.len() as i32).to_le_bytes());
+        dat.extend(name.as_bytes());
+        dat.extend(2i32.to_le_bytes());
+        dat.extend((v.len() as i32).to_le_bytes());
+        v.iter().for_each(|x| dat.extend((x * 2.0).to_le_bytes()));
+    }
+    dat.extend(4i32.to_le_bytes());
+    dat.extend(8i32.to_le_bytes());
+    dat.extend(b"calib.tx");
+    let mut tensors = Vec::new();
+    let mut data: Vec<Vec<f32>> = Vec::new();
+    for (name, v) in &entries {
+        tensors.push((
+            format!("{name}.in_sum2"),
+            vec![v.len() as u64, 1],
+            GgmlType::F32,
+        ));
+        data.push(v.iter().map(|x| x * 3.0).collect());
+        tensors.push((format!("{name}.counts"), vec![1, 1], GgmlType::F32));
+        data.push(vec![3.0]);
+    }
+    let h = GgufHeader::try_new(
+        vec![
+            ("general.type".into(), GgufValue::String("imatrix".into())),
+            ("imatrix.chunk_count".into(), GgufValue::U32(4)),
+        ],
+        tensors,
+        32,
+    )?;
+    let mut gguf = h.to_bytes();
+    let base = gguf.len();
+    gguf.resize(base + h.data_size() as usize, 0);
+    for (t, v) in h.tensors.iter().zip(&data) {
+        let at = base + t.offset as usize;
+        for (k, x) in v.iter().enumerate() {
+            gguf[at + 4 * k..at + 4 * k + 4].copy_from_slice(&x.to_le_bytes());
+        }
+    }
+    Ok(vec![("legacy.dat", dat), ("imatrix.gguf", gguf)])
 }
 
 struct Seeds {
