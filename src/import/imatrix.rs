@@ -111,8 +111,7 @@ impl Imatrix {
     }
 }
 
-/// One entry's importances from its sums and counts: mean square per column, 1 where
-/// a column was never seen (as llama.cpp's quantizer takes them).
+/// One entry, checked: every importance a finite non-negative number.
 fn entry(name: &str, values: Vec<f32>) -> Result<(String, Vec<f32>), String> {
     if let Some(j) = values.iter().position(|v| !(v.is_finite() && *v >= 0.0)) {
         return Err(format!(

@@ -97,10 +97,7 @@ struct Factors {
 /// activations): scaled to mean 1 and floored at [`MIN_WEIGHT`], so a column the
 /// calibration text never exercised still counts a little. None when every importance
 /// is zero (nothing to weight by).
-pub(crate) fn column_weights(
-    importance: &[f32],
-    cols: usize,
-) -> Result<Option<Vec<f32>>, CodecError> {
+fn column_weights(importance: &[f32], cols: usize) -> Result<Option<Vec<f32>>, CodecError> {
     if importance.len() != cols {
         return Err(CodecError::Params(format!(
             "{} importances for {cols} columns",
