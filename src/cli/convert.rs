@@ -80,13 +80,9 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             p,
         )?));
     }
-    let n = src.desc().tensors.len();
-    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
-    let report = convert::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
-        pb.set_position(done as u64);
-        pb.set_message(name.to_string());
-    })
-    .with_context(|| format!("converting {}", a.src.display()))?;
+    let (pb, progress) = weights_bar(src.desc());
+    let report = convert::convert(src.as_ref(), &a.output, &opts, &progress)
+        .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
     if let Some(u) = &report.imatrix {
         let chunks = u.chunks.map_or(String::new(), |c| format!(", {c} chunks"));
@@ -104,6 +100,28 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
         );
     }
     print_report(&report, ("codec", 24), ("archive", "NDSQ"), &a)
+}
+
+/// A progress bar over the weights of `desc`'s tensors, with an ETA (tensors differ in
+/// size by 1000×, so counting tensors says little), and the converters' progress
+/// callback driving it: they finish tensors in model order, so `done` tensors finished
+/// are the weights of the first `done`.
+fn weights_bar(
+    desc: &cawsfs::model::ModelDesc,
+) -> (indicatif::ProgressBar, impl Fn(usize, usize, &str) + Sync) {
+    let mut upto = vec![0u64];
+    for t in &desc.tensors {
+        upto.push(upto.last().copied().unwrap_or(0) + t.numel());
+    }
+    let pb = bar(
+        upto.last().copied().unwrap_or(0),
+        "{elapsed_precise} [{bar:40}] {percent:>3}% of {human_len} weights, eta {eta} {msg}",
+    );
+    let p = pb.clone();
+    (pb, move |done: usize, _: usize, name: &str| {
+        p.set_position(upto.get(done).copied().unwrap_or(0));
+        p.set_message(name.to_string());
+    })
 }
 
 /// The per-tensor table and totals of a cawsf or npy-dir conversion, and the JSON report
@@ -331,13 +349,8 @@ fn cmd_convert_npy(a: ConvertArgs) -> Result<()> {
         opts.passthrough.clear();
     }
     opts.passthrough.extend(a.passthrough.iter().cloned());
-    let n = src.desc().tensors.len();
-    let pb = bar(n as u64, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
-    let report =
-        cawsfs::convert::npydir::convert(src.as_ref(), &a.output, &opts, &|done, _, name| {
-            pb.set_position(done as u64);
-            pb.set_message(name.to_string());
-        })
+    let (pb, progress) = weights_bar(src.desc());
+    let report = cawsfs::convert::npydir::convert(src.as_ref(), &a.output, &opts, &progress)
         .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
     print_report(&report, ("kind", 22), ("directory", "quantized"), &a)
