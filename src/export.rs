@@ -29,7 +29,9 @@ pub enum ExportError {
 }
 
 /// Write `vf` to `path` (via `path.tmp` and a rename, so a failure leaves no partial
-/// file). `progress(bytes_done)` is called after each batch.
+/// file). An existing `path` that is not a regular file (`/dev/null`, a FIFO, a
+/// terminal) is written in place: renaming over it would replace the device.
+/// `progress(bytes_done)` is called after each batch.
 pub fn export_file(
     vf: &VirtualFile,
     src: &dyn RowSource,
@@ -40,7 +42,12 @@ pub fn export_file(
         path: path.display().to_string(),
         source,
     };
-    let tmp = path.with_extension("tmp");
+    let special = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
+    let tmp = if special {
+        path.to_path_buf()
+    } else {
+        path.with_extension("tmp")
+    };
     let file = std::fs::File::create(&tmp).map_err(werr)?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     let batch = (rayon::current_num_threads() as u64 * 2).max(2);
@@ -70,6 +77,9 @@ pub fn export_file(
         progress((c * CHUNK).min(vf.size));
     }
     let file = out.into_inner().map_err(|e| werr(e.into_error()))?;
+    if special {
+        return Ok(());
+    }
     file.sync_all().map_err(werr)?;
     drop(file);
     std::fs::rename(&tmp, path).map_err(werr)?;

@@ -179,6 +179,31 @@ def test_gguf_export_types(cawsfs, archives, work):
             assert t.data_offset % 32 == 0
 
 
+def test_export_into_a_fifo_writes_through_it(cawsfs, archives, work):
+    """An output that exists and is not a regular file (a FIFO, /dev/null) is written in
+    place, not replaced by a renamed temporary file."""
+    import stat
+    import threading
+
+    path, _ = archives["default"]
+    plain = work / "plain.safetensors"
+    run([cawsfs, "export", path, "--format", "safetensors", "--dtype", "f16", "-o", plain])
+    fifo = work / "out.fifo"
+    if fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    got = bytearray()
+    # A daemon: if the FIFO were replaced, its open would block forever.
+    reader = threading.Thread(target=lambda: got.extend(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    run([cawsfs, "export", path, "--format", "safetensors", "--dtype", "f16", "-o", fifo])
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced"
+    assert bytes(got) == plain.read_bytes()
+    assert not (work / "out.tmp").exists()
+
+
 def test_exact_archive_preserves_values(cawsfs, archives, model_gguf, work):
     """All-passthrough: the safetensors view holds the dequantized source values."""
     path, _ = archives["exact"]
