@@ -4,7 +4,9 @@ import json
 import os
 import random
 import shutil
+import stat
 import struct
+import threading
 
 import gguf
 import numpy as np
@@ -182,9 +184,6 @@ def test_gguf_export_types(cawsfs, archives, work):
 def test_export_into_a_fifo_writes_through_it(cawsfs, archives, work):
     """An output that exists and is not a regular file (a FIFO, /dev/null) is written in
     place, not replaced by a renamed temporary file."""
-    import stat
-    import threading
-
     path, _ = archives["default"]
     plain = work / "plain.safetensors"
     run([cawsfs, "export", path, "--format", "safetensors", "--dtype", "f16", "-o", plain])
@@ -202,6 +201,24 @@ def test_export_into_a_fifo_writes_through_it(cawsfs, archives, work):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced"
     assert bytes(got) == plain.read_bytes()
     assert not (work / "out.tmp").exists()
+
+
+def test_convert_refuses_a_non_regular_output(cawsfs, model_gguf, work):
+    """The archive is renamed over the output when done: a FIFO or a directory there is
+    refused up front, in one line naming it, and left as it was."""
+    fifo, folder = work / "conv.fifo", work / "conv.dir"
+    for p in (fifo, folder):
+        if p.exists() or p.is_symlink():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for out, kind in ((fifo, []), (folder, ["--to", "delta"])):
+        p = run_status([cawsfs, "convert", model_gguf, "-o", out, *kind])
+        err = p.stderr.strip()
+        assert p.returncode != 0 and "\n" not in err, err
+        assert str(out) in err and "not a regular file" in err, err
+    assert os.path.isdir(folder) and not os.listdir(folder)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
 def test_exact_archive_preserves_values(cawsfs, archives, model_gguf, work):

@@ -77,6 +77,16 @@ pub struct Sections<'a> {
 
 impl ContainerWriter {
     pub fn create(path: &Path, compression: Compression) -> Result<ContainerWriter, ArchiveError> {
+        // The archive is renamed over `path` when done: that must not replace a device,
+        // a FIFO or a directory (`-o /dev/null` as root would replace /dev/null).
+        if let Ok(m) = std::fs::metadata(path) {
+            if !m.is_file() {
+                return Err(invalid(
+                    path,
+                    String::from("exists and is not a regular file (an archive is written beside it, then renamed over it)"),
+                ));
+            }
+        }
         let f = temp_beside(path).map_err(|e| io_error(path, e))?;
         let mut w = ContainerWriter {
             path: path.to_path_buf(),
