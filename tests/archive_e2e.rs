@@ -439,3 +439,38 @@ fn scalar_r_rules_apply_per_tensor() {
         assert!(!out.exists());
     }
 }
+
+#[test]
+fn min_saving_stores_blocks_raw_and_decodes_the_same() {
+    // pq_k 16: codes with few symbols, which zstd shrinks well; 1.0 can never be met,
+    // so every block is raw.
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let pa = converted(a.path(), &small_opts());
+    let raw_opts = ConvertOptions {
+        min_saving: 1.0,
+        ..small_opts()
+    };
+    let pb = converted(b.path(), &raw_opts);
+    let (ka, kb) = (
+        CawsfArchive::open(&pa).unwrap(),
+        CawsfArchive::open(&pb).unwrap(),
+    );
+    let mut grew = 0;
+    for t in 0..ka.model().tensors.len() {
+        assert_eq!(full(&ka, t), full(&kb, t), "tensor {t}");
+        let (sa, sb) = (
+            ka.tensor_info(t).stored_bytes,
+            kb.tensor_info(t).stored_bytes,
+        );
+        assert!(sb >= sa, "tensor {t}: {sb} < {sa}");
+        grew += (sb > sa) as usize;
+    }
+    assert!(grew > 0, "no block was compressed by default");
+    let bad = ConvertOptions {
+        min_saving: 1.5,
+        ..small_opts()
+    };
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("--min-saving 1.5"), "{e}");
+}

@@ -409,6 +409,11 @@ pub struct ConvertArgs {
     /// Compression of row blocks.
     #[arg(long, value_enum, default_value_t = Comp::Zstd)]
     pub compression: Comp,
+    /// Keep a block compressed only where that saves at least this fraction of its
+    /// bytes, else store it raw: faster reads for a larger archive (docs/CODECS.md
+    /// measures the trade). 0 keeps every saving.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_saving: f64,
     /// Also write the per-tensor report as JSON here.
     #[arg(long)]
     pub report_json: Option<PathBuf>,

@@ -75,6 +75,7 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     }
     opts.passthrough.extend(a.passthrough.iter().cloned());
     opts.compression = compression_of(a.compression);
+    opts.min_saving = a.min_saving;
     if let Some(p) = &a.imatrix {
         opts.imatrix = Some(std::sync::Arc::new(cawsfs::import::imatrix::Imatrix::open(
             p,
@@ -173,7 +174,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
     let nd = ConvertOptions::default().ndsq;
-    let given: [(&str, bool, &[To]); 18] = [
+    let given: [(&str, bool, &[To]); 19] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -205,6 +206,7 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
             !matches!(a.compression, Comp::Zstd),
             &[Cawsf, Delta],
         ),
+        ("--min-saving", a.min_saving != 0.0, &[Cawsf, Delta]),
         ("--bits", a.bits != 8, &[NpyDir]),
         ("--group", a.group != 64, &[NpyDir]),
         ("--zstd", a.zstd, &[NpyDir]),
@@ -254,6 +256,7 @@ fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
     };
     opts.kmeans_iters = a.kmeans_iters;
     opts.compression = compression_of(a.compression);
+    opts.min_saving = a.min_saving;
     let src = cawsfs::import::open_source(&a.src)?;
     let pb = bar(1, "{elapsed_precise} [{bar:40}] {pos}/{len} {msg}");
     let report = delta::convert(src.as_ref(), &a.output, &opts, &|done, total, name| {

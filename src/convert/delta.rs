@@ -28,6 +28,8 @@ pub struct DeltaOptions {
     pub base_dtype: BaseDtype,
     pub kmeans_iters: u32,
     pub compression: Compression,
+    /// A block keeps its compressed form only where that saves this fraction.
+    pub min_saving: f64,
 }
 
 impl Default for DeltaOptions {
@@ -38,6 +40,7 @@ impl Default for DeltaOptions {
             base_dtype: BaseDtype::F16,
             kmeans_iters: 10,
             compression: Compression::Zstd(3),
+            min_saving: 0.0,
         }
     }
 }
@@ -46,6 +49,12 @@ impl DeltaOptions {
     pub fn validate(&self) -> Result<(), ConvertError> {
         if self.bases == 0 {
             return Err(ConvertError::Options("--bases must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&self.min_saving) {
+            return Err(ConvertError::Options(format!(
+                "--min-saving {} is not in [0, 1]",
+                self.min_saving
+            )));
         }
         if let RankChoice::MaxRelErr(e) = self.rank {
             if !(e.is_finite() && e >= 0.0) {
@@ -157,6 +166,7 @@ pub fn convert(
     let groups = group_by_type(desc);
 
     let mut writer = DeltaWriter::create(out, opts.compression)?;
+    writer.set_min_saving(opts.min_saving);
     let mut plans: Vec<Plan> = (0..n).map(|_| Plan::Pass).collect();
     let mut base_reports = Vec::new();
     for (ty, group) in groups.iter().enumerate() {

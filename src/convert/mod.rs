@@ -29,6 +29,9 @@ pub struct ConvertOptions {
     /// as compressed passthrough (bit-exact). 1-D tensors always are.
     pub passthrough: Vec<String>,
     pub compression: Compression,
+    /// A block keeps its compressed form only where that saves this fraction of its
+    /// bytes (0: any saving); raw blocks skip decompression on every read.
+    pub min_saving: f64,
     /// Tensors encoded at once; bounds peak memory.
     pub window: usize,
     /// (pattern, scalar R): the scalar R of the tensors matching the pattern instead of
@@ -55,6 +58,7 @@ impl Default for ConvertOptions {
             },
             passthrough: vec!["model.embed_tokens.weight".into(), "lm_head.weight".into()],
             compression: Compression::Zstd(3),
+            min_saving: 0.0,
             window: 8,
             sq_for: Vec::new(),
             imatrix: None,
@@ -68,6 +72,9 @@ impl ConvertOptions {
     pub fn validate(&self) -> Result<(), ConvertError> {
         let o = &self.ndsq;
         let bad = |m: String| Err(ConvertError::Options(m));
+        if !(0.0..=1.0).contains(&self.min_saving) {
+            return bad(format!("--min-saving {} is not in [0, 1]", self.min_saving));
+        }
         if !(0.0..=1.0).contains(&o.outlier_q) {
             return bad(format!("--outlier-q {} is not in [0, 1]", o.outlier_q));
         }
@@ -351,6 +358,7 @@ pub fn convert(
     };
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
+    writer.set_min_saving(opts.min_saving);
     let mut reports = Vec::with_capacity(n);
     in_windows(
         n,

@@ -44,6 +44,11 @@ impl CawsfWriter {
         self.w.invalid(reason)
     }
 
+    /// Blocks are stored raw unless compression saves at least `fraction` of them.
+    pub fn set_min_saving(&mut self, fraction: f64) {
+        self.w.set_min_saving(fraction);
+    }
+
     pub fn create(path: &Path, compression: Compression) -> Result<CawsfWriter, ArchiveError> {
         let w = ContainerWriter::create(path, compression)?;
         let cb = temp_beside(path).map_err(|e| w.io(e))?;

@@ -136,6 +136,13 @@ pub fn le_u32(b: &[u8]) -> u32 {
 /// Compress `data`; returns (comp code, stored bytes). Falls back to raw when the
 /// compressed form is not smaller (or compression fails).
 pub fn compress(data: &[u8], c: Compression) -> (u8, Cow<'_, [u8]>) {
+    compress_saving(data, c, 0.0)
+}
+
+/// [`compress`], keeping the compressed form only where it saves at least `min_saving`
+/// of the bytes (a fraction): decompressing costs read time, and a block whose
+/// compression saves little (PQ codes) is cheaper to serve raw.
+pub fn compress_saving(data: &[u8], c: Compression, min_saving: f64) -> (u8, Cow<'_, [u8]>) {
     let packed = match c {
         Compression::None => None,
         Compression::Zstd(level) => zstd::bulk::compress(data, level)
@@ -144,7 +151,12 @@ pub fn compress(data: &[u8], c: Compression) -> (u8, Cow<'_, [u8]>) {
         Compression::Lz4 => Some((COMP_LZ4, lz4_flex::block::compress(data))),
     };
     match packed {
-        Some((code, v)) if v.len() < data.len() => (code, Cow::Owned(v)),
+        Some((code, v))
+            if v.len() < data.len()
+                && (data.len() - v.len()) as f64 >= min_saving * data.len() as f64 =>
+        {
+            (code, Cow::Owned(v))
+        }
         _ => (COMP_RAW, Cow::Borrowed(data)),
     }
 }
@@ -507,4 +519,23 @@ pub fn write_section(
     };
     *pos += stored.len() as u64;
     Ok(rec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compressed_only_where_it_saves_the_minimum() {
+        // 4096 bytes of 16 symbols: zstd saves about half.
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 16) as u8).collect();
+        let (code, any) = compress(&data, Compression::Zstd(3));
+        assert_eq!(code, COMP_ZSTD);
+        let saved = 1.0 - any.len() as f64 / data.len() as f64;
+        let (code, kept) = compress_saving(&data, Compression::Zstd(3), saved - 0.01);
+        assert_eq!((code, kept.len()), (COMP_ZSTD, any.len()));
+        let (code, raw) = compress_saving(&data, Compression::Zstd(3), saved + 0.01);
+        assert_eq!((code, &raw[..]), (COMP_RAW, &data[..]));
+        assert_eq!(decompress(&kept, COMP_ZSTD, data.len()).unwrap(), data);
+    }
 }

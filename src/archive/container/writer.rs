@@ -43,6 +43,8 @@ pub struct ContainerWriter {
     path: PathBuf,
     out: BufWriter<NamedTempFile>,
     compression: Compression,
+    /// Blocks keep their compressed form only where it saves this fraction.
+    min_saving: f64,
     /// Bytes of the data section so far, and their running checksum.
     data_len: u64,
     data_hash: Xxh3Default,
@@ -92,6 +94,7 @@ impl ContainerWriter {
             path: path.to_path_buf(),
             out: BufWriter::with_capacity(1 << 20, f),
             compression,
+            min_saving: 0.0,
             data_len: 0,
             data_hash: Xxh3Default::new(),
         };
@@ -114,15 +117,24 @@ impl ContainerWriter {
         invalid(&self.path, reason)
     }
 
-    /// Compress `blobs` in parallel with the archive's compression (raw when that is
-    /// not smaller); the caller writes them in order, so the bytes do not depend on
-    /// the thread count.
+    /// Blocks ([`Self::compress_all`]) are stored raw unless compression saves at
+    /// least `fraction` of their bytes (0: any saving; docs/FORMAT.md §5).
+    pub fn set_min_saving(&mut self, fraction: f64) {
+        self.min_saving = fraction;
+    }
+
+    /// Compress `blobs` in parallel with the archive's compression (raw when that does
+    /// not save the minimum); the caller writes them in order, so the bytes do not
+    /// depend on the thread count.
     pub fn compress_all<'b, B: AsRef<[u8]> + Sync>(
         &self,
         blobs: &'b [B],
     ) -> Vec<(u8, Cow<'b, [u8]>)> {
-        let c = self.compression;
-        blobs.par_iter().map(|b| compress(b.as_ref(), c)).collect()
+        let (c, m) = (self.compression, self.min_saving);
+        blobs
+            .par_iter()
+            .map(|b| compress_saving(b.as_ref(), c, m))
+            .collect()
     }
 
     /// Append `head` then `payload` to the data section, zero-padded before so that

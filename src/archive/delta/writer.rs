@@ -24,6 +24,11 @@ impl DeltaWriter {
         self.w.invalid(reason)
     }
 
+    /// Blocks are stored raw unless compression saves at least `fraction` of them.
+    pub fn set_min_saving(&mut self, fraction: f64) {
+        self.w.set_min_saving(fraction);
+    }
+
     pub fn create(path: &Path, compression: Compression) -> Result<DeltaWriter, ArchiveError> {
         Ok(DeltaWriter {
             w: ContainerWriter::create(path, compression)?,
