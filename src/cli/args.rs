@@ -358,9 +358,10 @@ pub struct ConvertArgs {
     /// delta: how bases are stored.
     #[arg(long, value_enum, default_value_t = BaseDtypeArg::F16)]
     pub base_dtype: BaseDtypeArg,
-    /// |value| quantile of W−L above which entries are kept exactly as outliers (S).
-    #[arg(long, default_value_t = ConvertOptions::default().ndsq.outlier_q)]
-    pub outlier_q: f32,
+    /// |value| quantile of W−L above which entries are kept exactly as outliers (S);
+    /// default 0.999, 1 (no S) with --bpw.
+    #[arg(long)]
+    pub outlier_q: Option<f32>,
     /// PQ sub-vectors per row (must divide every coded tensor's width); overrides --pq-dim.
     #[arg(long)]
     pub pq_m: Option<u32>,
@@ -372,6 +373,12 @@ pub struct ConvertArgs {
     pub pq_k: u32,
     #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
     pub kmeans_iters: u32,
+    /// Average bits per weight of the whole archive: each tensor's R becomes scalar
+    /// groups of the width (2-8 bits) that, by its measured error, spends the bits best,
+    /// or the tensor keeps its source bytes; rank defaults to 0, and the embedding and
+    /// output are planned like the rest (docs/CODECS.md, "Bits-per-weight target").
+    #[arg(long, value_name = "BITS", conflicts_with_all = ["sq_bits", "pq_m"])]
+    pub bpw: Option<f64>,
     /// Code R as scalar groups of this many bits (1-8) instead of PQ: an affine grid
     /// (f16 scale and minimum) per --sq-group values of a row; 4 bits in groups of 32
     /// is 5.0 bits per weight before compression (docs/CODECS.md).

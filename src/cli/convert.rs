@@ -37,10 +37,24 @@ pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
 fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
+    if a.bpw.is_some() {
+        // Scalar R with no L or S measured best per bit (docs/CODECS.md), and the
+        // embedding and output are the planner's to price, not kept whole by default.
+        opts.ndsq.rank = 0;
+        opts.ndsq.outlier_q = 1.0;
+        opts.passthrough.clear();
+        let nd = ConvertOptions::default().ndsq;
+        if a.pq_dim != nd.pq_dim || a.pq_k != nd.pq_k {
+            bail!("--pq-dim and --pq-k set up PQ, which --bpw replaces with scalar groups");
+        }
+        opts.bpw = a.bpw;
+    }
     if let Some(r) = a.rank {
         opts.ndsq.rank = r;
     }
-    opts.ndsq.outlier_q = a.outlier_q;
+    if let Some(q) = a.outlier_q {
+        opts.ndsq.outlier_q = q;
+    }
     opts.ndsq.pq_m = a.pq_m;
     opts.ndsq.pq_dim = a.pq_dim;
     opts.ndsq.pq_k = a.pq_k;
@@ -85,6 +99,12 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     let report = convert::convert(src.as_ref(), &a.output, &opts, &progress)
         .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
+    if let Some(b) = &report.bpw {
+        println!(
+            "bits per weight: target {}, planned {:.3} (block compression estimated from samples), achieved {:.3}",
+            b.target, b.planned, report.bits_per_weight
+        );
+    }
     if let Some(u) = &report.imatrix {
         let chunks = u.chunks.map_or(String::new(), |c| format!(", {c} chunks"));
         println!(
@@ -174,7 +194,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
     let nd = ConvertOptions::default().ndsq;
-    let given: [(&str, bool, &[To]); 19] = [
+    let given: [(&str, bool, &[To]); 20] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -183,7 +203,8 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
             !matches!(a.base_dtype, BaseDtypeArg::F16),
             &[Delta],
         ),
-        ("--outlier-q", a.outlier_q != nd.outlier_q, &[Cawsf]),
+        ("--outlier-q", a.outlier_q.is_some(), &[Cawsf]),
+        ("--bpw", a.bpw.is_some(), &[Cawsf]),
         ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
         ("--pq-dim", a.pq_dim != nd.pq_dim, &[Cawsf]),
         ("--pq-k", a.pq_k != nd.pq_k, &[Cawsf]),

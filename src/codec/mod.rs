@@ -137,6 +137,25 @@ pub fn encode_ndsq_weighted(
     ndsq::encode(w, rows, cols, rows_per_block, opts, Some(importance))
 }
 
+/// Scalar groups of `p.bits` bits and `p.group` values tried on `rows` (rows × `cols`,
+/// e.g. a sample of a tensor's rows), each column weighted as [`encode_ndsq_weighted`]
+/// weights it by `importance` (mean 1), or 1: the error they leave, Σ weight·(x − x̂)²,
+/// and the R part of the block payload they make (group parameters and codes), whose
+/// compressibility the caller may measure. What `convert --bpw` ranks settings by.
+pub fn sq_trial(
+    rows: &[f32],
+    cols: u64,
+    p: SqParams,
+    importance: Option<&[f32]>,
+) -> Result<(f64, Vec<u8>), CodecError> {
+    let shape = sq::SqShape::new(p.bits, p.group, cols).map_err(CodecError::Params)?;
+    let cw = match importance {
+        Some(imp) => ndsq::column_weights(imp, cols as usize)?,
+        None => None,
+    };
+    sq::trial(rows, shape, cw.as_deref()).map_err(CodecError::Params)
+}
+
 pub fn encode_passthrough(
     raw: &[u8],
     format: SourceType,

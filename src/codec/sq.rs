@@ -97,6 +97,38 @@ pub(crate) fn quantize(
     Ok(SqRows { params, codes })
 }
 
+/// `x` (rows × cols) quantized with `s`, each column weighted by `col_w` (all 1 when
+/// None) in the fit, as the encoder fits R: Σ weight·(x − x̂)², and the rows' group
+/// parameters (f16, little-endian) and packed codes as a block payload holds them.
+pub(crate) fn trial(
+    x: &[f32],
+    s: SqShape,
+    col_w: Option<&[f32]>,
+) -> Result<(f64, Vec<u8>), String> {
+    let q = quantize(x, s, |_, row| {
+        if let Some(w) = col_w {
+            row.copy_from_slice(w);
+        }
+    })?;
+    let (g, cb) = (s.groups(), s.code_bytes());
+    let mut e = 0f64;
+    for (i, row) in x.chunks_exact(s.cols).enumerate() {
+        let codes = &q.codes[i * cb..(i + 1) * cb];
+        for (j, &v) in row.iter().enumerate() {
+            let k = i * g + j / s.group;
+            let (sc, mn) = (q.params[2 * k].to_f32(), q.params[2 * k + 1].to_f32());
+            let d = (v - value(sc, mn, code(codes, s.bits, j))) as f64;
+            e += col_w.map_or(1.0, |w| w[j] as f64) * d * d;
+        }
+    }
+    let mut payload = Vec::with_capacity(q.params.len() * 2 + q.codes.len());
+    for p in &q.params {
+        payload.extend_from_slice(&p.to_le_bytes());
+    }
+    payload.extend_from_slice(&q.codes);
+    Ok((e, payload))
+}
+
 /// Nearest codes of `x` on the grid (scale, min).
 fn assign(x: &[f32], scale: f32, min: f32, qmax: u32, q: &mut [u8]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };

@@ -19,6 +19,7 @@ use crate::codec::{self, codec_label, CodecError, EncodedTensor, NdsqOptions};
 use crate::import::SourceModel;
 use crate::model::TensorDesc;
 
+pub mod bpw;
 pub mod delta;
 pub mod npydir;
 
@@ -39,6 +40,9 @@ pub struct ConvertOptions {
     pub sq_for: Vec<(String, codec::SqParams)>,
     /// Weights every NDSQ fit by the importance of each input column (docs/IMATRIX.md).
     pub imatrix: Option<std::sync::Arc<crate::import::imatrix::Imatrix>>,
+    /// Average bits per weight of the whole archive: each tensor's scalar R (or its
+    /// source bytes) is chosen to meet it ([`bpw`]); `sq` and `sq_for` are then unused.
+    pub bpw: Option<f64>,
 }
 
 impl Default for ConvertOptions {
@@ -62,6 +66,7 @@ impl Default for ConvertOptions {
             window: 8,
             sq_for: Vec::new(),
             imatrix: None,
+            bpw: None,
         }
     }
 }
@@ -72,6 +77,11 @@ impl ConvertOptions {
     pub fn validate(&self) -> Result<(), ConvertError> {
         let o = &self.ndsq;
         let bad = |m: String| Err(ConvertError::Options(m));
+        if let Some(b) = self.bpw {
+            if !(b.is_finite() && b > 0.0) {
+                return bad(format!("--bpw {b} is not a positive number"));
+            }
+        }
         if !(0.0..=1.0).contains(&self.min_saving) {
             return bad(format!("--min-saving {} is not in [0, 1]", self.min_saving));
         }
@@ -161,6 +171,15 @@ pub struct ConvertReport {
     /// How an importance matrix was used, when one was given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub imatrix: Option<ImatrixUse>,
+    /// The `--bpw` target and the planned figure (before block compression), when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bpw: Option<BpwUse>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BpwUse {
+    pub target: f64,
+    pub planned: f64,
 }
 
 /// What `--imatrix` weighted: its entries against the tensors the model codes.
@@ -201,6 +220,7 @@ impl ConvertReport {
             bits_per_weight: archive_bytes as f64 * 8.0 / total_weights.max(1) as f64,
             mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
             imatrix: None,
+            bpw: None,
             max_rel_err,
         }
     }
@@ -284,6 +304,7 @@ fn encode_one(
     opts: &ConvertOptions,
     pass: &Patterns,
     sq_rules: &[(Patterns, codec::SqParams)],
+    plan: Option<&bpw::Plan>,
 ) -> Result<EncodedTensor, ConvertError> {
     let t = &src.desc().tensors[i];
     let rpb = rows_per_block(t);
@@ -291,12 +312,16 @@ fn encode_one(
         tensor: t.name.clone(),
         source,
     };
-    if is_passthrough(t, pass) {
+    let choice = plan.map(|p| p.choices[i]);
+    if is_passthrough(t, pass) || choice == Some(bpw::Choice::Source) {
         let raw = src.raw(i)?;
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else {
         let w = src.f32(i)?;
-        let nd = opts.ndsq_for(&t.name, sq_rules);
+        let mut nd = opts.ndsq_for(&t.name, sq_rules);
+        if let Some(bpw::Choice::Sq(p)) = choice {
+            nd.sq = Some(p);
+        }
         let imp = match &opts.imatrix {
             Some(m) => m.for_tensor(&t.name, t.cols())?,
             None => None,
@@ -359,11 +384,23 @@ pub fn convert(
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
     writer.set_min_saving(opts.min_saving);
+    let routing = routing_bytes(src)?;
+    let plan = match opts.bpw {
+        Some(target) => Some(bpw::plan(
+            src,
+            opts,
+            &pass,
+            target,
+            reserved_bytes(desc, routing.len())?,
+            progress,
+        )?),
+        None => None,
+    };
     let mut reports = Vec::with_capacity(n);
     in_windows(
         n,
         opts.window,
-        |i| encode_one(src, i, opts, &pass, &sq_rules),
+        |i| encode_one(src, i, opts, &pass, &sq_rules, plan.as_ref()),
         |i, enc: EncodedTensor| {
             let t = &desc.tensors[i];
             let rpb = rows_per_block(t);
@@ -393,10 +430,10 @@ pub fn convert(
             "imatrix": imatrix.as_ref().map(|u| serde_json::json!({
                 "path": u.path, "entries": u.entries, "chunks": u.chunks, "weighted": u.weighted,
             })),
+            "bpw": opts.bpw,
         },
         "rel_err": reports.iter().map(|r| (r.name.clone(), serde_json::json!(r.rel_err))).collect::<serde_json::Map<String, serde_json::Value>>(),
     });
-    let routing = routing_bytes(src)?;
     let archive_bytes = writer.finish(desc, extra, &routing)?;
     // Stored sizes come from the archive as written, which also proves it opens.
     let archive = crate::archive::cawsf::CawsfArchive::open(out)?;
@@ -408,7 +445,23 @@ pub fn convert(
         r.codec.starts_with("ndsq")
     });
     report.imatrix = imatrix;
+    report.bpw = plan.map(|p| BpwUse {
+        target: p.target_bpw,
+        planned: p.planned_bpw,
+    });
     Ok(report)
+}
+
+/// What an archive of `desc` spends outside its tensors, estimated for `--bpw`: the
+/// header page and up to a page of alignment before each of the five sections, META
+/// (the model description, zstd-compressed as the writer does) and ROUTING (`routing`
+/// bytes), and per tensor its META entry and global reference.
+fn reserved_bytes(desc: &crate::model::ModelDesc, routing: usize) -> Result<u64, ConvertError> {
+    let json = serde_json::to_vec(desc)
+        .map_err(|e| ConvertError::Options(format!("describing the model: {e}")))?;
+    let meta = zstd::bulk::compress(&json, crate::archive::container::META_ZSTD_LEVEL)
+        .map_or(json.len(), |z| z.len());
+    Ok(6 * 4096 + meta as u64 + routing as u64 + 512 * desc.tensors.len() as u64)
 }
 
 /// The ROUTING bytes (docs/FORMAT.md §7, docs/ROUTER.md) every archive kind stores

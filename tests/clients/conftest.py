@@ -3,6 +3,7 @@ the llama.cpp build, and archives converted once per session."""
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -230,3 +231,22 @@ def pread_eio_offsets(path, ref, step=1 << 20):
     finally:
         os.close(fd)
     return failed
+
+
+def kld_base(cawsfs, archives, llama_bin, work):
+    """The F16 reference's token distributions over GPL-3 (`TEXT`, not part of the
+    calibration text of scripts/imatrix.sh), for [`kld`]: 12 chunks of 128 tokens."""
+    ref = work / "ref.gguf"
+    run([cawsfs, "export", archives["exact"][0], "--format", "gguf", "--gguf-type", "f16", "-o", ref])
+    base = work / "ref.kld"
+    run([llama_bin / "llama-perplexity", "-m", ref, "-f", TEXT, "-c", "128", "--chunks", "12",
+         "-t", str(min(4, os.cpu_count() or 1)), "--kl-divergence-base", base])
+    ref.unlink()
+    return base
+
+
+def kld(llama_bin, base, gguf_path):
+    """Mean KL-divergence of `gguf_path`'s token distributions from those in `base`."""
+    p = run([llama_bin / "llama-perplexity", "-m", gguf_path, "--kl-divergence-base", base,
+             "--kl-divergence", "-c", "128", "--chunks", "12", "-t", str(min(4, os.cpu_count() or 1))])
+    return float(re.search(r"Mean\s+KLD:\s*([-\d.]+)", p.stdout + p.stderr)[1])

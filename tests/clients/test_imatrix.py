@@ -3,12 +3,11 @@ by `scripts/imatrix.sh` (llama-imatrix over calibration text Debian ships), give
 `cawsfs convert --imatrix`, it lowers the KL-divergence from the F16 reference that
 llama.cpp measures on other text; bad files are one-line errors naming the file."""
 import os
-import re
 import struct
 
 import pytest
 
-from conftest import ROOT, TEXT, convert, run, run_status
+from conftest import ROOT, convert, kld, kld_base, run, run_status
 
 
 @pytest.fixture(scope="module")
@@ -19,20 +18,8 @@ def imatrix(model_gguf, shelf):
     return out
 
 
-def kld(llama_bin, base, gguf_path):
-    """Mean KL-divergence of `gguf_path`'s token distributions from those in `base`,
-    over GPL-3 (not part of the calibration text)."""
-    p = run([llama_bin / "llama-perplexity", "-m", gguf_path, "--kl-divergence-base", base,
-             "--kl-divergence", "-c", "128", "--chunks", "12", "-t", str(min(4, os.cpu_count() or 1))])
-    return float(re.search(r"Mean\s+KLD:\s*([-\d.]+)", p.stdout + p.stderr)[1])
-
-
 def test_importance_matrix_lowers_the_kl_divergence(cawsfs, archives, imatrix, llama_bin, model_gguf, work):
-    ref = work / "ref.gguf"
-    run([cawsfs, "export", archives["exact"][0], "--format", "gguf", "--gguf-type", "f16", "-o", ref])
-    base = work / "ref.kld"
-    run([llama_bin / "llama-perplexity", "-m", ref, "-f", TEXT, "-c", "128", "--chunks", "12",
-         "-t", str(min(4, os.cpu_count() or 1)), "--kl-divergence-base", base])
+    base = kld_base(cawsfs, archives, llama_bin, work)
     weighted = work / "im.cawsf"
     report, stdout = convert(cawsfs, model_gguf, weighted, "--imatrix", imatrix)
     # Every coded matrix has an entry (the tied embedding is passthrough by default).

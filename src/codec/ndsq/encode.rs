@@ -97,7 +97,10 @@ struct Factors {
 /// activations): scaled to mean 1 and floored at [`MIN_WEIGHT`], so a column the
 /// calibration text never exercised still counts a little. None when every importance
 /// is zero (nothing to weight by).
-fn column_weights(importance: &[f32], cols: usize) -> Result<Option<Vec<f32>>, CodecError> {
+pub(in crate::codec) fn column_weights(
+    importance: &[f32],
+    cols: usize,
+) -> Result<Option<Vec<f32>>, CodecError> {
     if importance.len() != cols {
         return Err(CodecError::Params(format!(
             "{} importances for {cols} columns",

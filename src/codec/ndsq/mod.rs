@@ -23,7 +23,7 @@ mod tests;
 
 pub use decode::NdsqParts;
 pub(super) use decode::{BlockView, NdsqGlobal};
-pub(super) use encode::encode;
+pub(super) use encode::{column_weights, encode};
 pub(crate) use svd::thin_svd;
 pub(super) use svd::truncated_svd;
 

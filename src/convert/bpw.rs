@@ -1,0 +1,362 @@
+//! `convert --bpw TARGET`: each tensor's R setting (scalar groups of 2–8 bits) or its
+//! exact source bytes, chosen so that the whole archive averages `TARGET` bits per
+//! weight with the least total squared error (importance-weighted when an importance
+//! matrix is given). docs/CODECS.md, "Bits-per-weight target".
+//!
+//! Each tensor's settings are priced in archive bytes by the payload formulas of
+//! docs/CODECS.md, the codes and source bytes scaled by how well the archive's block
+//! compression shrinks them in an evenly spaced sample of the tensor's rows, and
+//! scored by the error scalar groups leave in that sample. The choice is
+//! the classic greedy over each tensor's lower convex hull of (bits, error), each
+//! tensor's error scaled by its role's sensitivity ([`sensitivity`]): start
+//! every tensor at its cheapest setting and keep taking the step that removes the most
+//! error per added bit while the budget allows. Deterministic: the sample, the fits
+//! and the order of ties (tensor index) are fixed.
+
+use crate::archive::container::rows_per_block;
+use crate::codec::{self, SqParams};
+use crate::import::SourceModel;
+use crate::model::TensorDesc;
+
+use super::{is_passthrough, ConvertError, ConvertOptions, Patterns};
+
+/// Scalar-R widths tried, each in groups of 32, 64 and the largest of 256, 192 and 128
+/// that divides the tensor's width ([`settings_for`]): `bits + 32/group` bits per weight
+/// before the other parts, from 2.1 to 9.
+const BITS: &[u32] = &[2, 3, 4, 5, 6, 8];
+
+/// The scalar-R settings tried on a tensor of `cols` columns.
+fn settings_for(cols: u64) -> Vec<SqParams> {
+    let big = [256u32, 192, 128]
+        .into_iter()
+        .find(|g| cols % *g as u64 == 0);
+    let groups: Vec<u32> = [32, 64]
+        .into_iter()
+        .chain(big)
+        .filter(|g| cols % *g as u64 == 0)
+        .collect();
+    BITS.iter()
+        .flat_map(|&bits| groups.iter().map(move |&group| SqParams { bits, group }))
+        .collect()
+}
+
+/// Values of a tensor its settings are scored on (whole rows, 16 to 256 of them).
+const SAMPLE_VALUES: u64 = 32 * 1024;
+
+/// Rows sampled from tensor `t`.
+fn sample_count(t: &TensorDesc) -> u64 {
+    (SAMPLE_VALUES / t.cols().max(1))
+        .clamp(16, 256)
+        .min(t.rows())
+}
+
+/// `stored / raw` of `bytes` under the archive's block compression (1 when it is off
+/// or does not pay).
+fn ratio(bytes: &[u8], opts: &ConvertOptions) -> f64 {
+    let (_, stored) =
+        crate::archive::container::compress_saving(bytes, opts.compression, opts.min_saving);
+    stored.len() as f64 / bytes.len().max(1) as f64
+}
+
+/// Bytes an archive spends per block beyond the payload: the record header, alignment
+/// padding (7.5 on average, 15 at most) and the BLOCK_INDEX entry.
+const BLOCK_OVERHEAD: u64 = 20 + 15 + 32;
+
+/// What a tensor is stored as.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Choice {
+    /// The source's bytes, exact.
+    Source,
+    /// NDSQ with this scalar R.
+    Sq(SqParams),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Setting {
+    choice: Choice,
+    bits: f64,
+    err: f64,
+}
+
+/// The plan: a choice per tensor and the archive size it was priced at.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub choices: Vec<Choice>,
+    /// Estimated bits per weight of the whole archive.
+    pub planned_bpw: f64,
+    pub target_bpw: f64,
+}
+
+/// Bytes of tensor `t` stored as its source bytes, the rows compressing by `ratio`.
+fn source_bytes(t: &TensorDesc, ratio: f64) -> Result<u64, ConvertError> {
+    let row = row_bytes(t)?;
+    let blocks = t.rows().div_ceil(rows_per_block(t));
+    Ok((row as f64 * t.rows() as f64 * ratio).ceil() as u64 + blocks * BLOCK_OVERHEAD)
+}
+
+fn row_bytes(t: &TensorDesc) -> Result<u64, ConvertError> {
+    codec::passthrough_row_bytes(t.source, t.cols()).map_err(|source| ConvertError::Codec {
+        tensor: t.name.clone(),
+        source,
+    })
+}
+
+/// Bytes of tensor `t` as NDSQ with scalar R `p`, rank `rank` and outliers above the
+/// `outlier_q` quantile (docs/CODECS.md: global `24 + 2·r·cols`, block payload
+/// `2nr + 4nG + nc + 2nd + wn + wT + 4T`), R's part compressing by `ratio`.
+fn sq_bytes(t: &TensorDesc, p: SqParams, rank: u64, outlier_q: f32, ratio: f64) -> u64 {
+    let (rows, cols) = (t.rows(), t.cols());
+    let r = rank.min(rows).min(cols);
+    let groups = cols / p.group as u64;
+    let code = (cols * p.bits as u64).div_ceil(8);
+    let w = if cols <= u16::MAX as u64 { 2 } else { 4 };
+    let outliers = ((1.0 - outlier_q as f64) * (rows * cols) as f64).floor() as u64;
+    let blocks = rows.div_ceil(rows_per_block(t));
+    let r_part = (rows * (4 * groups + code)) as f64 * ratio;
+    24 + 2 * r * cols
+        + r_part.ceil() as u64
+        + rows * (2 * r + w)
+        + 2 * rows.min(cols)
+        + (w + 4) * outliers
+        + blocks * BLOCK_OVERHEAD
+}
+
+/// Indices of the rows sampled from `t`: `0, rows/S, 2·rows/S, …`.
+fn sample_indices(t: &TensorDesc) -> impl Iterator<Item = usize> {
+    let (rows, s) = (t.rows(), sample_count(t));
+    (0..s).map(move |k| (k * rows / s) as usize)
+}
+
+/// How much a unit of squared weight error in tensor `name` costs the model, relative
+/// to most tensors: llama.cpp's k-quant mixes spend about two more bits per weight on
+/// the output projection (which the embedding is when the model ties them: `tied`) and
+/// about one more on attn_v and ffn_down; with error falling 4× per bit, factors of 16
+/// and 4 make the greedy do the same. A heuristic, not a measurement of this model.
+fn sensitivity(name: &str, tied: bool) -> f64 {
+    let output = name == "lm_head.weight" || (tied && name == "model.embed_tokens.weight");
+    if output {
+        16.0
+    } else if name.ends_with(".v_proj.weight") || name.ends_with(".down_proj.weight") {
+        4.0
+    } else {
+        1.0
+    }
+}
+
+/// Tensor `i`'s settings, cheapest first, on the lower convex hull of (bits, error).
+fn options_of(
+    src: &dyn SourceModel,
+    i: usize,
+    opts: &ConvertOptions,
+) -> Result<Vec<Setting>, ConvertError> {
+    let t = &src.desc().tensors[i];
+    let raw = src.raw(i)?;
+    let rb = row_bytes(t)? as usize;
+    let raw_sample: Vec<u8> = sample_indices(t)
+        .flat_map(|r| raw[r * rb..(r + 1) * rb].iter().copied())
+        .collect();
+    drop(raw);
+    let mut all = vec![Setting {
+        choice: Choice::Source,
+        bits: source_bytes(t, ratio(&raw_sample, opts))? as f64 * 8.0,
+        err: 0.0,
+    }];
+    let fits = settings_for(t.cols());
+    if fits.is_empty() {
+        return Ok(all);
+    }
+    let w = src.f32(i)?;
+    if !w.iter().all(|x| x.is_finite()) {
+        // NDSQ cannot code it (the encoder would keep it exact too).
+        return Ok(all);
+    }
+    let cols = t.cols() as usize;
+    let sample: Vec<f32> = sample_indices(t)
+        .flat_map(|r| w[r * cols..(r + 1) * cols].iter().copied())
+        .collect();
+    drop(w);
+    let imp = match &opts.imatrix {
+        Some(m) => m.for_tensor(&t.name, t.cols())?,
+        None => None,
+    };
+    let tied = src.desc().tensor_index("lm_head.weight").is_none();
+    let scale = sensitivity(&t.name, tied) * t.rows() as f64 / sample_count(t) as f64;
+    let (rank, q) = (opts.ndsq.rank as u64, opts.ndsq.outlier_q);
+    for p in fits {
+        let (err, payload) =
+            codec::sq_trial(&sample, t.cols(), p, imp).map_err(|source| ConvertError::Codec {
+                tensor: t.name.clone(),
+                source,
+            })?;
+        all.push(Setting {
+            choice: Choice::Sq(p),
+            bits: sq_bytes(t, p, rank, q, ratio(&payload, opts)) as f64 * 8.0,
+            err: err * scale,
+        });
+    }
+    Ok(lower_hull(all))
+}
+
+/// The options on the lower convex hull of (bits, error), cheapest first: each step
+/// to the next costs more bits and removes less error per bit than the step before.
+fn lower_hull(mut all: Vec<Setting>) -> Vec<Setting> {
+    // By bits, then error; a dearer option with no less error is never worth it.
+    all.sort_by(|a, b| a.bits.total_cmp(&b.bits).then(a.err.total_cmp(&b.err)));
+    let mut hull: Vec<Setting> = Vec::new();
+    for o in all {
+        if hull.last().is_some_and(|l| o.err >= l.err) {
+            continue;
+        }
+        // Drop the last point while it lies on or above the line from the one before
+        // it to `o` (its step is worth less per bit than the step after it).
+        while hull.len() >= 2 {
+            let (a, b) = (hull[hull.len() - 2], hull[hull.len() - 1]);
+            let cross = (b.bits - a.bits) * (o.err - a.err) - (b.err - a.err) * (o.bits - a.bits);
+            if cross <= 0.0 {
+                hull.pop();
+            } else {
+                break;
+            }
+        }
+        hull.push(o);
+    }
+    hull
+}
+
+/// Plans every tensor of `src` for `target` bits per weight of the whole archive.
+/// Tensors `pass` forces (1-D ones, `--passthrough` patterns) keep their source bytes
+/// and count against the budget; `reserved` bytes (META, ROUTING, the header) too.
+pub fn plan(
+    src: &dyn SourceModel,
+    opts: &ConvertOptions,
+    pass: &Patterns,
+    target: f64,
+    reserved: u64,
+    progress: &(dyn Fn(usize, usize, &str) + Sync),
+) -> Result<Plan, ConvertError> {
+    let desc = src.desc();
+    let n = desc.tensors.len();
+    let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
+    let mut hulls: Vec<Vec<Setting>> = Vec::with_capacity(n);
+    super::in_windows(
+        n,
+        opts.window,
+        |i| {
+            let t = &desc.tensors[i];
+            if is_passthrough(t, pass) {
+                // Small (norms) or the user's: priced uncompressed.
+                Ok(vec![Setting {
+                    choice: Choice::Source,
+                    bits: source_bytes(t, 1.0)? as f64 * 8.0,
+                    err: 0.0,
+                }])
+            } else {
+                options_of(src, i, opts)
+            }
+        },
+        |i, h| {
+            hulls.push(h);
+            progress(i + 1, n, &desc.tensors[i].name);
+            Ok(())
+        },
+    )?;
+    let budget = target * total_weights as f64 - reserved as f64 * 8.0;
+    let mut at = vec![0usize; n];
+    let mut used: f64 = hulls.iter().map(|h| h[0].bits).sum();
+    if used > budget {
+        return Err(ConvertError::Options(format!(
+            "--bpw {target} is below the smallest archive this model allows ({:.3} bits per weight)",
+            (used + reserved as f64 * 8.0) / total_weights.max(1) as f64
+        )));
+    }
+    // Greedy: the step removing the most error per bit that still fits. Every tensor's
+    // steps come in falling order of worth (convex hull), so a heap of each tensor's
+    // next step gives the global order.
+    let worth = |h: &[Setting], k: usize| (h[k].err - h[k + 1].err) / (h[k + 1].bits - h[k].bits);
+    let mut heap: std::collections::BinaryHeap<(Worth, std::cmp::Reverse<usize>)> = hulls
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| h.len() > 1)
+        .map(|(i, h)| (Worth(worth(h, 0)), std::cmp::Reverse(i)))
+        .collect();
+    while let Some((_, std::cmp::Reverse(i))) = heap.pop() {
+        let h = &hulls[i];
+        let k = at[i];
+        let more = h[k + 1].bits - h[k].bits;
+        if used + more > budget {
+            // This tensor's later steps cost more still: it stays where it is.
+            continue;
+        }
+        used += more;
+        at[i] = k + 1;
+        if k + 2 < h.len() {
+            heap.push((Worth(worth(h, k + 1)), std::cmp::Reverse(i)));
+        }
+    }
+    Ok(Plan {
+        choices: hulls.iter().zip(&at).map(|(h, &k)| h[k].choice).collect(),
+        planned_bpw: (used + reserved as f64 * 8.0) / total_weights.max(1) as f64,
+        target_bpw: target,
+    })
+}
+
+/// An f64 ordered by `total_cmp`, for the heap.
+#[derive(Clone, Copy, PartialEq)]
+struct Worth(f64);
+impl Eq for Worth {}
+impl PartialOrd for Worth {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Worth {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn o(bits: f64, err: f64) -> Setting {
+        Setting {
+            choice: Choice::Source,
+            bits,
+            err,
+        }
+    }
+
+    #[test]
+    fn settings_divide_the_width() {
+        let of = |cols| -> Vec<(u32, u32)> {
+            settings_for(cols)
+                .iter()
+                .map(|p| (p.bits, p.group))
+                .collect()
+        };
+        assert_eq!(of(576).len(), 18);
+        assert!(of(576).contains(&(5, 192)) && !of(576).iter().any(|p| p.1 == 256));
+        assert!(of(2048).contains(&(4, 256)));
+        assert!(of(160).iter().all(|p| p.1 == 32));
+        assert!(of(100).is_empty());
+    }
+
+    #[test]
+    fn hull_drops_dominated_and_concave_points() {
+        let h = lower_hull(vec![
+            o(10.0, 0.0),
+            o(2.0, 100.0),
+            o(3.0, 60.0),
+            o(4.0, 50.0), // above the line from 3 to 5
+            o(5.0, 20.0),
+            o(6.0, 30.0), // dominated by 5
+            o(12.0, 0.0), // dominated by 10
+        ]);
+        let pts: Vec<(f64, f64)> = h.iter().map(|x| (x.bits, x.err)).collect();
+        assert_eq!(
+            pts,
+            vec![(2.0, 100.0), (3.0, 60.0), (5.0, 20.0), (10.0, 0.0)]
+        );
+    }
+}
