@@ -162,7 +162,7 @@ fn options_of(
         err: 0.0,
     }];
     let fits = settings_for(t.cols());
-    if fits.is_empty() {
+    if fits.is_empty() || t.rows() == 0 {
         return Ok(all);
     }
     let w = src.f32(i)?;
