@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from docsection import replace_section
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
@@ -116,12 +118,7 @@ def main():
             f"{bound / GiB:.2f} GiB; medians of {a.runs} runs per binary, interleaved.\n\n" + table)
     print(text)
     if a.out:
-        begin, end = f"<!-- {a.section}:begin -->", f"<!-- {a.section}:end -->"
-        doc = open(a.out).read()
-        if begin not in doc or end not in doc:
-            sys.exit(f"bench-convert: {a.out} has no {begin} ... {end} section")
-        pre, rest = doc.split(begin, 1)
-        open(a.out, "w").write(pre + begin + "\n" + text + end + rest.split(end, 1)[1])
+        replace_section(a.out, a.section, text)
 
 
 if __name__ == "__main__":

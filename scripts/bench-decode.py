@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from docsection import replace_section
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 
@@ -100,12 +102,7 @@ def main():
                  f"the output per CPU-second; outputs byte-identical: {'yes' if same else 'NO'}.\n")
     print(text)
     if a.out:
-        begin, end = f"<!-- {a.section}:begin -->", f"<!-- {a.section}:end -->"
-        doc = open(a.out).read()
-        if begin not in doc or end not in doc:
-            sys.exit(f"bench-decode: {a.out} has no {begin} ... {end} section")
-        pre, rest = doc.split(begin, 1)
-        open(a.out, "w").write(pre + begin + "\n" + text + end + rest.split(end, 1)[1])
+        replace_section(a.out, a.section, text)
     if not same:
         sys.exit("bench-decode: the outputs differ")
 
