@@ -96,6 +96,10 @@ cawsf|q4|--pq-dim 2 --rank 0|auto,f16
 cawsf|sq4|--sq-bits 4 --rank 0 --outlier-q 1|auto,f16
 cawsf|sq4-e4|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough|auto,f16
 cawsf|sq4-e5|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough --sq-for model.embed_tokens.weight=5/192|auto,f16
+cawsf|bpw5|--bpw 5|f16
+cawsf|bpw4.5|--bpw 4.5|f16
+cawsf|bpw4|--bpw 4|f16
+cawsf|bpw3|--bpw 3|f16
 npy-dir|int8|--bits 8|auto,f16
 npy-dir|int4|--bits 4|auto,f16
 delta|e01|--max-rel-err 0.01|auto,f16
