@@ -31,15 +31,7 @@ CHUNKS=10 scripts/imatrix.sh "$model" "$im" >/dev/null
 row() {
   "$bin/llama-perplexity" -m "$1" --kl-divergence-base "$work/ref.kld" --kl-divergence "${ctx[@]}" \
     > "$work/kld.log" 2>&1
-  python3 - "$work/kld.log" "$2" "$3" "$4" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-ppl = re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", t)
-kl = re.search(r"Mean\s+KLD:\s*([-\d.]+)\s*±\s*([\d.]+)", t)
-top = re.search(r"Same top p:\s*([\d.]+)", t)
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {sys.argv[4]} | {float(ppl[1]):.3f} | "
-      f"{float(kl[1]):.4f} ± {float(kl[2]):.4f} | {float(top[1]):.2f} |")
-PY
+  scripts/kld-log.py "$work/kld.log" "| $2 | $3 | $4 | {ppl:.3f} | {kld:.4f} ± {kld_err:.4f} | {top1:.2f} |"
 }
 {
   echo "| stored as | importance matrix | bits/weight | perplexity | mean KLD | same top-1 % |"

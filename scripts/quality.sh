@@ -34,15 +34,8 @@ weights=$(python3 -c "import gguf,sys; print(sum(int(t.n_elements) for t in gguf
 kld() {
   "$bin/llama-perplexity" -m "$1" --kl-divergence-base "$work/ref.kld" --kl-divergence "${ctx[@]}" \
     > "$work/kld.log" 2>&1
-  python3 - "$work/kld.log" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-ppl = re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)\s*±\s*([\d.]+)", t)
-kl = re.search(r"Mean\s+KLD:\s*([-\d.]+)\s*±\s*([\d.]+)", t)
-top = re.search(r"Same top p:\s*([\d.]+)\s*±\s*([\d.]+)", t)
-print(f"{float(ppl[1]):.3f} ± {float(ppl[2]):.3f} | {float(kl[1]):.4f} ± {float(kl[2]):.4f} | "
-      f"{float(top[1]):.2f} ± {float(top[2]):.2f}")
-PY
+  scripts/kld-log.py "$work/kld.log" \
+    '{ppl:.3f} ± {ppl_err:.3f} | {kld:.4f} ± {kld_err:.4f} | {top1:.2f} ± {top1_err:.2f}'
 }
 # Bits per weight of a GGUF's tensor data.
 gbpw() { python3 -c "import gguf,sys; r=gguf.GGUFReader(sys.argv[1]); print(f'{sum(int(t.n_bytes) for t in r.tensors)*8/$weights:.3f}')" "$1"; }
