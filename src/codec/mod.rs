@@ -156,6 +156,24 @@ pub fn sq_trial(
     sq::trial(rows, shape, cw.as_deref()).map_err(CodecError::Params)
 }
 
+/// What turns an error weighted as [`sq_trial`] weighs it (importance over its mean)
+/// into one where a column of median importance counts 1: 1 / the median column
+/// weight. Errors so scaled compare across tensors; mean-1 weights do not, for a few
+/// columns with massive activations (ffn_down's inputs) shrink every other column's
+/// weight and make the tensor look cheap to starve (docs/CODECS.md, "Bits-per-weight
+/// target", measures both).
+pub fn median_column_scale(importance: &[f32], cols: u64) -> Result<f64, CodecError> {
+    let Some(mut w) = ndsq::column_weights(importance, cols as usize)? else {
+        return Ok(1.0);
+    };
+    if w.is_empty() {
+        return Ok(1.0);
+    }
+    let mid = w.len() / 2;
+    let (_, median, _) = w.select_nth_unstable_by(mid, f32::total_cmp);
+    Ok(1.0 / *median as f64)
+}
+
 pub fn encode_passthrough(
     raw: &[u8],
     format: SourceType,

@@ -180,7 +180,13 @@ fn options_of(
         None => None,
     };
     let tied = src.desc().tensor_index("lm_head.weight").is_none();
-    let scale = sensitivity(&t.name, tied) * t.rows() as f64 / sample_count(t) as f64;
+    let scale = sensitivity(&t.name, tied) * t.rows() as f64 / sample_count(t) as f64
+        * imp
+            .map_or(Ok(1.0), |v| codec::median_column_scale(v, t.cols()))
+            .map_err(|source| ConvertError::Codec {
+                tensor: t.name.clone(),
+                source,
+            })?;
     let (rank, q) = (opts.ndsq.rank as u64, opts.ndsq.outlier_q);
     for p in fits {
         let (err, payload) =

@@ -233,20 +233,21 @@ def pread_eio_offsets(path, ref, step=1 << 20):
     return failed
 
 
-def kld_base(cawsfs, archives, llama_bin, work):
+def kld_base(cawsfs, archives, llama_bin, work, ctx=128):
     """The F16 reference's token distributions over GPL-3 (`TEXT`, not part of the
-    calibration text of scripts/imatrix.sh), for [`kld`]: 12 chunks of 128 tokens."""
+    calibration text of scripts/imatrix.sh), for [`kld`]: 12 chunks of `ctx` tokens."""
     ref = work / "ref.gguf"
     run([cawsfs, "export", archives["exact"][0], "--format", "gguf", "--gguf-type", "f16", "-o", ref])
-    base = work / "ref.kld"
-    run([llama_bin / "llama-perplexity", "-m", ref, "-f", TEXT, "-c", "128", "--chunks", "12",
+    base = work / f"ref{ctx}.kld"
+    run([llama_bin / "llama-perplexity", "-m", ref, "-f", TEXT, "-c", str(ctx), "--chunks", "12",
          "-t", str(min(4, os.cpu_count() or 1)), "--kl-divergence-base", base])
     ref.unlink()
     return base
 
 
-def kld(llama_bin, base, gguf_path):
-    """Mean KL-divergence of `gguf_path`'s token distributions from those in `base`."""
+def kld(llama_bin, base, gguf_path, ctx=128):
+    """Mean KL-divergence of `gguf_path`'s token distributions from those in `base`
+    (made with the same `ctx`)."""
     p = run([llama_bin / "llama-perplexity", "-m", gguf_path, "--kl-divergence-base", base,
-             "--kl-divergence", "-c", "128", "--chunks", "12", "-t", str(min(4, os.cpu_count() or 1))])
+             "--kl-divergence", "-c", str(ctx), "--chunks", "12", "-t", str(min(4, os.cpu_count() or 1))])
     return float(re.search(r"Mean\s+KLD:\s*([-\d.]+)", p.stdout + p.stderr)[1])

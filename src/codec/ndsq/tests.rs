@@ -713,3 +713,28 @@ fn importance_lowers_the_weighted_error_in_every_stage_setting() {
     neg[5] = -1.0;
     assert!(encode_ndsq_weighted(&w, rows as u64, cols as u64, 64, &o, &neg).is_err());
 }
+
+#[test]
+fn median_column_scale_counts_a_typical_column_as_one() {
+    // Uniform importance: weights are all 1 already.
+    assert_eq!(
+        crate::codec::median_column_scale(&[3.0; 8], 8).unwrap(),
+        1.0
+    );
+    // One massive column: mean-1 weights shrink the other seven to 8/107 each; the
+    // scale brings the median column back to 1.
+    let mut imp = [1.0f32; 8];
+    imp[5] = 100.0;
+    let s = crate::codec::median_column_scale(&imp, 8).unwrap();
+    assert!((s - 107.0 / 8.0).abs() < 1e-3, "{s}");
+    // All zero (a column never reached by calibration): no weighting, scale 1.
+    assert_eq!(
+        crate::codec::median_column_scale(&[0.0; 4], 4).unwrap(),
+        1.0
+    );
+    // Mostly zero: weights floor at 0.01 of the mean, so the scale stays bounded.
+    let mut z = [0.0f32; 8];
+    z[0] = 1.0;
+    assert!((crate::codec::median_column_scale(&z, 8).unwrap() - 100.0).abs() < 1e-3);
+    assert!(crate::codec::median_column_scale(&[1.0; 3], 4).is_err());
+}
