@@ -51,3 +51,14 @@ fn malformed_decoder_in_tokenizer_json_is_an_error_not_a_panic() {
         assert!(!err.contains('\n'), "{err}");
     }
 }
+
+/// imatrix target (2026-11-27): a GGUF importance matrix whose in_sum2 tensor's first
+/// dimension times the number of counts overflows usize panicked on the multiply
+/// (`attempt to multiply with overflow` in debug builds; a wrong comparison in release)
+/// instead of being refused. The input as AFL++ found it (afl-tmin could not shorten it).
+#[test]
+fn overflowing_imatrix_dimensions_are_an_error_not_a_panic() {
+    let bytes = include_bytes!("data/fuzz/imatrix-dims-overflow.gguf");
+    let e = cawsfs::import::imatrix::Imatrix::parse(bytes).unwrap_err();
+    assert!(e.contains("values for") && e.contains("columns"), "{e}");
+}

@@ -188,7 +188,7 @@ fn parse_gguf(bytes: &[u8]) -> Result<Imatrix, String> {
         let (sums, counts) = (f32s(i)?, f32s(c)?);
         let in_dim = *t.ne.first().unwrap_or(&0) as usize;
         let experts = counts.len();
-        if in_dim == 0 || experts == 0 || sums.len() != in_dim * experts {
+        if in_dim == 0 || experts == 0 || in_dim.checked_mul(experts) != Some(sums.len()) {
             return Err(format!(
                 "{} holds {} values for {experts} counts and {in_dim} columns",
                 t.name,
