@@ -52,7 +52,10 @@ gen() { "$bin/llama-completion" -m "$1" -p "$prompt" -n 32 --temp 0 -no-cnv --no
   echo "base-files), \`llama-perplexity -c 512 --chunks 16\`: 4096 scored tokens. **KLD**: mean"
   echo "KL-divergence of each token's distribution from the reference's"
   echo "(\`--kl-divergence-base\` / \`--kl-divergence\`); **top-1**: how often both pick the same"
-  echo "most likely token. ± is llama.cpp's standard error."
+  echo "most likely token. ± is llama.cpp's standard error. **Importance matrix** (rows with"
+  echo "\`--imatrix\`, IMATRIX): \`scripts/imatrix.sh\` on the model over text that is not scored"
+  echo "(Artistic BSD CC0-1.0 LGPL-3 MPL-1.1, 10 chunks of 512 tokens); the same file is given to"
+  echo "\`llama-quantize --imatrix\` and to \`cawsfs convert --imatrix\`."
   echo
   echo "| source | setting | archive bits/weight | view (\`--gguf-type\`) | view bits/weight | perplexity | mean KLD | same top-1 % |"
   echo "|---|---|---|---|---|---|---|---|"
@@ -61,10 +64,17 @@ gen() { "$bin/llama-completion" -m "$1" -p "$prompt" -n 32 --temp 0 -no-cnv --no
 } > "$work/table.md"
 echo "- **original Q4_1 GGUF**: $(gen "$model")" > "$work/outputs.md"
 
-# llama.cpp's own quantizations of the same values (from the F32 export, no imatrix).
-for q in Q8_0 Q6_K Q5_K_M Q4_K_M IQ4_XS Q4_0 Q3_K_M Q2_K; do
-  "$bin/llama-quantize" "$work/ref32.gguf" "$work/lq.gguf" "$q" "$(nproc)" >/dev/null 2>&1
-  echo "| llama-quantize | $q | — | — | $(gbpw "$work/lq.gguf") | $(kld "$work/lq.gguf") |" >> "$work/table.md"
+# One importance matrix, from calibration text that is not scored (scripts/imatrix.sh's
+# default), given to llama-quantize and to `cawsfs convert` alike.
+CHUNKS=10 scripts/imatrix.sh "$model" "$work/imatrix.gguf" >/dev/null
+
+# llama.cpp's own quantizations of the same values (from the F32 export), without and
+# with the importance matrix (Q8_0 does not use one).
+for q in Q8_0 Q6_K Q5_K_M Q4_K_M IQ4_XS Q4_0 Q3_K_M Q2_K Q6_K+im Q5_K_M+im Q4_K_M+im IQ4_XS+im Q4_0+im Q3_K_M+im Q2_K+im; do
+  im=()
+  if [ "${q%+im}" != "$q" ]; then im=(--imatrix "$work/imatrix.gguf"); fi
+  "$bin/llama-quantize" "${im[@]}" "$work/ref32.gguf" "$work/lq.gguf" "${q%+im}" "$(nproc)" >/dev/null 2>&1
+  echo "| llama-quantize | ${q%+im}${im:+ \`--imatrix\`} | — | — | $(gbpw "$work/lq.gguf") | $(kld "$work/lq.gguf") |" >> "$work/table.md"
   rm -f "$work/lq.gguf"
 done
 
@@ -72,8 +82,9 @@ done
 while IFS='|' read -r kind name flags views; do
   [ -n "$kind" ] || continue
   arc="$work/$kind-$name"
+  # IMATRIX in a row's flags is the importance matrix made above.
   # shellcheck disable=SC2086
-  "$cawsfs" convert "$model" --to "$kind" -o "$arc" $flags >/dev/null
+  "$cawsfs" convert "$model" --to "$kind" -o "$arc" ${flags//IMATRIX/$work/imatrix.gguf} >/dev/null
   abpw=$(python3 -c "print(f'{$(du -sb "$arc" | cut -f1)*8/$weights:.3f}')")
   for v in ${views//,/ }; do
     "$cawsfs" export "$arc" --format gguf --gguf-type "$v" -o "$work/v.gguf" >/dev/null 2>&1
@@ -89,10 +100,21 @@ cawsf|q4|--pq-dim 2 --rank 0|auto,f16
 cawsf|sq4|--sq-bits 4 --rank 0 --outlier-q 1|auto,f16
 cawsf|sq4-e4|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough|auto,f16
 cawsf|sq4-e5|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough --sq-for model.embed_tokens.weight=5/192|auto,f16
-cawsf|bpw5|--bpw 5|f16
+cawsf|bpw6|--bpw 6|f16
+cawsf|bpw5.5|--bpw 5.5|f16
+cawsf|bpw5.25|--bpw 5.25|f16
+cawsf|bpw5|--bpw 5|auto,f16
 cawsf|bpw4.5|--bpw 4.5|f16
 cawsf|bpw4|--bpw 4|f16
+cawsf|bpw3.5|--bpw 3.5|f16
 cawsf|bpw3|--bpw 3|f16
+cawsf|bpw2.5|--bpw 2.5|f16
+cawsf|bpw5.25-im|--bpw 5.25 --imatrix IMATRIX|f16
+cawsf|bpw5-im|--bpw 5 --imatrix IMATRIX|f16
+cawsf|bpw4.5-im|--bpw 4.5 --imatrix IMATRIX|f16
+cawsf|bpw4-im|--bpw 4 --imatrix IMATRIX|f16
+cawsf|bpw3.5-im|--bpw 3.5 --imatrix IMATRIX|f16
+cawsf|bpw3-im|--bpw 3 --imatrix IMATRIX|f16
 npy-dir|int8|--bits 8|auto,f16
 npy-dir|int4|--bits 4|auto,f16
 delta|e01|--max-rel-err 0.01|auto,f16
