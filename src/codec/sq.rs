@@ -129,97 +129,223 @@ pub(crate) fn trial(
     Ok((e, payload))
 }
 
-/// Nearest codes of `x` on the grid (scale, min).
-fn assign(x: &[f32], scale: f32, min: f32, qmax: u32, q: &mut [u8]) {
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    let top = qmax as f32;
-    for (o, &v) in q.iter_mut().zip(x) {
-        *o = ((v - min) * inv).round().clamp(0.0, top) as u8;
-    }
-    // `(v − min)·inv` can land a half-step off by rounding: take the nearer neighbour.
-    for (o, &v) in q.iter_mut().zip(x) {
-        let c = *o as u32;
-        let e = (v - value(scale, min, c)).abs();
-        if c < qmax && (v - value(scale, min, c + 1)).abs() < e {
-            *o = (c + 1) as u8;
-        } else if c > 0 && (v - value(scale, min, c - 1)).abs() < e {
-            *o = (c - 1) as u8;
-        }
+/// The code of `v` on the grid (min, 1/`inv`) by rounding `(v − min)·inv` to the
+/// nearest integer in [0, top], halves away from zero, as an f32. Without the libm call
+/// or a float-to-int conversion, so that loops over a group vectorize: clamping first
+/// gives what rounding then clamping would (NaN gives 0 either way); adding and
+/// subtracting 2²³ rounds a value in [0, 2²³) to the nearest integer, ties to even, and
+/// `t − r` is exact.
+#[inline(always)]
+fn rounded(v: f32, min: f32, inv: f32, top: f32) -> f32 {
+    const SHIFT: f32 = 8_388_608.0;
+    let t = ((v - min) * inv).max(0.0).min(top);
+    let r = (t + SHIFT) - SHIFT;
+    if t - r == 0.5 {
+        r + 1.0
+    } else {
+        r
     }
 }
 
-/// Weighted squared error of `x` against the grid (scale, min) at its nearest codes.
-fn grid_err(x: &[f32], w: &[f32], scale: f32, min: f32, qmax: u32, q: &mut [u8]) -> f64 {
-    assign(x, scale, min, qmax, q);
-    x.iter()
-        .zip(w)
-        .zip(q.iter())
-        .map(|((&v, &wt), &c)| {
-            let d = (v - value(scale, min, c as u32)) as f64;
-            wt as f64 * d * d
-        })
-        .sum()
+/// The nearest code of `v` on the grid (scale, min), `inv` = 1/scale (0 when scale is
+/// 0): [`rounded`], then its neighbours compared, since `(v − min)·inv` can land a
+/// half-step off.
+#[inline(always)]
+fn nearest(v: f32, scale: f32, min: f32, inv: f32, top: f32) -> f32 {
+    let c = rounded(v, min, inv, top);
+    let e = (v - value_f(scale, min, c)).abs();
+    let eu = (v - value_f(scale, min, c + 1.0)).abs();
+    let ed = (v - value_f(scale, min, c - 1.0)).abs();
+    let up = c < top && eu < e;
+    let down = c > 0.0 && ed < e;
+    c + if up {
+        1.0
+    } else if down {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
+/// Nearest codes of `x` on the grid (scale, min).
+fn assign(x: &[f32], scale: f32, min: f32, qmax: u32, q: &mut [u8]) {
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    for (o, &v) in q.iter_mut().zip(x) {
+        let c = nearest(v, scale, min, inv, qmax as f32);
+        debug_assert!((0.0..=qmax as f32).contains(&c) && c.fract() == 0.0);
+        // SAFETY: `nearest` gives a whole number in [0, qmax] (the clamp in `rounded`
+        // also turns NaN into 0) and qmax ≤ 255: the conversion is exact. The checked
+        // `as u8` (saturating, scalar) was 40 % of quantizing.
+        *o = unsafe { c.to_int_unchecked::<u8>() };
+    }
+}
+
+/// Independent partial sums per lane: a group's sums are not one serial chain of f64
+/// additions, and the loops vectorize. The order is fixed, so results are too.
+const LANES: usize = 8;
+
+/// What one pass over a group on a candidate grid gives: `err`, the weighted squared
+/// error at the rounded codes (a half-step rounding slip counts against the grid,
+/// which only makes it look worse than it is), and the sums that price any other
+/// (scale, min) on the same codes.
+struct GridPass {
+    err: f64,
+    /// Σw, Σwq, Σwq², Σwx, Σwqx.
+    sums: [f64; 5],
+}
+
+impl GridPass {
+    /// The weighted least-squares (scale, min) for these codes, minimising
+    /// Σ w·(x − min − scale·q)²; None when the codes are degenerate.
+    fn refit(&self) -> Option<(f64, f64)> {
+        let [sw, sq, sqq, sx, sqx] = self.sums;
+        let det = sw * sqq - sq * sq;
+        if det <= 0.0 {
+            return None;
+        }
+        let scale = (sw * sqx - sq * sx) / det;
+        let min = (sqq * sx - sq * sqx) / det;
+        (scale > 0.0).then_some((scale, min))
+    }
+
+    /// Σ w·(x − min − scale·q)² on these codes, expanded; `swxx` = Σwx². An upper
+    /// bound on the grid's error (nearest codes can only do better), up to rounding.
+    fn err_at(&self, scale: f64, min: f64, swxx: f64) -> f64 {
+        let [sw, sq, sqq, sx, sqx] = self.sums;
+        swxx - 2.0 * (min * sx + scale * sqx)
+            + min * min * sw
+            + 2.0 * min * scale * sq
+            + scale * scale * sqq
+    }
+}
+
+/// One pass of `x` (weights `w`) over the grid (scale, min): see [`GridPass`]. Sums in
+/// f32 lanes (a group is at most a few hundred values), each lane's then added in f64.
+#[inline(always)]
+fn grid_pass(x: &[f32], w: &[f32], scale: f32, min: f32, qmax: u32) -> GridPass {
+    let (inv, top) = (if scale > 0.0 { 1.0 / scale } else { 0.0 }, qmax as f32);
+    let mut e = [0f32; LANES];
+    let mut acc = [[0f32; LANES]; 5];
+    for (xs, ws) in lane_chunks(x, w) {
+        for l in 0..LANES {
+            let c = rounded(xs[l], min, inv, top);
+            let d = xs[l] - value_f(scale, min, c);
+            let wc = ws[l] * c;
+            e[l] += ws[l] * d * d;
+            acc[0][l] += ws[l];
+            acc[1][l] += wc;
+            acc[2][l] += wc * c;
+            acc[3][l] += ws[l] * xs[l];
+            acc[4][l] += wc * xs[l];
+        }
+    }
+    GridPass {
+        err: e.iter().map(|&v| v as f64).sum(),
+        sums: acc.map(|a| a.iter().map(|&v| v as f64).sum::<f64>()),
+    }
+}
+
+/// `x` and `w` a lane-chunk at a time, the tail padded with weight 0.
+#[inline(always)]
+fn lane_chunks<'a>(
+    x: &'a [f32],
+    w: &'a [f32],
+) -> impl Iterator<Item = ([f32; LANES], [f32; LANES])> + 'a {
+    let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES));
+    let (xr, wr) = (xc.remainder(), wc.remainder());
+    let tail = (!xr.is_empty()).then(|| {
+        let (mut xt, mut wt) = ([xr[0]; LANES], [0f32; LANES]);
+        xt[..xr.len()].copy_from_slice(xr);
+        wt[..wr.len()].copy_from_slice(wr);
+        (xt, wt)
+    });
+    xc.zip(wc)
+        .map(|(xs, ws)| (xs.try_into().unwrap(), ws.try_into().unwrap()))
+        .chain(tail)
+}
+
+/// [`value`] with the code already an f32.
+#[inline(always)]
+fn value_f(scale: f32, min: f32, q: f32) -> f32 {
+    min + scale * q
 }
 
 /// The (scale, min) of one group, f16-rounded, with the smallest weighted error among
 /// candidate grids: spans of `qmax`, `qmax − 1` … levels over the group's range (a group
 /// already on a grid of fewer levels is found exactly) and fractional spans around
 /// `qmax`, each refined by weighted least squares on its codes. None when the values do
-/// not fit f16.
+/// not fit f16. Compiled for AVX2 too, used where the CPU has it (same results: the
+/// same separate multiplies, adds and comparisons, only wider).
 fn fit(x: &[f32], w: &[f32], qmax: u32) -> Option<(f16, f16)> {
-    let mut q = vec![0u8; x.len()];
-    let mut qe = vec![0u8; x.len()];
-    // The range of the values that count (all when none has weight).
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(x: &[f32], w: &[f32], qmax: u32) -> Option<(f16, f16)> {
+            fit_body(x, w, qmax)
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, the one feature `avx2` is compiled for.
+            return unsafe { avx2(x, w, qmax) };
+        }
+    }
+    fit_body(x, w, qmax)
+}
+
+#[inline(always)]
+fn fit_body(x: &[f32], w: &[f32], qmax: u32) -> Option<(f16, f16)> {
+    // The range of the values that count (all, each weighing 1, when none has weight).
     let any = w.iter().any(|&v| v > 0.0);
+    let ones;
+    let w = if any {
+        w
+    } else {
+        ones = vec![1f32; w.len()];
+        &ones[..]
+    };
     let (lo, hi) = x
         .iter()
         .zip(w)
-        .filter(|(_, &wt)| !any || wt > 0.0)
+        .filter(|(_, &wt)| wt > 0.0)
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), (&v, _)| {
             (a.min(v), b.max(v))
         });
-    let w_eff: Vec<f32> = if any { w.to_vec() } else { vec![1.0; w.len()] };
     let h = |v: f32| Some(f16::from_f32(v)).filter(|h| h.is_finite());
     if hi - lo <= 0.0 || !(hi - lo).is_finite() {
         return Some((f16::ZERO, h(lo)?));
     }
     let range = hi - lo;
+    let swxx: f64 = x
+        .iter()
+        .zip(w)
+        .map(|(&v, &wt)| wt as f64 * v as f64 * v as f64)
+        .sum();
     let mut best: Option<(f64, f16, f16)> = None;
-    let mut consider = |scale: f32, min: f32| -> Option<bool> {
-        let (sh, mh) = (h(scale.max(0.0))?, h(min)?);
-        let e = grid_err(x, &w_eff, sh.to_f32(), mh.to_f32(), qmax, &mut qe);
+    let mut keep = |e: f64, sh: f16, mh: f16| {
         if best.is_none_or(|b| e < b.0) {
             best = Some((e, sh, mh));
         }
-        Some(e == 0.0)
     };
-    // Integer spans first (exact grids end the search), then fractional ones.
+    // Integer spans first (an exact grid ends the search), then fractional ones. Each
+    // grid is measured in one pass, then refitted by weighted least squares to the
+    // codes it gives, the refit priced from that pass's sums.
     let lowest = (qmax as f32 * 0.6).ceil().max(1.0) as u32;
-    let mut spans: Vec<f32> = (lowest..=qmax).rev().take(12).map(|l| l as f32).collect();
-    spans.extend([-0.75f32, -0.5, -0.25, 0.25, 0.5, 0.75].map(|t| qmax as f32 + t));
-    for span in spans {
-        let step = range / span;
-        if consider(step, lo)? {
+    let integer = (lowest..=qmax).rev().take(12).map(|l| l as f32);
+    let fractional = [-0.75f32, -0.5, -0.25, 0.25, 0.5, 0.75].map(|t| qmax as f32 + t);
+    let mh = h(lo)?;
+    for span in integer.chain(fractional) {
+        let sh = h(range / span)?;
+        let pass = grid_pass(x, w, sh.to_f32(), mh.to_f32(), qmax);
+        keep(pass.err, sh, mh);
+        if pass.err == 0.0 {
             break;
         }
-        // Refit (min, scale) to the codes this grid gives: weighted least squares.
-        assign(x, step, lo, qmax, &mut q);
-        let (mut sw, mut sq, mut sqq, mut sx, mut sqx) = (0f64, 0f64, 0f64, 0f64, 0f64);
-        for ((&v, &wt), &c) in x.iter().zip(&w_eff).zip(q.iter()) {
-            let (wt, c, v) = (wt as f64, c as f64, v as f64);
-            sw += wt;
-            sq += wt * c;
-            sqq += wt * c * c;
-            sx += wt * v;
-            sqx += wt * c * v;
-        }
-        let det = sw * sqq - sq * sq;
-        if det > 0.0 {
-            let scale = (sw * sqx - sq * sx) / det;
-            let min = (sqq * sx - sq * sqx) / det;
-            if scale > 0.0 && consider(scale as f32, min as f32)? {
-                break;
-            }
+        if let Some((scale, min)) = pass.refit() {
+            let (sr, mr) = (h(scale as f32)?, h(min as f32)?);
+            keep(
+                pass.err_at(sr.to_f32() as f64, mr.to_f32() as f64, swxx),
+                sr,
+                mr,
+            );
         }
     }
     best.map(|(_, s, m)| (s, m))
@@ -232,13 +358,20 @@ pub(crate) fn pack(q: &[u8], bits: usize, out: &mut [u8]) {
         out[..q.len()].copy_from_slice(q);
         return;
     }
-    for (j, &c) in q.iter().enumerate() {
-        let bit = j * bits;
-        let v = (c as u16) << (bit % 8);
-        out[bit / 8] |= v as u8;
-        if bit % 8 + bits > 8 {
-            out[bit / 8 + 1] |= (v >> 8) as u8;
+    // A bit accumulator emptied a byte at a time.
+    let (mut acc, mut n, mut o) = (0u32, 0usize, 0usize);
+    for &c in q {
+        acc |= (c as u32) << n;
+        n += bits;
+        while n >= 8 {
+            out[o] = acc as u8;
+            acc >>= 8;
+            n -= 8;
+            o += 1;
         }
+    }
+    if n > 0 {
+        out[o] = acc as u8;
     }
 }
 
@@ -334,6 +467,29 @@ mod tests {
         let mut buf = [0u8; 1];
         pack(&[0x3, 0xA], 4, &mut buf);
         assert_eq!(buf[0], 0xA3);
+    }
+
+    #[test]
+    fn rounding_is_round_then_clamp() {
+        // Halves, values a rounding step either side of them, out-of-range and
+        // non-finite ones, on grids of every width.
+        let mut ts: Vec<f32> = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e30];
+        for k in -3..300 {
+            let h = k as f32 + 0.5;
+            let (up, down) = (h.to_bits() + 1, h.to_bits() - 1);
+            ts.extend([h, f32::from_bits(up), f32::from_bits(down), k as f32]);
+            ts.push(k as f32 + 0.49999997);
+        }
+        for top in [1.0f32, 3.0, 15.0, 31.0, 63.0, 255.0] {
+            for &t in &ts {
+                let want = if t.is_nan() {
+                    0.0
+                } else {
+                    t.round().clamp(0.0, top)
+                };
+                assert_eq!(rounded(t, 0.0, 1.0, top), want, "t {t} top {top}");
+            }
+        }
     }
 
     #[test]

@@ -347,8 +347,13 @@ fn low_rank(
 
 /// W − L̂, with L̂ computed exactly as the decoder computes it.
 fn residual(w: &[f32], l: &LowRank, rows: usize, cols: usize) -> Vec<f32> {
+    if l.rank == 0 {
+        // Not a zeroed buffer read then written: each page of it would fault twice,
+        // the second time flushing every thread's TLB (16 % of a `--bpw` convert).
+        return w.to_vec();
+    }
     let mut w1 = vec![0f32; w.len()];
-    if l.rank > 0 {
+    {
         let u = l.u_h.to_f32_vec();
         let mut svt = l.svt_h.to_f32_vec();
         svt.iter_mut().for_each(|x| *x *= l.scale);
