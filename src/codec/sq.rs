@@ -425,12 +425,47 @@ pub(crate) fn add_row(out: &mut [f32], params: &[u8], codes: &[u8], s: SqShape) 
                 }
             }
         }
+        // Eight codes of b bits fill b whole bytes: read them as one word. A group of a
+        // multiple of 8 values starts on a byte.
+        1 if s.group % 8 == 0 => add_words::<1>(out, codes, s.group, pair),
+        2 if s.group % 8 == 0 => add_words::<2>(out, codes, s.group, pair),
+        3 if s.group % 8 == 0 => add_words::<3>(out, codes, s.group, pair),
+        5 if s.group % 8 == 0 => add_words::<5>(out, codes, s.group, pair),
+        6 if s.group % 8 == 0 => add_words::<6>(out, codes, s.group, pair),
+        7 if s.group % 8 == 0 => add_words::<7>(out, codes, s.group, pair),
         _ => {
             for (k, og) in out.chunks_exact_mut(s.group).enumerate() {
                 let (sc, mn) = pair(k);
                 for (t, o) in og.iter_mut().enumerate() {
                     *o += value(sc, mn, code(codes, s.bits, k * s.group + t));
                 }
+            }
+        }
+    }
+}
+
+/// [`add_row`] for `B`-bit codes in groups of a multiple of 8 values: eight codes are
+/// `B` whole bytes, read as one word and split by constant shifts.
+#[inline(always)]
+fn add_words<const B: usize>(
+    out: &mut [f32],
+    codes: &[u8],
+    group: usize,
+    pair: impl Fn(usize) -> (f32, f32),
+) {
+    let mask = (1u64 << B) - 1;
+    for (k, (og, gc)) in out
+        .chunks_exact_mut(group)
+        .zip(codes.chunks_exact(group * B / 8))
+        .enumerate()
+    {
+        let (sc, mn) = pair(k);
+        for (o8, c8) in og.chunks_exact_mut(8).zip(gc.chunks_exact(B)) {
+            let mut word = [0u8; 8];
+            word[..B].copy_from_slice(c8);
+            let v = u64::from_le_bytes(word);
+            for (i, o) in o8.iter_mut().enumerate() {
+                *o += value(sc, mn, ((v >> (i * B)) & mask) as u32);
             }
         }
     }
@@ -452,6 +487,37 @@ mod tests {
             );
         }
         out
+    }
+
+    #[test]
+    fn every_decoding_path_reads_every_code() {
+        // Widths and groups through each path of `add_row` (whole bytes, 8-code words,
+        // codes one by one), against decoding code by code.
+        for bits in 1..=8u32 {
+            for group in [8u32, 12, 24, 32, 64] {
+                let cols = 192u64;
+                let s = SqShape::new(bits, group, cols).unwrap();
+                let q: Vec<u8> = (0..cols as usize)
+                    .map(|j| ((j * 7 + 3) % (1 << bits)) as u8)
+                    .collect();
+                let mut codes = vec![0u8; s.code_bytes()];
+                pack(&q, s.bits, &mut codes);
+                let params: Vec<u8> = (0..s.groups())
+                    .flat_map(|k| [f16::from_f32(0.25 + k as f32), f16::from_f32(-1.5)])
+                    .flat_map(|h| h.to_le_bytes())
+                    .collect();
+                let mut got = vec![0.5f32; cols as usize];
+                add_row(&mut got, &params, &codes, s);
+                let want: Vec<f32> = (0..cols as usize)
+                    .map(|j| {
+                        let k = j / s.group;
+                        let sc = f16::from_f32(0.25 + k as f32).to_f32();
+                        0.5 + value(sc, -1.5, code(&codes, s.bits, j))
+                    })
+                    .collect();
+                assert_eq!(got, want, "bits {bits} group {group}");
+            }
+        }
     }
 
     #[test]
