@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use cawsfs::convert::ConvertOptions;
 use cawsfs::layout::GgufView;
 use cawsfs::model::FloatType;
 use cawsfs::reconstruct::DeviceChoice;
@@ -363,21 +362,26 @@ pub struct ConvertArgs {
     #[arg(long)]
     pub outlier_q: Option<f32>,
     /// PQ sub-vectors per row (must divide every coded tensor's width); overrides --pq-dim.
+    /// Any PQ option codes R by product quantization (rank 4, outliers above the 0.999
+    /// quantile, the embedding and output kept) instead of the default --bpw plan.
     #[arg(long)]
     pub pq_m: Option<u32>,
-    /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256).
-    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_dim)]
-    pub pq_dim: u32,
-    /// PQ centroids per codebook (at most 256).
-    #[arg(long, default_value_t = ConvertOptions::default().ndsq.pq_k)]
-    pub pq_k: u32,
-    #[arg(long, default_value_t = ConvertOptions::default().ndsq.kmeans_iters)]
-    pub kmeans_iters: u32,
+    /// PQ sub-vector length (bits per weight of R = 8 / pq-dim when k = 256) [PQ default: 2].
+    #[arg(long)]
+    pub pq_dim: Option<u32>,
+    /// PQ centroids per codebook (at most 256) [PQ default: 256].
+    #[arg(long)]
+    pub pq_k: Option<u32>,
+    /// k-means iterations: PQ's codebooks [default: 12], delta's bases [default: 10].
+    #[arg(long)]
+    pub kmeans_iters: Option<u32>,
     /// Average bits per weight of the whole archive: each tensor's R becomes scalar
     /// groups of the width (2-8 bits) that, by its measured error, spends the bits best,
     /// or the tensor keeps its source bytes; rank defaults to 0, and the embedding and
     /// output are planned like the rest (docs/CODECS.md, "Bits-per-weight target").
-    #[arg(long, value_name = "BITS", conflicts_with_all = ["sq_bits", "pq_m"])]
+    /// The default is 5 (or the smallest archive the model allows, when --passthrough
+    /// keeps more than that), unless --sq-bits or a PQ option is given.
+    #[arg(long, value_name = "BITS", conflicts_with_all = ["sq_bits", "pq_m", "pq_dim", "pq_k"])]
     pub bpw: Option<f64>,
     /// Code R as scalar groups of this many bits (1-8) instead of PQ: an affine grid
     /// (f16 scale and minimum) per --sq-group values of a row; 4 bits in groups of 32

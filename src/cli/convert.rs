@@ -37,17 +37,26 @@ pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
 fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     let src = cawsfs::import::open_source(&a.src)?;
     let mut opts = ConvertOptions::default();
-    if a.bpw.is_some() {
+    let pq_given =
+        a.pq_m.is_some() || a.pq_dim.is_some() || a.pq_k.is_some() || a.kmeans_iters.is_some();
+    // Without a choice of R, a bits-per-weight plan: the best KL-divergence per bit
+    // measured (docs/QUALITY.md).
+    if a.bpw.is_some() && pq_given {
+        bail!("--kmeans-iters trains PQ codebooks, which --bpw replaces with scalar groups");
+    }
+    let bpw = match a.bpw {
+        Some(b) => Some((b, false)),
+        None if !pq_given && a.sq_bits.is_none() => Some((convert::DEFAULT_BPW, true)),
+        None => None,
+    };
+    if let Some((target, implied)) = bpw {
         // Scalar R with no L or S measured best per bit (docs/CODECS.md), and the
         // embedding and output are the planner's to price, not kept whole by default.
         opts.ndsq.rank = 0;
         opts.ndsq.outlier_q = 1.0;
         opts.passthrough.clear();
-        let nd = ConvertOptions::default().ndsq;
-        if a.pq_dim != nd.pq_dim || a.pq_k != nd.pq_k {
-            bail!("--pq-dim and --pq-k set up PQ, which --bpw replaces with scalar groups");
-        }
-        opts.bpw = a.bpw;
+        opts.bpw = Some(target);
+        opts.bpw_at_least_floor = implied;
     }
     if let Some(r) = a.rank {
         opts.ndsq.rank = r;
@@ -55,16 +64,17 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     if let Some(q) = a.outlier_q {
         opts.ndsq.outlier_q = q;
     }
-    opts.ndsq.pq_m = a.pq_m;
-    opts.ndsq.pq_dim = a.pq_dim;
-    opts.ndsq.pq_k = a.pq_k;
-    opts.ndsq.kmeans_iters = a.kmeans_iters;
-    opts.ndsq.seed = a.seed;
+    let nd = &mut opts.ndsq;
+    nd.pq_m = a.pq_m;
+    nd.pq_dim = a.pq_dim.unwrap_or(nd.pq_dim);
+    nd.pq_k = a.pq_k.unwrap_or(nd.pq_k);
+    nd.kmeans_iters = a.kmeans_iters.unwrap_or(nd.kmeans_iters);
+    nd.seed = a.seed;
     if let Some(bits) = a.sq_bits {
-        let nd = ConvertOptions::default().ndsq;
-        let pq_given = a.pq_m.is_some() || a.pq_dim != nd.pq_dim || a.pq_k != nd.pq_k;
         if pq_given {
-            bail!("--pq-m, --pq-dim and --pq-k set up PQ, which --sq-bits replaces");
+            bail!(
+                "--pq-m, --pq-dim, --pq-k and --kmeans-iters set up PQ, which --sq-bits replaces"
+            );
         }
         opts.ndsq.sq = Some(cawsfs::codec::SqParams {
             bits,
@@ -100,9 +110,17 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
         .with_context(|| format!("converting {}", a.src.display()))?;
     pb.finish_and_clear();
     if let Some(b) = &report.bpw {
+        let target = match (b.at_floor, a.bpw.is_none()) {
+            (false, false) => format!("{}", b.target),
+            (false, true) => format!("{} (the default)", b.target),
+            (true, _) => format!(
+                "{} (the default), below the smallest archive the --passthrough tensors allow",
+                b.target
+            ),
+        };
         println!(
-            "bits per weight: target {}, planned {:.3} (block compression estimated from samples), achieved {:.3}",
-            b.target, b.planned, report.bits_per_weight
+            "bits per weight: target {target}, planned {:.3} (block compression estimated from samples), achieved {:.3}",
+            b.planned, report.bits_per_weight
         );
     }
     if let Some(u) = &report.imatrix {
@@ -193,7 +211,6 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let nd = ConvertOptions::default().ndsq;
     let given: [(&str, bool, &[To]); 20] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
@@ -206,13 +223,9 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ("--outlier-q", a.outlier_q.is_some(), &[Cawsf]),
         ("--bpw", a.bpw.is_some(), &[Cawsf]),
         ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
-        ("--pq-dim", a.pq_dim != nd.pq_dim, &[Cawsf]),
-        ("--pq-k", a.pq_k != nd.pq_k, &[Cawsf]),
-        (
-            "--kmeans-iters",
-            a.kmeans_iters != nd.kmeans_iters,
-            &[Cawsf, Delta],
-        ),
+        ("--pq-dim", a.pq_dim.is_some(), &[Cawsf]),
+        ("--pq-k", a.pq_k.is_some(), &[Cawsf]),
+        ("--kmeans-iters", a.kmeans_iters.is_some(), &[Cawsf, Delta]),
         ("--seed", a.seed != 0, &[Cawsf]),
         ("--sq-bits", a.sq_bits.is_some(), &[Cawsf]),
         ("--imatrix", a.imatrix.is_some(), &[Cawsf]),
@@ -275,7 +288,9 @@ fn cmd_convert_delta(a: ConvertArgs) -> Result<()> {
         BaseDtypeArg::F16 => BaseDtype::F16,
         BaseDtypeArg::Int8 => BaseDtype::Int8,
     };
-    opts.kmeans_iters = a.kmeans_iters;
+    if let Some(k) = a.kmeans_iters {
+        opts.kmeans_iters = k;
+    }
     opts.compression = compression_of(a.compression);
     opts.min_saving = a.min_saving;
     let src = cawsfs::import::open_source(&a.src)?;

@@ -85,6 +85,8 @@ pub struct Plan {
     /// Estimated bits per weight of the whole archive.
     pub planned_bpw: f64,
     pub target_bpw: f64,
+    /// The target was below the smallest archive and that was planned instead.
+    pub at_floor: bool,
 }
 
 /// Bytes of tensor `t` stored as its source bytes, the rows compressing by `ratio`.
@@ -266,10 +268,13 @@ pub fn plan(
             Ok(())
         },
     )?;
-    let budget = target * total_weights as f64 - reserved as f64 * 8.0;
+    let mut budget = target * total_weights as f64 - reserved as f64 * 8.0;
     let mut at = vec![0usize; n];
     let mut used: f64 = hulls.iter().map(|h| h[0].bits).sum();
-    if used > budget {
+    let at_floor = used > budget && opts.bpw_at_least_floor;
+    if at_floor {
+        budget = used;
+    } else if used > budget {
         return Err(ConvertError::Options(format!(
             "--bpw {target} is below the smallest archive this model allows ({:.3} bits per weight)",
             (used + reserved as f64 * 8.0) / total_weights.max(1) as f64
@@ -303,6 +308,7 @@ pub fn plan(
         choices: hulls.iter().zip(&at).map(|(h, &k)| h[k].choice).collect(),
         planned_bpw: (used + reserved as f64 * 8.0) / total_weights.max(1) as f64,
         target_bpw: target,
+        at_floor,
     })
 }
 

@@ -43,7 +43,15 @@ pub struct ConvertOptions {
     /// Average bits per weight of the whole archive: each tensor's scalar R (or its
     /// source bytes) is chosen to meet it ([`bpw`]); `sq` and `sq_for` are then unused.
     pub bpw: Option<f64>,
+    /// When `bpw` is below the smallest archive the model allows (tensors `passthrough`
+    /// keeps whole), plan that smallest archive instead of failing: for a target the
+    /// user did not choose ([`DEFAULT_BPW`]).
+    pub bpw_at_least_floor: bool,
 }
+
+/// `cawsfs convert`'s bits-per-weight target when no R is chosen: where NDSQ's
+/// KL-divergence on the test model falls below Q4_K_M's at fewer bits (docs/QUALITY.md).
+pub const DEFAULT_BPW: f64 = 5.0;
 
 impl Default for ConvertOptions {
     fn default() -> Self {
@@ -67,6 +75,7 @@ impl Default for ConvertOptions {
             sq_for: Vec::new(),
             imatrix: None,
             bpw: None,
+            bpw_at_least_floor: false,
         }
     }
 }
@@ -180,6 +189,9 @@ pub struct ConvertReport {
 pub struct BpwUse {
     pub target: f64,
     pub planned: f64,
+    /// The target was below the smallest archive the model allows, which was planned
+    /// instead (`bpw_at_least_floor`).
+    pub at_floor: bool,
 }
 
 /// What `--imatrix` weighted: its entries against the tensors the model codes.
@@ -448,6 +460,7 @@ pub fn convert(
     report.bpw = plan.map(|p| BpwUse {
         target: p.target_bpw,
         planned: p.planned_bpw,
+        at_floor: p.at_floor,
     });
     Ok(report)
 }

@@ -168,11 +168,13 @@ def convert_each(cawsfs, src, settings, path_of, *common):
     return out
 
 
-# Settings under test: the defaults (~4.2 bits per weight on coded matrices), one at
-# 4.0, a low-bit one as the paper sketches (PQ of 4-wide sub-vectors, rank 16), and
-# all-passthrough (bit-exact, the reference the lossy settings are compared with).
+# Settings under test: the default (a 5-bit --bpw plan), PQ as it was the default
+# before (~4.2 bits per weight on coded matrices, rank 4, outliers, the embedding kept),
+# PQ at 4.0, a low-bit one as the paper sketches (PQ of 4-wide sub-vectors, rank 16),
+# and all-passthrough (bit-exact, the reference the lossy settings are compared with).
 SETTINGS = {
     "default": [],
+    "pq": ["--pq-dim", "2"],
     "q4": ["--pq-dim", "2", "--rank", "0"],
     "low": ["--pq-dim", "4", "--rank", "16"],
     "exact": ["--passthrough", "*"],
