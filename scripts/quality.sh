@@ -95,7 +95,8 @@ while IFS='|' read -r kind name flags views; do
   rm -rf "$arc"
 done <<'EOF2'
 cawsf|exact|--passthrough *|source,q8_0,q4_k_m
-cawsf|default||auto,f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0
+cawsf|default||auto,f16
+cawsf|pq|--pq-dim 2|auto,f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0
 cawsf|q4|--pq-dim 2 --rank 0|auto,f16
 cawsf|sq4|--sq-bits 4 --rank 0 --outlier-q 1|auto,f16
 cawsf|sq4-e4|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough|auto,f16
@@ -103,7 +104,7 @@ cawsf|sq4-e5|--sq-bits 4 --rank 0 --outlier-q 1 --no-default-passthrough --sq-fo
 cawsf|bpw6|--bpw 6|f16
 cawsf|bpw5.5|--bpw 5.5|f16
 cawsf|bpw5.25|--bpw 5.25|f16
-cawsf|bpw5|--bpw 5|auto,f16
+cawsf|bpw5|--bpw 5|f16
 cawsf|bpw4.5|--bpw 4.5|f16
 cawsf|bpw4|--bpw 4|f16
 cawsf|bpw3.5|--bpw 3.5|f16
