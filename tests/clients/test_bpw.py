@@ -29,9 +29,9 @@ def test_bits_per_weight_target_is_met_with_bounded_divergence(cawsfs, archives,
     got["pq"] = kld(llama_bin, base, pq)
     print("mean KLD", got)
     # Measured over 4096 tokens: --bpw 5 0.066 at 4.97 bits, PQ (--pq-dim 2, the
-    # default before) 0.276 at 5.02.
+    # default before) 0.276 at 5.02; here (contexts of 128) 0.081, 0.326, --bpw 4 0.84.
     assert got[5.0] < 0.12 and got[5.0] < 0.5 * got["pq"], got
-    assert got[4.0] > got[5.0], got
+    assert got[5.0] < got[4.0] < 1.2, got
     again = work / "bpw4-again.cawsf"
     convert(cawsfs, model_gguf, again, "--bpw", "4.0")
     assert again.read_bytes() == (work / "bpw4.0.cawsf").read_bytes()
