@@ -10,14 +10,16 @@ here="$(cd "$(dirname "$0")" && pwd)"
 model="$("$here/fetch-test-model.sh")"
 rm -rf "$out"; mkdir -p "$out"; cd "$out"
 run() { "$bin" "$@" >/dev/null 2>"$out/last.log" || { cat "$out/last.log" >&2; exit 1; }; }
-run convert "$model" -o cawsf-default.cawsf --threads 2
+# Explicit settings, not the default (which changed from PQ to --bpw 5 on 2026-11-27).
+run convert "$model" -o cawsf-pq.cawsf --threads 2 --pq-dim 2
+run convert "$model" -o cawsf-bpw5.cawsf --threads 2 --bpw 5
 run convert "$model" -o cawsf-lz4.cawsf --compression lz4 --rank 2 --pq-dim 4
 run convert "$model" -o cawsf-exact.cawsf --passthrough "*"
 run convert "$model" --to delta -o delta-r8.cawsd --rank 8
 run convert "$model" --to delta -o delta-int8.cawsd --rank 4 --bases 2 --base-dtype int8
 run convert "$model" --to npy-dir -o npy-int8 --bits 8
 run convert "$model" --to npy-dir -o npy-int4z --bits 4 --zstd
-for a in cawsf-default.cawsf cawsf-lz4.cawsf cawsf-exact.cawsf delta-r8.cawsd delta-int8.cawsd npy-int8 npy-int4z; do
+for a in cawsf-pq.cawsf cawsf-bpw5.cawsf cawsf-lz4.cawsf cawsf-exact.cawsf delta-r8.cawsd delta-int8.cawsd npy-int8 npy-int4z; do
   run export "$a" --format gguf -o "$a.f16.gguf"
   run export "$a" --format safetensors -o "$a.safetensors" --dtype bf16
   run export "$a" --format hf-dir -o "$a.hf"
