@@ -67,7 +67,8 @@ for src in "$@"; do
   name=$(basename "$src")
   name="${name%.gguf}"
   declare -a kinds=(
-    "ndsq.cawsf|"
+    "ndsq.cawsf|--pq-dim 2"
+    "bpw.cawsf|"
     "pass.cawsf|--passthrough *"
     "delta|--to delta"
     "delta-int8|--to delta --base-dtype int8"
