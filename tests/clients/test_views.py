@@ -59,9 +59,10 @@ def test_source_view_is_the_original_file(cawsfs, archives, model_gguf, llama_bi
 
 
 def test_auto_view_keeps_stored_blocks_and_shrinks_the_rest(cawsfs, archives, model_gguf, llama_bin, work):
-    """The default archive under the default view: the token embedding (stored bit-exact
-    as Q8_0) is served as the original's bytes; NDSQ-coded matrices are served quantized,
-    as `inspect` says; the file is far smaller than the F16 view and llama.cpp answers."""
+    """The default archive under the default view: the tensors it stores bit-exact (on
+    this model the --bpw 5 plan keeps most layers' Q4_1 bytes) are served as the
+    original's bytes; NDSQ-coded matrices are served quantized, as `inspect` says; the
+    file is far smaller than the F16 view and llama.cpp answers."""
     path, _ = archives["default"]
     plan = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
     assert plan["gguf_view"] == "auto"
@@ -72,18 +73,20 @@ def test_auto_view_keeps_stored_blocks_and_shrinks_the_rest(cawsfs, archives, mo
     try:
         served = m.mp / "model.gguf"
         view, orig = tensors(served), tensors(model_gguf)
-        assert view["token_embd.weight"] == orig["token_embd.weight"]
-        assert by_gguf["token_embd.weight"]["gguf"]["stored"] is True
+        stored = [n for n, t in by_gguf.items() if t["gguf"]["stored"]]
+        coded = [n for n, t in by_gguf.items() if t["codec"].startswith("ndsq")]
+        assert len(stored) > 100 and len(coded) > 10, (len(stored), len(coded))
+        # Compared as booleans: pytest's diff of two mismatched tensors would take hours.
+        same = [n for n in stored if view[n] == orig[n]]
+        assert same == stored, sorted(set(stored) - set(same))[:5]
         for name, (ty, _) in view.items():
             want = by_gguf[name]["gguf"]["type"]
             assert gguf.GGMLQuantizationType(ty).name.lower() == want, name
-            if by_gguf[name]["codec"].startswith("ndsq"):
+            if name in coded:
                 assert want not in ("f16", "f32", "bf16"), name
         size = served.stat().st_size
         assert size < 0.6 * f16.stat().st_size, (size, f16.stat().st_size)
-        # The default archive is lossy enough (NDSQ, 9 % error) to get "The capital of
-        # France is" wrong in every view (docs/QUALITY.md); it gets this one right, as
-        # the original file does (the demo's prompt).
+        # The demo's prompt, which the original file answers so too.
         prompt = "The Eiffel Tower is located in the city of"
         text, _ = llama_generate(llama_bin, served, prompt, n=8)
         assert "Paris" in text[len(prompt):], text
