@@ -39,11 +39,12 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
     let mut opts = ConvertOptions::default();
     let pq_given =
         a.pq_m.is_some() || a.pq_dim.is_some() || a.pq_k.is_some() || a.kmeans_iters.is_some();
-    // Without a choice of R, a bits-per-weight plan: the best KL-divergence per bit
-    // measured (docs/QUALITY.md).
+    // (clap refuses --bpw beside the other PQ options.)
     if a.bpw.is_some() && pq_given {
         bail!("--kmeans-iters trains PQ codebooks, which --bpw replaces with scalar groups");
     }
+    // Without a choice of R, a bits-per-weight plan: the best KL-divergence per bit
+    // measured (docs/QUALITY.md).
     let bpw = match a.bpw {
         Some(b) => Some((b, false)),
         None if !pq_given && a.sq_bits.is_none() => Some((convert::DEFAULT_BPW, true)),
@@ -114,7 +115,7 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             (false, false) => format!("{}", b.target),
             (false, true) => format!("{} (the default)", b.target),
             (true, _) => format!(
-                "{} (the default), below the smallest archive the --passthrough tensors allow",
+                "{} (the default), below the smallest archive this model allows",
                 b.target
             ),
         };
