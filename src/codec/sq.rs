@@ -54,7 +54,13 @@ pub(crate) struct SqRows {
 /// One decoded value (the format's arithmetic: multiply, then add).
 #[inline(always)]
 pub(crate) fn value(scale: f32, min: f32, q: u32) -> f32 {
-    min + scale * q as f32
+    value_f(scale, min, q as f32)
+}
+
+/// [`value`] with the code already an f32 (the fit's vectorized passes).
+#[inline(always)]
+fn value_f(scale: f32, min: f32, q: f32) -> f32 {
+    min + scale * q
 }
 
 /// Quantizes `x` (rows × cols) group by group. `weight(i, row_w)` fills row i's
@@ -180,7 +186,7 @@ fn assign(x: &[f32], scale: f32, min: f32, qmax: u32, q: &mut [u8]) {
     }
 }
 
-/// Independent partial sums per lane: a group's sums are not one serial chain of f64
+/// Independent f32 partial sums per lane: a group's sums are not one serial chain of
 /// additions, and the loops vectorize. The order is fixed, so results are too.
 const LANES: usize = 8;
 
@@ -262,12 +268,6 @@ fn lane_chunks<'a>(
     xc.zip(wc)
         .map(|(xs, ws)| (xs.try_into().unwrap(), ws.try_into().unwrap()))
         .chain(tail)
-}
-
-/// [`value`] with the code already an f32.
-#[inline(always)]
-fn value_f(scale: f32, min: f32, q: f32) -> f32 {
-    min + scale * q
 }
 
 /// The (scale, min) of one group, f16-rounded, with the smallest weighted error among
