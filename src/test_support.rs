@@ -13,7 +13,7 @@ use crate::model::{ArchConfig, ModelDesc, ReadError, SourceType, TensorDesc};
 pub(crate) fn tiny_arch() -> ArchConfig {
     ArchConfig {
         model_type: "llama".into(),
-        gguf_arch: "llama".into(),
+        gguf_arch: Some("llama".into()),
         n_layers: 1,
         hidden_size: 4,
         intermediate_size: 8,

@@ -9,7 +9,7 @@ fn model_with_tokenizer(tokenizer_json: &[u8]) -> ModelDesc {
     ModelDesc {
         arch: ArchConfig {
             model_type: "llama".into(),
-            gguf_arch: "llama".into(),
+            gguf_arch: Some("llama".into()),
             n_layers: 1,
             hidden_size: 4,
             intermediate_size: 8,

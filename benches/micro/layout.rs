@@ -49,7 +49,7 @@ fn model() -> ModelDesc {
     ModelDesc {
         arch: ArchConfig {
             model_type: "llama".into(),
-            gguf_arch: "llama".into(),
+            gguf_arch: Some("llama".into()),
             n_layers: 2,
             hidden_size: 64,
             intermediate_size: 96,

@@ -15,8 +15,13 @@ use super::{bar, init_threads};
 pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView) -> Result<()> {
     let ar = cawsfs::archive::open(path)?;
     let m = ar.model();
-    let plan = layout::gguf_plan(m, view, &layout::held_of(&*ar))?;
-    let served = |i: usize| plan.tensors.iter().find(|tv| tv.index == i);
+    // A model without a GGUF view is inspected all the same; `no_gguf` says why.
+    let (plan, no_gguf) = match layout::gguf_plan(m, view, &layout::held_of(&*ar)) {
+        Ok(plan) => (Some(plan), None),
+        Err(layout::LayoutError::NoGguf(why)) => (None, Some(why)),
+        Err(e) => return Err(e.into()),
+    };
+    let served = |i: usize| plan.as_ref()?.tensors.iter().find(|tv| tv.index == i);
     if json {
         let tensors: Vec<_> = m
             .tensors
@@ -49,8 +54,9 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         let v = serde_json::json!({
             "kind": ar.kind().name(), "sections": sections, "arch": m.arch,
             "tensors": tensors, "extra": ar.extra(),
-            "gguf_view": view.to_string(),
-            "gguf_notes": layout::gguf_notes(m, &plan),
+            "gguf_view": plan.as_ref().map(|_| view.to_string()),
+            "gguf_notes": plan.as_ref().map_or_else(Vec::new, |p| layout::gguf_notes(m, p)),
+            "gguf_missing": no_gguf,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -67,7 +73,7 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
     println!(
         "model: {} ({}) layers {} hidden {} ffn {} heads {}/{} vocab {} ctx {} tied {}",
         a.model_type,
-        a.gguf_arch,
+        a.gguf_arch.as_deref().unwrap_or("no GGUF architecture"),
         a.n_layers,
         a.hidden_size,
         a.intermediate_size,
@@ -127,6 +133,10 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         );
     }
     println!("total tensor bytes: {total}");
+    let Some(plan) = plan else {
+        println!("model.gguf: not served: {}", no_gguf.unwrap_or_default());
+        return Ok(());
+    };
     let weights: u64 = plan
         .tensors
         .iter()
@@ -171,9 +181,10 @@ pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
         let m = ar.model();
         let files = [
             layout::safetensors_file(m, None).map(drop),
-            layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar))
-                .and_then(|plan| layout::gguf_file(m, &plan))
-                .map(drop),
+            match layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar)) {
+                Err(layout::LayoutError::NoGguf(_)) => Ok(()),
+                plan => plan.and_then(|plan| layout::gguf_file(m, &plan)).map(drop),
+            },
             layout::hf_metadata_files(m).map(drop),
         ];
         fails.extend(

@@ -562,11 +562,13 @@ pub fn codec_label(c: &TensorCodec) -> String {
     }
 }
 
-fn format_label(s: SourceType) -> String {
+/// A source type's short name ("f16", "q4_1", "i64").
+pub fn format_label(s: SourceType) -> String {
     match s {
         SourceType::F32 => "f32".into(),
         SourceType::F16 => "f16".into(),
         SourceType::BF16 => "bf16".into(),
         SourceType::Ggml(t) => format!("{t:?}").to_lowercase(),
+        SourceType::Plain(p) => format!("{p:?}").to_lowercase(),
     }
 }

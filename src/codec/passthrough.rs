@@ -1,5 +1,6 @@
 //! Passthrough codec: each block payload is the source bytes of its rows, untouched
-//! (f32 / f16 / bf16 little-endian, or whole ggml blocks), so a round trip is bit-exact.
+//! (f32 / f16 / bf16 little-endian, whole ggml blocks, or a plain type's elements), so
+//! a round trip is bit-exact.
 //! Decoding converts to f32; the global blob is empty.
 
 use super::{blocks_of, le, CodecError, EncodedTensor, TensorCodec};
@@ -10,6 +11,7 @@ pub(super) fn row_bytes(format: SourceType, cols: u64) -> Result<u64, CodecError
     let r = match format {
         SourceType::F32 => cols.checked_mul(4),
         SourceType::F16 | SourceType::BF16 => cols.checked_mul(2),
+        SourceType::Plain(p) => cols.checked_mul(p.size()),
         SourceType::Ggml(ty) => {
             return ty.row_bytes(cols).ok_or_else(|| {
                 CodecError::Params(format!(
@@ -104,6 +106,7 @@ pub(super) fn decode_checked(format: SourceType, bytes: &[u8], cols: usize, out:
         SourceType::F32 => le::f32s_from_le(bytes, out),
         SourceType::F16 => le::f16s_to_f32(bytes, out),
         SourceType::BF16 => le::bf16s_to_f32(bytes, out),
+        SourceType::Plain(p) => p.to_f32(bytes, out),
         SourceType::Ggml(ty) => {
             let Some(rb) = ty.row_bytes(cols as u64) else {
                 unreachable!("raw_rows checked that rows are whole {ty:?} blocks")

@@ -27,7 +27,7 @@ pub mod npydir;
 pub struct ConvertOptions {
     pub ndsq: NdsqOptions,
     /// Tensors whose name matches one of these glob patterns ([`Patterns`]) are stored
-    /// as compressed passthrough (bit-exact). 1-D tensors always are.
+    /// as compressed passthrough (bit-exact). Tensors that are not 2-D float matrices of at least 8 rows always are.
     pub passthrough: Vec<String>,
     pub compression: Compression,
     /// A block keeps its compressed form only where that saves this fraction of its
@@ -269,8 +269,18 @@ impl Patterns {
     }
 }
 
+/// Fewest rows a tensor needs to be coded: a smaller matrix (BERT's two token-type
+/// embeddings) costs more in codec overhead than it saves.
+const MIN_CODED_ROWS: u64 = 8;
+
+/// Whether `t` keeps its source bytes: anything but a 2-D float matrix of at least
+/// [`MIN_CODED_ROWS`] rows (biases, norms, integer ids, convolution kernels), and the
+/// `--passthrough` patterns.
 fn is_passthrough(t: &TensorDesc, pass: &Patterns) -> bool {
-    t.shape.len() < 2 || pass.is_match(&t.name)
+    t.shape.len() != 2
+        || t.rows() < MIN_CODED_ROWS
+        || !t.source.is_float()
+        || pass.is_match(&t.name)
 }
 
 /// Checks `--imatrix` against the tensors to be coded before any work: an entry of the

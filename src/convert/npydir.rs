@@ -22,7 +22,7 @@ use crate::codec::intq as quant;
 use crate::codec::le;
 use crate::convert::{ConvertError, ConvertReport, Patterns, TensorReport};
 use crate::import::SourceModel;
-use crate::model::TensorDesc;
+use crate::model::{SourceType, TensorDesc};
 
 /// zstd level of `--zstd` (seed 002 §15.2 uses 3).
 const ZSTD_LEVEL: i32 = 3;
@@ -151,7 +151,24 @@ fn encode_one(
         );
     }
     let (kind, comps, recon, group): (&str, Vec<Component>, Vec<f32>, Option<u64>) =
-        if pass || !finite {
+        if let SourceType::Plain(p) = t.source {
+            // Integers and the like keep their own dtype, bytes as they are.
+            let dtype = Dtype::of_plain(p).ok_or_else(|| {
+                ConvertError::Options(format!(
+                    "tensor {}: an npy-dir cannot hold {p:?} values (numpy has no such dtype); convert to .cawsf instead",
+                    t.name
+                ))
+            })?;
+            let c = Component {
+                role: "pt",
+                suffix: "__pt",
+                dtype,
+                shape: t.shape.clone(),
+                data: src.raw(i)?,
+                row_bytes: cols * dtype.size() as usize,
+            };
+            ("passthrough", vec![c], w.clone(), None)
+        } else if pass || !finite {
             let (data, back) = f16_bytes(&w);
             let c = Component {
                 role: "pt",
@@ -213,6 +230,7 @@ fn encode_one(
             ];
             ("int8", comps, back, None)
         };
+    let comps_dtype = comps[0].dtype;
     let rel_err = quant::rel_err(&w, &recon);
     drop((w, recon));
     let rpb = crate::archive::container::rows_per_block(t) as usize;
@@ -241,7 +259,11 @@ fn encode_one(
     );
     let codec = match (kind, opts.zstd) {
         ("int4", z) => format!("int4(g={}){}", opts.group, if z { "+zstd" } else { "" }),
-        ("passthrough", z) => format!("passthrough(f16){}", if z { "+zstd" } else { "" }),
+        ("passthrough", z) => format!(
+            "passthrough({}){}",
+            crate::codec::format_label(comps_dtype.source()),
+            if z { "+zstd" } else { "" }
+        ),
         (k, z) => format!("{k}{}", if z { "+zstd" } else { "" }),
     };
     Ok(Written {

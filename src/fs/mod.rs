@@ -137,14 +137,18 @@ impl MountFs {
     pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
         let t0 = Instant::now();
         let model = archive.model();
-        let plan = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive))?;
-        for note in layout::gguf_notes(model, &plan) {
-            tracing::info!("{note}");
+        let mut files = vec![layout::safetensors_file(model, opts.safetensors_dtype)?];
+        match layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive)) {
+            Ok(plan) => {
+                for note in layout::gguf_notes(model, &plan) {
+                    tracing::info!("{note}");
+                }
+                files.push(layout::gguf_file(model, &plan)?);
+            }
+            // The other views are served; the log says once why this one is not.
+            Err(layout::LayoutError::NoGguf(why)) => tracing::warn!("{why}"),
+            Err(e) => return Err(e.into()),
         }
-        let mut files = vec![
-            layout::safetensors_file(model, opts.safetensors_dtype)?,
-            layout::gguf_file(model, &plan)?,
-        ];
         files.sort_by(|a, b| a.name.cmp(&b.name));
         // What a restart spends before serving (docs/MOUNT.md, "Disk tier").
         tracing::debug!("setup: GGUF and safetensors layouts {:?}", t0.elapsed());

@@ -144,7 +144,7 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         bos_token_id: m.u32_opt("tokenizer.ggml.bos_token_id")?,
         eos_token_id: m.u32_opt("tokenizer.ggml.eos_token_id")?,
         pad_token_id: m.u32_opt("tokenizer.ggml.padding_token_id")?,
-        gguf_arch: arch,
+        gguf_arch: Some(arch),
     })
 }
 
@@ -184,8 +184,12 @@ fn plan_tensors(
             let per_row = t.n_bytes.checked_div(rows).unwrap_or(0);
             (rows, per_row, t.ne[0..t.ne.len() - 1].iter().product())
         };
-        let permute =
-            names::rope_permute_heads(&arch.gguf_arch, &name, arch.n_heads, arch.n_kv_heads);
+        let permute = names::rope_permute_heads(
+            arch.gguf_arch.as_deref(),
+            &name,
+            arch.n_heads,
+            arch.n_kv_heads,
+        );
         if let Some(h) = permute {
             let ok = if shape.len() <= 1 { be == 1 } else { true };
             if !ok || units % h as u64 != 0 || (units / h as u64) % 2 != 0 {

@@ -11,19 +11,56 @@ use serde_json::Value;
 
 use super::{ImportError, SourceModel};
 use crate::gguf::GgmlType;
-use crate::model::{ArchConfig, ModelDesc, SourceType, TensorDesc};
+use crate::model::{
+    check_hf_file_name, ArchConfig, ModelDesc, SourceType, TensorDesc, MAX_HF_FILES,
+};
 
-/// Side files copied into the archive verbatim when present.
-pub(crate) const KEPT_FILES: &[&str] = &[
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
+/// Extensions of the side files kept verbatim: configs, tokenizers (JSON, SentencePiece
+/// `.model`, tiktoken, vocabularies), chat templates, custom code and the model card.
+/// Weights (`.safetensors`, `.bin`, `.gguf` ...) are not among them.
+const KEPT_EXTENSIONS: &[&str] = &["json", "txt", "model", "jinja", "tiktoken", "py", "md"];
+
+/// Side files that describe the source's own weight files, which the mount does not
+/// serve (it makes its own `model.safetensors`, and an index for its shards).
+const NOT_KEPT: &[&str] = &[
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "tf_model.h5.index.json",
+    "flax_model.msgpack.index.json",
 ];
+
+/// The side files of `dir` to keep: regular files directly in it with a kept
+/// extension, at most [`MAX_HF_FILES`] (sorted by name). Sub-directories (a
+/// sentence-transformers pooling config ...) are not kept: the mount is one directory.
+pub(crate) fn side_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, ImportError> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
+        let entry = entry.map_err(|e| io(dir, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
+        let kept = ext.is_some_and(|e| KEPT_EXTENSIONS.contains(&e.as_str()))
+            && !NOT_KEPT.contains(&name.as_str())
+            && !name.starts_with('.')
+            && check_hf_file_name(&name).is_ok();
+        // `metadata` follows a symbolic link (Hugging Face caches are made of them).
+        if kept && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file()) {
+            out.push((name, entry.path()));
+        }
+    }
+    out.sort();
+    if out.len() > MAX_HF_FILES {
+        return Err(invalid(
+            dir,
+            format!(
+                "{} side files (configs, tokenizers ...) is more than the {MAX_HF_FILES} a model may keep",
+                out.len()
+            ),
+        ));
+    }
+    Ok(out)
+}
 
 /// Side files larger than this are refused: they are tokenizers and configs, not weights.
 const MAX_SIDE_FILE: u64 = 64 << 20;
@@ -70,15 +107,11 @@ impl HfSource {
             ));
         }
         let mut hf_files = BTreeMap::new();
-        for name in KEPT_FILES {
-            let p = dir.join(name);
-            if p.is_file() {
-                hf_files.insert(name.to_string(), read_small(&p)?);
-            }
+        for (name, p) in side_files(dir)? {
+            hf_files.insert(name, read_small(&p)?);
         }
         let config: Value = serde_json::from_slice(&hf_files["config.json"])
             .map_err(|e| invalid(&cfg_path, format!("not valid JSON: {e}")))?;
-        model_type_of(&cfg_path, &config)?;
 
         let shard_paths = shard_paths(dir)?;
         let mut shards = Vec::new();
@@ -98,17 +131,15 @@ impl HfSource {
             let mut names: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
             names.sort_by(|a, b| a.0.cmp(&b.0));
             for (name, view) in names {
-                let source = match view.dtype() {
-                    Dtype::F32 => SourceType::F32,
-                    Dtype::F16 => SourceType::F16,
-                    Dtype::BF16 => SourceType::BF16,
-                    other => {
-                        return Err(invalid(
-                            p,
-                            format!("tensor {name}: unsupported dtype {other:?}"),
-                        ))
-                    }
-                };
+                let source = source_type(view.dtype()).ok_or_else(|| {
+                    invalid(
+                        p,
+                        format!(
+                            "tensor {name}: unsupported dtype {:?} (whole-byte types are)",
+                            view.dtype()
+                        ),
+                    )
+                })?;
                 let bytes = view.data();
                 let start = bytes.as_ptr() as usize - map.as_ptr() as usize;
                 debug_assert!(start >= data_start);
@@ -146,13 +177,65 @@ impl HfSource {
     }
 }
 
-/// (non-layer first, layer number, name): embeddings, then layers in order, then the rest.
-pub(crate) fn sort_key(name: &str) -> (u8, u32, String) {
+/// The model's type for a safetensors dtype; None for one the archive cannot hold
+/// (sub-byte MX types).
+pub(crate) fn source_type(d: Dtype) -> Option<SourceType> {
+    use crate::model::PlainType as P;
+    Some(match d {
+        Dtype::F32 => SourceType::F32,
+        Dtype::F16 => SourceType::F16,
+        Dtype::BF16 => SourceType::BF16,
+        Dtype::BOOL => SourceType::Plain(P::Bool),
+        Dtype::U8 => SourceType::Plain(P::U8),
+        Dtype::I8 => SourceType::Plain(P::I8),
+        Dtype::F8_E4M3 => SourceType::Plain(P::F8E4M3),
+        Dtype::F8_E5M2 => SourceType::Plain(P::F8E5M2),
+        Dtype::I16 => SourceType::Plain(P::I16),
+        Dtype::U16 => SourceType::Plain(P::U16),
+        Dtype::I32 => SourceType::Plain(P::I32),
+        Dtype::U32 => SourceType::Plain(P::U32),
+        Dtype::F64 => SourceType::Plain(P::F64),
+        Dtype::I64 => SourceType::Plain(P::I64),
+        Dtype::U64 => SourceType::Plain(P::U64),
+        _ => return None,
+    })
+}
+
+/// (non-layer first, layer number, name): embeddings, then layers in order, then the
+/// rest. Names of other architectures (`encoder.layer.10...`, `h.3...`) sort
+/// naturally: numbers by value, so layer 10 follows layer 9.
+pub(crate) fn sort_key(name: &str) -> (u8, u32, Vec<NamePart>) {
     match crate::model::names::layer_of(name) {
-        Some(l) => (1, l, name.to_string()),
-        None if name.contains("embed") => (0, 0, name.to_string()),
-        None => (2, 0, name.to_string()),
+        Some(l) => (1, l, natural(name)),
+        None if name.contains("embed") => (0, 0, natural(name)),
+        None => (2, 0, natural(name)),
     }
+}
+
+/// A run of a name: text, or a number compared by value (then by its digits, so
+/// `01` and `1` stay distinct).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum NamePart {
+    Text(String),
+    Num(u128, String),
+}
+
+fn natural(name: &str) -> Vec<NamePart> {
+    let mut parts = Vec::new();
+    let mut rest = name;
+    while let Some(c) = rest.chars().next() {
+        let digit = c.is_ascii_digit();
+        let end = rest
+            .find(|ch: char| ch.is_ascii_digit() != digit)
+            .unwrap_or(rest.len());
+        let (run, tail) = rest.split_at(end);
+        parts.push(match run.parse::<u128>() {
+            Ok(n) if digit => NamePart::Num(n, run.to_string()),
+            _ => NamePart::Text(run.to_string()),
+        });
+        rest = tail;
+    }
+    parts
 }
 
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
@@ -202,50 +285,45 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
     ))
 }
 
-/// `model_type` of a config and the GGUF architecture it maps to; an architecture this
-/// build cannot serve is refused here, before any tensor is looked at, so that is the
-/// error the user sees (not a dtype of some tensor of that model).
-fn model_type_of(path: &Path, c: &Value) -> Result<(String, String), ImportError> {
+/// `model_type` of a config and the GGUF architecture llama.cpp knows it as, if this
+/// build can serve a GGUF view of it.
+fn model_type_of(path: &Path, c: &Value) -> Result<(String, Option<String>), ImportError> {
     let model_type = c
         .get("model_type")
         .and_then(Value::as_str)
         .ok_or_else(|| invalid(path, "missing model_type"))?
         .to_string();
-    let gguf_arch = match model_type.as_str() {
-        "llama" | "mistral" => "llama",
-        "qwen2" => "qwen2",
-        other => {
-            return Err(invalid(
-                path,
-                format!("unsupported model_type {other} (llama, mistral, qwen2 are)"),
-            ))
-        }
-    }
-    .to_string();
+    let gguf_arch = crate::model::names::gguf_arch_of(&model_type).map(str::to_string);
     Ok((model_type, gguf_arch))
 }
 
+/// The architecture of a Hugging Face config. A model with a GGUF mapping must give
+/// the hyper-parameters its GGUF metadata needs; for any other model they are read
+/// where the config has them under the usual names and 0 otherwise (only the GGUF
+/// view uses them).
 pub(crate) fn arch_from_config(
     path: &Path,
     c: &Value,
     tensors: &[TensorDesc],
 ) -> Result<ArchConfig, ImportError> {
     let (model_type, gguf_arch) = model_type_of(path, c)?;
-    let u = |key: &str| -> Result<u32, ImportError> {
-        c.get(key)
-            .and_then(Value::as_u64)
-            .and_then(|v| u32::try_from(v).ok())
-            .ok_or_else(|| invalid(path, format!("missing or invalid {key}")))
-    };
+    let required = gguf_arch.is_some();
     let opt_u = |key: &str| {
         c.get(key)
             .and_then(Value::as_u64)
             .and_then(|v| u32::try_from(v).ok())
     };
+    let u = |key: &str| -> Result<u32, ImportError> {
+        match opt_u(key) {
+            Some(v) => Ok(v),
+            None if !required => Ok(0),
+            None => Err(invalid(path, format!("missing or invalid {key}"))),
+        }
+    };
     let f = |key: &str, default: f64| c.get(key).and_then(Value::as_f64).unwrap_or(default) as f32;
     let hidden_size = u("hidden_size")?;
     let n_heads = u("num_attention_heads")?;
-    if n_heads == 0 || hidden_size % n_heads != 0 && opt_u("head_dim").is_none() {
+    if required && (n_heads == 0 || hidden_size % n_heads != 0 && opt_u("head_dim").is_none()) {
         return Err(invalid(
             path,
             format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {n_heads}"),
@@ -260,7 +338,7 @@ pub(crate) fn arch_from_config(
         intermediate_size: u("intermediate_size")?,
         n_heads,
         n_kv_heads: opt_u("num_key_value_heads").unwrap_or(n_heads),
-        head_dim: opt_u("head_dim").unwrap_or(hidden_size / n_heads),
+        head_dim: opt_u("head_dim").unwrap_or(hidden_size.checked_div(n_heads).unwrap_or(0)),
         vocab_size: u("vocab_size")?,
         context_length: opt_u("max_position_embeddings").unwrap_or(2048),
         // transformers 5 writes it only inside `rope_parameters`.
@@ -291,13 +369,18 @@ impl SourceModel for HfSource {
         let (s, r) = &self.locations[i];
         let bytes = &self.shards[*s][r.clone()];
         let t = &self.desc.tensors[i];
+        let mut out = vec![0f32; t.numel() as usize];
         let ty = match t.source {
             SourceType::F32 => GgmlType::F32,
             SourceType::F16 => GgmlType::F16,
             SourceType::BF16 => GgmlType::BF16,
             SourceType::Ggml(ty) => ty,
+            SourceType::Plain(p) => {
+                p.to_f32(bytes, &mut out);
+                crate::mem::release_pages(&self.shards[*s], r.clone());
+                return Ok(out);
+            }
         };
-        let mut out = vec![0f32; t.numel() as usize];
         crate::gguf::quant::dequantize(ty, bytes, &mut out).map_err(|e| ImportError::Invalid {
             path: format!("tensor {}", t.name),
             reason: e.to_string(),
@@ -330,5 +413,69 @@ mod tests {
         assert_eq!(theta(serde_json::json!({"rope_theta": 500000.0})), 500000.0);
         let nested = serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}});
         assert_eq!(theta(nested), 100000.0);
+    }
+}
+
+#[cfg(test)]
+mod side_file_tests {
+    use super::*;
+
+    #[test]
+    fn names_sort_layers_by_number() {
+        let mut names = vec![
+            "encoder.layer.10.output.dense.weight",
+            "encoder.layer.2.output.dense.weight",
+            "embeddings.word_embeddings.weight",
+            "pooler.dense.weight",
+            "encoder.layer.1.attention.self.query.weight",
+        ];
+        names.sort_by_key(|n| sort_key(n));
+        assert_eq!(
+            names,
+            [
+                "embeddings.word_embeddings.weight",
+                "encoder.layer.1.attention.self.query.weight",
+                "encoder.layer.2.output.dense.weight",
+                "encoder.layer.10.output.dense.weight",
+                "pooler.dense.weight",
+            ]
+        );
+    }
+
+    #[test]
+    fn side_files_are_small_text_files_not_weights() {
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            "config.json",
+            "tokenizer.model",
+            "vocab.txt",
+            "chat_template.jinja",
+            "README.md",
+            "modeling_custom.py",
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            ".gitattributes",
+            "weights.gguf",
+        ] {
+            std::fs::write(d.path().join(f), b"x").unwrap();
+        }
+        std::fs::create_dir(d.path().join("1_Pooling.json")).unwrap();
+        let names: Vec<String> = side_files(d.path())
+            .unwrap()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "README.md",
+                "chat_template.jinja",
+                "config.json",
+                "modeling_custom.py",
+                "tokenizer.model",
+                "vocab.txt",
+            ]
+        );
     }
 }

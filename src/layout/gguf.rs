@@ -113,7 +113,7 @@ pub(super) fn build(
         }
         b.zeros(offset - pos)?;
         let permute = names::rope_permute_heads(
-            &model.arch.gguf_arch,
+            model.arch.gguf_arch.as_deref(),
             name,
             model.arch.n_heads,
             model.arch.n_kv_heads,
@@ -155,7 +155,7 @@ fn kept_meta(model: &ModelDesc, file_type: u32) -> Vec<(String, GgufValue)> {
 /// Metadata of a Hugging Face source, as llama.cpp's converter would write it.
 fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufValue)>, LayoutError> {
     let a = &model.arch;
-    let arch = a.gguf_arch.clone();
+    let arch = super::gguf_arch(model)?.to_string();
     let config: Option<serde_json::Value> = model
         .hf_files
         .get("config.json")

@@ -30,9 +30,15 @@ fn torch_dtype(model: &ModelDesc) -> &'static str {
     let ft = model
         .tensors
         .iter()
-        .find(|t| t.shape.len() >= 2)
-        .or(model.tensors.first())
-        .map_or(FloatType::F16, |t| t.source.default_float());
+        .filter_map(|t| Some((t.shape.len(), t.source.float_view()?)))
+        .find(|(dims, _)| *dims >= 2)
+        .or_else(|| {
+            model
+                .tensors
+                .iter()
+                .find_map(|t| Some((1, t.source.float_view()?)))
+        })
+        .map_or(FloatType::F16, |(_, f)| f);
     match ft {
         FloatType::F32 => "float32",
         FloatType::F16 => "float16",

@@ -15,7 +15,7 @@ use half::{bf16, f16};
 
 use crate::gguf::quantize::{can_quantize, quantize};
 use crate::gguf::GgmlType;
-use crate::model::{FloatType, ModelDesc, ReadError, RowSource};
+use crate::model::{FloatType, ModelDesc, PlainType, ReadError, RowSource};
 
 mod gguf;
 mod hfmeta;
@@ -42,6 +42,9 @@ pub enum LayoutError {
     Unsupported(String),
     #[error("{0}")]
     Metadata(String),
+    /// The model's architecture has no GGUF view; the other views are served.
+    #[error("{0}")]
+    NoGguf(String),
 }
 
 /// At most this many bytes of f32 rows are decoded at once by one `read_at` step, so a
@@ -59,15 +62,42 @@ pub const BYTES_VERSION: u32 = 1;
 /// smallest unit a read decodes, so it bounds the memory of any read.
 const MAX_ROW_F32_BYTES: u64 = 256 << 20;
 
-/// Tensor data of one piece: `rows × cols` values of `tensor`, served as `ty` (a float
-/// type or ggml blocks; a row is always a whole number of blocks).
+/// How a tensor piece's bytes are made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fill {
+    /// Encoded from f32 rows into a float type or ggml blocks.
+    Encode(GgmlType),
+    /// The archive's stored source bytes (ggml blocks or floats of this type), copied
+    /// as they are (`RowSource::read_raw_rows`).
+    Copy(GgmlType),
+    /// A plain type's stored bytes (integers, booleans ...), copied as they are.
+    CopyPlain(PlainType),
+}
+
+impl Fill {
+    fn is_copy(self) -> bool {
+        !matches!(self, Fill::Encode(_))
+    }
+    fn type_id(self) -> u32 {
+        match self {
+            Fill::Encode(t) | Fill::Copy(t) => t.id(),
+            Fill::CopyPlain(p) => p.id(),
+        }
+    }
+    fn row_bytes(self, cols: u64) -> Option<u64> {
+        match self {
+            Fill::Encode(t) | Fill::Copy(t) => t.row_bytes(cols),
+            Fill::CopyPlain(p) => cols.checked_mul(p.size()),
+        }
+    }
+}
+
+/// Tensor data of one piece: `rows × cols` values of `tensor`, served as `fill` says
+/// (a row is always a whole number of blocks).
 #[derive(Clone, Debug)]
 struct TensorPiece {
     tensor: usize,
-    ty: GgmlType,
-    /// The archive's stored source bytes, copied as they are (`RowSource::read_raw_rows`)
-    /// rather than encoded from f32 rows.
-    raw: bool,
+    fill: Fill,
     rows: u64,
     cols: u64,
     row_bytes: u64,
@@ -123,8 +153,8 @@ impl Builder {
                 2,
                 vec![
                     t.tensor as u64,
-                    t.ty.id() as u64,
-                    t.raw as u64,
+                    t.fill.type_id() as u64,
+                    t.fill.is_copy() as u64,
                     t.rows,
                     t.cols,
                     t.permute.map_or(0, |h| h as u64 + 1),
@@ -152,8 +182,8 @@ impl Builder {
     fn zeros(&mut self, len: u64) -> Result<(), LayoutError> {
         self.push(len, PieceKind::Zeros)
     }
-    /// Append a tensor's data; `name` is for error messages.
-    #[allow(clippy::too_many_arguments)]
+    /// Append a tensor's data as `ty`, encoded from f32 rows or (`raw`) copied from
+    /// the archive's stored bytes; `name` is for error messages.
     fn tensor(
         &mut self,
         name: &str,
@@ -168,7 +198,35 @@ impl Builder {
                 "tensor {name}: cannot serve type {ty:?}"
             )));
         }
-        let (row_bytes, len) = tensor_bytes(name, rows, cols, ty)?;
+        let fill = if raw {
+            Fill::Copy(ty)
+        } else {
+            Fill::Encode(ty)
+        };
+        self.piece(name, tensor, (rows, cols), fill, permute)
+    }
+
+    /// Append a plain-typed tensor's stored bytes.
+    fn plain_tensor(
+        &mut self,
+        name: &str,
+        tensor: usize,
+        (rows, cols): (u64, u64),
+        ty: PlainType,
+    ) -> Result<u64, LayoutError> {
+        self.piece(name, tensor, (rows, cols), Fill::CopyPlain(ty), None)
+    }
+
+    fn piece(
+        &mut self,
+        name: &str,
+        tensor: usize,
+        (rows, cols): (u64, u64),
+        fill: Fill,
+        permute: Option<u32>,
+    ) -> Result<u64, LayoutError> {
+        let raw = fill.is_copy();
+        let (row_bytes, len) = tensor_bytes(name, rows, cols, fill)?;
         if raw && rows == 1 && permute.is_some() {
             return Err(LayoutError::Unsupported(format!(
                 "tensor {name}: a permuted 1-D tensor cannot be served as stored bytes"
@@ -188,8 +246,7 @@ impl Builder {
             len,
             PieceKind::Tensor(TensorPiece {
                 tensor,
-                ty,
-                raw,
+                fill,
                 rows,
                 cols,
                 row_bytes,
@@ -212,17 +269,17 @@ impl Builder {
     }
 }
 
-/// Bytes of one row and of the whole `rows × cols` tensor in `ty`, refusing absurd
-/// shapes and rows that are not a whole number of `ty`'s blocks.
-fn tensor_bytes(name: &str, rows: u64, cols: u64, ty: GgmlType) -> Result<(u64, u64), LayoutError> {
+/// Bytes of one row and of the whole `rows × cols` tensor as `fill` serves it,
+/// refusing absurd shapes and rows that are not a whole number of blocks.
+fn tensor_bytes(name: &str, rows: u64, cols: u64, fill: Fill) -> Result<(u64, u64), LayoutError> {
     let bad = || LayoutError::Metadata(format!("tensor {name}: shape {rows}x{cols} too large"));
     let row_f32 = cols.checked_mul(4).ok_or_else(bad)?;
     if row_f32 > MAX_ROW_F32_BYTES {
         return Err(bad());
     }
-    let row = ty.row_bytes(cols).ok_or_else(|| {
+    let row = fill.row_bytes(cols).ok_or_else(|| {
         LayoutError::Unsupported(format!(
-            "tensor {name}: rows of {cols} values are not a whole number of {ty:?} blocks"
+            "tensor {name}: rows of {cols} values are not a whole number of {fill:?} blocks"
         ))
     })?;
     Ok((row, rows.checked_mul(row).ok_or_else(bad)?))
@@ -275,11 +332,13 @@ impl VirtualFile {
     /// its budget for every load in flight.
     pub fn load_work_factor(&self) -> u64 {
         let widest = self.inner.pieces.iter().filter_map(|p| match &p.kind {
-            PieceKind::Tensor(t) if t.raw => Some(1),
-            PieceKind::Tensor(t) => {
-                let (e, b) = t.ty.block();
-                Some((4 * e).div_ceil(b))
-            }
+            PieceKind::Tensor(t) => match t.fill {
+                Fill::Encode(ty) => {
+                    let (e, b) = ty.block();
+                    Some((4 * e).div_ceil(b))
+                }
+                Fill::Copy(_) | Fill::CopyPlain(_) => Some(1),
+            },
             _ => None,
         });
         1 + widest.max().unwrap_or(0)
@@ -419,7 +478,10 @@ impl Rows {
         match self {
             Rows::Values(v) => {
                 let rows = &v[(i0 * t.cols) as usize..(i1 * t.cols) as usize];
-                encode_window(rows, t.ty, skip, out)
+                let Fill::Encode(ty) = t.fill else {
+                    unreachable!("read_tensor reads copied pieces as bytes")
+                };
+                encode_window(rows, ty, skip, out)
             }
             Rows::Raw(v) => {
                 let at = (i0 * t.row_bytes) as usize + skip;
@@ -439,7 +501,7 @@ fn read_tensor(
     out: &mut [u8],
 ) -> Result<(), ReadError> {
     let end = rel + out.len() as u64;
-    let mut rows = if t.raw {
+    let mut rows = if t.fill.is_copy() {
         Rows::Raw(Vec::new())
     } else {
         Rows::Values(take_scratch())
@@ -496,13 +558,13 @@ fn read_tensor_rows(
     out: &mut [u8],
 ) -> Result<(), ReadError> {
     // A permuted 1-D tensor: one small row whose elements are reordered.
-    if let (Some(heads), 1, false) = (t.permute, t.rows, t.raw) {
+    if let (Some(heads), 1, Fill::Encode(ty)) = (t.permute, t.rows, t.fill) {
         let mut vals = vec![0f32; t.cols as usize];
         src.read_rows(t.tensor, 0, 1, &mut vals)?;
         let perm: Vec<f32> = (0..t.cols)
             .map(|g| vals[crate::model::names::gguf_row_to_hf(g, t.cols, heads) as usize])
             .collect();
-        return encode_window(&perm, t.ty, rel as usize, out);
+        return encode_window(&perm, ty, rel as usize, out);
     }
 
     let row_bytes = t.row_bytes;
@@ -562,6 +624,16 @@ pub fn safetensors_file(
     dtype: Option<FloatType>,
 ) -> Result<VirtualFile, LayoutError> {
     safetensors::build(model, dtype)
+}
+
+/// llama.cpp's architecture name for `model`, or why it has no GGUF view (one line).
+pub fn gguf_arch(model: &ModelDesc) -> Result<&str, LayoutError> {
+    model.arch.gguf_arch.as_deref().ok_or_else(|| {
+        LayoutError::NoGguf(format!(
+            "no model.gguf for model type {:?}: llama.cpp's tensor names for it are not known to cawsfs (they are for llama, mistral, qwen2)",
+            model.arch.model_type
+        ))
+    })
 }
 
 /// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to

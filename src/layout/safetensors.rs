@@ -8,14 +8,55 @@ use std::collections::HashMap;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
-use super::{tensor_bytes, Builder, LayoutError, VirtualFile};
-use crate::model::{FloatType, ModelDesc};
+use super::{Builder, LayoutError, VirtualFile};
+use crate::model::{FloatType, ModelDesc, PlainType, SourceType};
 
-fn st_dtype(t: FloatType) -> Dtype {
+/// What one tensor is served as: a float type (converted from whatever the archive
+/// holds), or a plain type's stored bytes.
+#[derive(Clone, Copy, Debug)]
+enum Served {
+    Float(FloatType),
+    Plain(PlainType),
+}
+
+fn st_dtype(t: Served) -> Dtype {
+    use PlainType as P;
     match t {
-        FloatType::F32 => Dtype::F32,
-        FloatType::F16 => Dtype::F16,
-        FloatType::BF16 => Dtype::BF16,
+        Served::Float(FloatType::F32) => Dtype::F32,
+        Served::Float(FloatType::F16) => Dtype::F16,
+        Served::Float(FloatType::BF16) => Dtype::BF16,
+        Served::Plain(p) => match p {
+            P::Bool => Dtype::BOOL,
+            P::U8 => Dtype::U8,
+            P::I8 => Dtype::I8,
+            P::F8E4M3 => Dtype::F8_E4M3,
+            P::F8E5M2 => Dtype::F8_E5M2,
+            P::I16 => Dtype::I16,
+            P::U16 => Dtype::U16,
+            P::I32 => Dtype::I32,
+            P::U32 => Dtype::U32,
+            P::F64 => Dtype::F64,
+            P::I64 => Dtype::I64,
+            P::U64 => Dtype::U64,
+        },
+    }
+}
+
+/// `dtype` (None: the source's own float type) for float tensors; a plain tensor's
+/// own type always (`--dtype` converts weights, never `position_ids`).
+fn served(source: SourceType, dtype: Option<FloatType>) -> Served {
+    match source {
+        SourceType::Plain(p) => Served::Plain(p),
+        float => Served::Float(dtype.or(float.float_view()).unwrap_or(FloatType::F32)),
+    }
+}
+
+impl Served {
+    fn size(self) -> u64 {
+        match self {
+            Served::Float(f) => f.size() as u64,
+            Served::Plain(p) => p.size(),
+        }
     }
 }
 
@@ -23,11 +64,11 @@ pub(super) fn build(
     model: &ModelDesc,
     dtype: Option<FloatType>,
 ) -> Result<VirtualFile, LayoutError> {
-    let mut order: Vec<(usize, FloatType)> = model
+    let mut order: Vec<(usize, Served)> = model
         .tensors
         .iter()
         .enumerate()
-        .map(|(i, t)| (i, dtype.unwrap_or_else(|| t.source.default_float())))
+        .map(|(i, t)| (i, served(t.source, dtype)))
         .collect();
     // The writer's order: descending dtype alignment, then name.
     order.sort_by(|(a, da), (b, db)| {
@@ -47,7 +88,6 @@ pub(super) fn build(
     let mut offset: u64 = 0;
     for &(i, ft) in &order {
         let t = &model.tensors[i];
-        let (_, n) = tensor_bytes(&t.name, t.rows(), t.cols(), ft.ggml())?;
         let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         if numel != Some(t.rows() * t.cols()) {
             return Err(LayoutError::Metadata(format!(
@@ -55,6 +95,9 @@ pub(super) fn build(
                 t.name, t.shape
             )));
         }
+        let n = numel
+            .and_then(|n| n.checked_mul(ft.size()))
+            .ok_or_else(|| LayoutError::Metadata(format!("tensor {}: too large", t.name)))?;
         let end = offset
             .checked_add(n)
             .ok_or_else(|| LayoutError::Metadata("safetensors data size overflows".into()))?;
@@ -94,7 +137,12 @@ pub(super) fn build(
     b.bytes(header)?;
     for &(i, ft) in &order {
         let t = &model.tensors[i];
-        b.tensor(&t.name, i, t.rows(), t.cols(), (ft.ggml(), false), None)?;
+        match ft {
+            Served::Float(f) => {
+                b.tensor(&t.name, i, t.rows(), t.cols(), (f.ggml(), false), None)?
+            }
+            Served::Plain(p) => b.plain_tensor(&t.name, i, (t.rows(), t.cols()), p)?,
+        };
     }
     Ok(b.finish("model.safetensors"))
 }

@@ -173,7 +173,7 @@ fn safetensors_matches_the_reference_writer() {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                let ft = dtype.unwrap_or(t.source.default_float());
+                let ft = dtype.unwrap_or(t.source.float_view().unwrap());
                 let st = match ft {
                     FloatType::F32 => ::safetensors::Dtype::F32,
                     FloatType::F16 => ::safetensors::Dtype::F16,
@@ -204,7 +204,7 @@ fn safetensors_matches_the_reference_writer() {
         assert_eq!(st.len(), model.tensors.len());
         for (i, t) in model.tensors.iter().enumerate() {
             let v = st.tensor(&t.name).unwrap();
-            let ft = dtype.unwrap_or(t.source.default_float());
+            let ft = dtype.unwrap_or(t.source.float_view().unwrap());
             assert_eq!(v.shape(), owned[i].2.as_slice());
             assert_eq!(v.data(), encode_all(&src.data[i].0, ft).as_slice());
         }
@@ -747,7 +747,7 @@ fn k_model(source: SourceType) -> ModelDesc {
 fn gguf_rows(model: &ModelDesc, src: &Mock, ti: usize) -> Vec<Vec<f32>> {
     let t = &model.tensors[ti];
     let heads = crate::model::names::rope_permute_heads(
-        &model.arch.gguf_arch,
+        model.arch.gguf_arch.as_deref(),
         &t.name,
         model.arch.n_heads,
         model.arch.n_kv_heads,
@@ -901,7 +901,7 @@ fn source_view_serves_stored_blocks_as_they_are() {
             assert_eq!((tv.ty, tv.raw), (GgmlType::Q8_0, true), "{}", t.name);
             let rb = GgmlType::Q8_0.row_bytes(t.cols()).unwrap();
             let heads = crate::model::names::rope_permute_heads(
-                "llama",
+                Some("llama"),
                 &t.name,
                 model.arch.n_heads,
                 model.arch.n_kv_heads,
@@ -1048,4 +1048,86 @@ fn fingerprints_follow_what_a_file_is_made_of() {
         a.fingerprint(),
         VirtualFile::from_bytes("a", b"two".to_vec()).fingerprint()
     );
+}
+
+/// Serves an i64 tensor's stored bytes and an f32 tensor's values, as an archive does
+/// for a plain-typed passthrough.
+struct PlainMock {
+    ids: Vec<i64>,
+    weights: Vec<f32>,
+}
+
+impl RowSource for PlainMock {
+    fn read_rows(&self, tensor: usize, r0: u64, r1: u64, out: &mut [f32]) -> Result<(), ReadError> {
+        assert_eq!(
+            tensor, 1,
+            "a plain tensor is never read as f32 by the views"
+        );
+        out.copy_from_slice(&self.weights[(r0 * 4) as usize..(r1 * 4) as usize]);
+        Ok(())
+    }
+    fn raw_format(&self, tensor: usize) -> Option<SourceType> {
+        (tensor == 0).then_some(SourceType::Plain(crate::model::PlainType::I64))
+    }
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        r0: u64,
+        r1: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        assert_eq!((tensor, r0, r1), (0, 0, 1));
+        for (o, v) in out.chunks_exact_mut(8).zip(&self.ids) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn plain_tensors_are_served_as_their_bytes_whatever_the_dtype() {
+    use crate::model::PlainType;
+    let model = ModelDesc {
+        arch: ArchConfig {
+            model_type: "bert".into(),
+            gguf_arch: None,
+            ..tiny_arch()
+        },
+        tensors: vec![
+            td(
+                "embeddings.position_ids",
+                &[1, 5],
+                SourceType::Plain(PlainType::I64),
+            ),
+            td("w", &[3, 4], SourceType::F32),
+        ],
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    };
+    let src = PlainMock {
+        ids: vec![0, 1, -2, i64::MAX, i64::MIN],
+        weights: (0..12).map(|i| i as f32 * 0.5).collect(),
+    };
+    for dtype in [None, Some(FloatType::F16), Some(FloatType::BF16)] {
+        let f = safetensors_file(&model, dtype).unwrap();
+        let mut buf = vec![0u8; f.size as usize];
+        assert_eq!(f.read_at(&src, 0, &mut buf).unwrap(), buf.len());
+        let st = ::safetensors::SafeTensors::deserialize(&buf).unwrap();
+        let ids = st.tensor("embeddings.position_ids").unwrap();
+        assert_eq!(ids.dtype(), ::safetensors::Dtype::I64);
+        assert_eq!(ids.shape(), &[1, 5]);
+        let want: Vec<u8> = src.ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(ids.data(), &want[..]);
+        let w = st.tensor("w").unwrap();
+        let ft = dtype.unwrap_or(FloatType::F32);
+        assert_eq!(w.data().len(), 12 * ft.size());
+    }
+    // No GGUF names for this architecture: the plan says so in one line.
+    let held = vec![Held::Exact(SourceType::F32); 2];
+    match gguf_plan(&model, GgufView::Auto, &held) {
+        Err(LayoutError::NoGguf(why)) => {
+            assert!(why.contains("\"bert\"") && !why.contains('\n'), "{why}")
+        }
+        other => panic!("expected NoGguf, got {other:?}"),
+    }
 }

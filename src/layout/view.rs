@@ -261,7 +261,7 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
         .iter()
         .map(|(i, _)| model.tensors[*i].shape.iter().rev().copied().collect())
         .collect();
-    let arch = &model.arch.gguf_arch;
+    let arch = super::gguf_arch(model)?;
     let m = PresetModel {
         arch,
         n_layers: model.arch.n_layers,

@@ -26,6 +26,87 @@ pub enum SourceType {
     BF16,
     /// A ggml block-quantized type (Q8_0, Q4_1, Q4_K ...) from a GGUF source.
     Ggml(GgmlType),
+    /// Integers, booleans, f64 and fp8 (`position_ids`, masks, scales): stored and
+    /// served only as their own bytes, never converted by a view.
+    Plain(PlainType),
+}
+
+/// A safetensors dtype of whole bytes that is none of the float types a view converts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlainType {
+    Bool,
+    U8,
+    I8,
+    F8E4M3,
+    F8E5M2,
+    I16,
+    U16,
+    I32,
+    U32,
+    F64,
+    I64,
+    U64,
+}
+
+impl PlainType {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        use PlainType::*;
+        match self {
+            Bool | U8 | I8 | F8E4M3 | F8E5M2 => 1,
+            I16 | U16 => 2,
+            I32 | U32 => 4,
+            F64 | I64 | U64 => 8,
+        }
+    }
+
+    /// A small number naming the type in layout fingerprints (distinct from ggml ids).
+    pub fn id(self) -> u32 {
+        0x100 + self as u32
+    }
+
+    /// Elements as f32 (the nearest value; booleans 0 or 1), for consumers that only
+    /// read values (statistics, a float view of a whole model). `bytes` holds
+    /// `out.len()` little-endian elements.
+    pub fn to_f32(self, bytes: &[u8], out: &mut [f32]) {
+        use PlainType::*;
+        let n = self.size() as usize;
+        debug_assert_eq!(bytes.len(), out.len() * n);
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(n)) {
+            let mut w = [0u8; 8];
+            w[..n].copy_from_slice(b);
+            let u = u64::from_le_bytes(w);
+            *o = match self {
+                Bool => (u != 0) as u8 as f32,
+                U8 | U16 | U32 | U64 => u as f32,
+                I8 => b[0] as i8 as f32,
+                I16 => u as u16 as i16 as f32,
+                I32 => u as u32 as i32 as f32,
+                I64 => u as i64 as f32,
+                F64 => f64::from_bits(u) as f32,
+                // E5M2 is the top byte of an f16.
+                F8E5M2 => half::f16::from_bits((u as u16) << 8).to_f32(),
+                F8E4M3 => f8e4m3_to_f32(u as u8),
+            };
+        }
+    }
+}
+
+/// OCP FP8 E4M3 ("fn": no infinities; S.1111.111 is NaN): bias 7, subnormals below.
+fn f8e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = (b >> 3) & 0xf;
+    let m = (b & 7) as f32;
+    if e == 0xf && b & 7 == 7 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e as i32 - 7)
+    };
+    sign * mag
 }
 
 /// A float dtype a virtual file can present.
@@ -57,14 +138,31 @@ impl FloatType {
 impl SourceType {
     /// The float dtype a safetensors view presents by default: the source's own float
     /// type, and F16 for quantized sources (dequantized values of 4/8-bit blocks are
-    /// represented closely enough by f16; f32 on request).
-    pub fn default_float(self) -> FloatType {
+    /// represented closely enough by f16; f32 on request). None for a plain type,
+    /// which is served only as its own bytes.
+    pub fn float_view(self) -> Option<FloatType> {
         match self {
-            SourceType::F32 => FloatType::F32,
-            SourceType::F16 => FloatType::F16,
-            SourceType::BF16 => FloatType::BF16,
-            SourceType::Ggml(_) => FloatType::F16,
+            SourceType::F32 => Some(FloatType::F32),
+            SourceType::F16 => Some(FloatType::F16),
+            SourceType::BF16 => Some(FloatType::BF16),
+            SourceType::Ggml(_) => Some(FloatType::F16),
+            SourceType::Plain(_) => None,
         }
+    }
+
+    /// Bytes per element a mount presents by default: [`SourceType::float_view`]'s, or
+    /// the plain type's own.
+    pub fn served_size(self) -> u64 {
+        match self {
+            SourceType::Plain(p) => p.size(),
+            SourceType::F32 => 4,
+            SourceType::F16 | SourceType::BF16 | SourceType::Ggml(_) => 2,
+        }
+    }
+
+    /// Whether a codec may code this tensor's values: float types only.
+    pub fn is_float(self) -> bool {
+        !matches!(self, SourceType::Plain(_))
     }
 }
 
@@ -97,14 +195,17 @@ impl TensorDesc {
     }
 }
 
-/// Architecture hyper-parameters of a llama-family model, in one place for both
-/// conventions (GGUF `llama.*` keys and Hugging Face `config.json`).
+/// Architecture hyper-parameters, in one place for both conventions (GGUF `llama.*`
+/// keys and Hugging Face `config.json`). The numbers are those of a llama-family
+/// model; for a model without a GGUF mapping they are what its config gives under
+/// those names, 0 where it gives nothing, and nothing but reports uses them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ArchConfig {
-    /// Hugging Face `model_type` ("llama", "mistral", "qwen2").
+    /// Hugging Face `model_type` ("llama", "qwen2", "bert", any).
     pub model_type: String,
-    /// GGUF `general.architecture` ("llama", "qwen2").
-    pub gguf_arch: String,
+    /// GGUF `general.architecture` ("llama", "qwen2"); None when llama.cpp's names for
+    /// this architecture are not known here, so no GGUF view is served.
+    pub gguf_arch: Option<String>,
     pub n_layers: u32,
     pub hidden_size: u32,
     pub intermediate_size: u32,
@@ -252,5 +353,51 @@ mod tests {
             let e = check_hf_file_name(bad).unwrap_err();
             assert!(e.starts_with("side file name ") && !e.contains('\n'), "{e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod plain_tests {
+    use super::PlainType;
+
+    fn f32s(p: PlainType, bytes: &[u8]) -> Vec<f32> {
+        let mut out = vec![0f32; bytes.len() / p.size() as usize];
+        p.to_f32(bytes, &mut out);
+        out
+    }
+
+    #[test]
+    fn plain_types_read_as_their_values() {
+        let i64s: Vec<u8> = [-3i64, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(f32s(PlainType::I64, &i64s), [-3.0, 7.0]);
+        assert_eq!(f32s(PlainType::I8, &[0xff, 5]), [-1.0, 5.0]);
+        assert_eq!(f32s(PlainType::U8, &[0xff, 5]), [255.0, 5.0]);
+        assert_eq!(f32s(PlainType::Bool, &[0, 1, 2]), [0.0, 1.0, 1.0]);
+        assert_eq!(f32s(PlainType::I16, &(-300i16).to_le_bytes()), [-300.0]);
+        assert_eq!(
+            f32s(PlainType::U32, &u32::MAX.to_le_bytes()),
+            [u32::MAX as f32]
+        );
+        assert_eq!(f32s(PlainType::F64, &1.5f64.to_le_bytes()), [1.5]);
+        // E4M3: 0x38 = 1.0, 0xC0 = -2.0, 0x7E = 448 (largest), 0x01 = 2^-9, 0x7F = NaN.
+        let e4 = f32s(PlainType::F8E4M3, &[0x38, 0xC0, 0x7E, 0x01, 0x7F]);
+        assert_eq!(&e4[..4], &[1.0, -2.0, 448.0, 2f32.powi(-9)]);
+        assert!(e4[4].is_nan());
+        // E5M2: 0x3C = 1.0, 0x7C = +inf, 0xC0 = -2.0.
+        assert_eq!(
+            f32s(PlainType::F8E5M2, &[0x3C, 0x7C, 0xC0]),
+            [1.0, f32::INFINITY, -2.0]
+        );
+    }
+
+    #[test]
+    fn plain_types_have_distinct_ids_outside_ggml() {
+        use PlainType::*;
+        let all = [
+            Bool, U8, I8, F8E4M3, F8E5M2, I16, U16, I32, U32, F64, I64, U64,
+        ];
+        let ids: std::collections::BTreeSet<u32> = all.iter().map(|p| p.id()).collect();
+        assert_eq!(ids.len(), all.len());
+        assert!(ids.iter().all(|&i| i >= 0x100));
     }
 }

@@ -5,6 +5,16 @@
 //! `hd` rows, HF row `j*hd/2 + i` becomes GGUF row `2*i + j` (j ∈ {0,1}). Qwen2 uses
 //! the NEOX rotary layout and is not permuted.
 
+/// The GGUF `general.architecture` of a Hugging Face `model_type` whose tensors this
+/// module can name for llama.cpp; None for any other (the mount serves no GGUF view).
+pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
+    match model_type {
+        "llama" | "mistral" => Some("llama"),
+        "qwen2" => Some("qwen2"),
+        _ => None,
+    }
+}
+
 /// Per-layer suffixes: (Hugging Face, GGUF).
 const LAYER_NAMES: &[(&str, &str)] = &[
     ("input_layernorm.weight", "attn_norm.weight"),
@@ -63,12 +73,12 @@ pub fn layer_of(name: &str) -> Option<u32> {
 /// Number of heads whose rows llama.cpp permutes for this tensor, or None when the
 /// tensor is not permuted. `gguf_arch` is `general.architecture`.
 pub fn rope_permute_heads(
-    gguf_arch: &str,
+    gguf_arch: Option<&str>,
     hf_name: &str,
     n_heads: u32,
     n_kv_heads: u32,
 ) -> Option<u32> {
-    if gguf_arch != "llama" {
+    if gguf_arch != Some("llama") {
         return None;
     }
     if hf_name.ends_with("self_attn.q_proj.weight") || hf_name.ends_with("self_attn.q_proj.bias") {

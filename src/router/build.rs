@@ -19,13 +19,13 @@ pub const EXPERT_KEY_TOKENS: usize = 256;
 /// tensor is not chunk-aligned in the virtual file) and a route's cost is close to the
 /// cache bytes it will take. 227 rows for SmolLM2-135M (576 × 2 bytes per row).
 pub fn embedding_rows_per_shard(t: &TensorDesc, chunk_bytes: u64) -> u64 {
-    let row = t.cols().max(1) * t.source.default_float().size() as u64;
+    let row = t.cols().max(1) * t.source.served_size();
     (chunk_bytes / row).clamp(1, t.rows().max(1))
 }
 
 fn cost(t: &TensorDesc, rows: u64) -> u64 {
     rows.saturating_mul(t.cols())
-        .saturating_mul(t.source.default_float().size() as u64)
+        .saturating_mul(t.source.served_size())
 }
 
 /// Where in a forward pass tensor `name` is used: 0 before the first block (the token

@@ -7,8 +7,9 @@ other tools. Also dequantizes such a directory the way Squish's loader does.
 Layout written (as Squish's convert_weights.py / save_int4_npy_dir / squish_entropy do):
   manifest.json                 {original_name: safe_key}, safe_key = name with '.' → '__'
   tensors/{sk}__shape.npy       int64 original shape
-  1-D tensors, embeddings       {sk}__pt.npy   float16
-  attention projections         {sk}__q.npy int8 [n, c] + {sk}__s.npy float32 [n]
+  1-D tensors, embeddings       {sk}__pt.npy   float16 (integer tensors in their own dtype)
+  attention projections, and    {sk}__q.npy int8 [n, c] + {sk}__s.npy float32 [n]
+  other architectures' matrices
   MLP projections               {sk}__q4.npy uint8 [n, c/2] + {sk}__s4.npy float32 [n, c/64]
                                 (low nibble = even column, nibble = q + 7, q in [-7, 7])
   layer 0 q_proj                both int8 and int4 (the int4 files take priority)
@@ -27,7 +28,7 @@ from safetensors.numpy import load_file
 
 GROUP = 64
 SIDE_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json"]
+              "special_tokens_map.json", "vocab.txt"]
 
 
 def safe_key(name):
@@ -67,11 +68,15 @@ def write(hf_dir, out):
     weights = load_file(str(hf_dir / "model.safetensors"))
     manifest = {}
     for name in sorted(weights):
-        w = weights[name].astype(np.float32)
         sk = safe_key(name)
         manifest[name] = sk
         zst = ".layers.1." in name or "embed_tokens" in name
-        save(tdir, f"{sk}__shape", np.array(w.shape, dtype=np.int64), zst)
+        save(tdir, f"{sk}__shape", np.array(weights[name].shape, dtype=np.int64), zst)
+        if weights[name].dtype.kind in "iub":
+            # Integer ids and masks (BERT's position_ids) as they are.
+            save(tdir, f"{sk}__pt", weights[name], zst)
+            continue
+        w = weights[name].astype(np.float32)
         if w.ndim < 2 or "embed_tokens" in name:
             save(tdir, f"{sk}__pt", w.astype(np.float16), zst)
             continue
@@ -79,7 +84,8 @@ def write(hf_dir, out):
             p, s = int4_groups(w)
             save(tdir, f"{sk}__q4", p, zst)
             save(tdir, f"{sk}__s4", s, zst)
-        if ".self_attn." in name:
+        if ".self_attn." in name or ".mlp." not in name:
+            # Attention, and every other architecture's matrices, as int8 rows.
             q, s = int8_rows(w)
             save(tdir, f"{sk}__q", q, zst)
             save(tdir, f"{sk}__s", s, zst)
@@ -118,7 +124,8 @@ def dequantize_dir(out):
         elif exists(tdir, f"{sk}__q"):
             w = load(tdir, f"{sk}__q").astype(np.float32) * load(tdir, f"{sk}__s")[:, None]
         else:
-            w = load(tdir, f"{sk}__pt").astype(np.float32)
+            w = load(tdir, f"{sk}__pt")
+            w = w if w.dtype.kind in "iub" else w.astype(np.float32)
         res[name] = w.reshape(tuple(load(tdir, f"{sk}__shape")))
     return res
 

@@ -34,13 +34,14 @@ pub(super) fn open_foreign(
     }
     let mut hf_files = BTreeMap::new();
     let mut parts = vec![(MANIFEST.to_string(), file_len(&mpath))];
-    for name in crate::import::hf::KEPT_FILES {
-        let p = dir.join(name);
-        if p.is_file() {
-            let b = read_small(&p)?;
-            parts.push((name.to_string(), b.len() as u64));
-            hf_files.insert(name.to_string(), b);
+    let side = crate::import::hf::side_files(dir).map_err(|e| invalid(dir, e.to_string()))?;
+    for (name, p) in side {
+        if name == MANIFEST {
+            continue;
         }
+        let b = read_small(&p)?;
+        parts.push((name.clone(), b.len() as u64));
+        hf_files.insert(name, b);
     }
     let config: Value = serde_json::from_slice(&hf_files["config.json"])
         .map_err(|e| invalid(&cfg, format!("not valid JSON: {e}")))?;
@@ -123,7 +124,7 @@ fn open_foreign_tensor(
         let stored = slen + q.file_len + s.file_len;
         (shape, geo, vec![q, s], stored, SourceType::F16)
     } else if let Some(ptn) = get("__pt") {
-        let pt = op.open(&ptn, &[Dtype::F16, Dtype::F32], None)?;
+        let pt = op.open(&ptn, &Dtype::PASSTHROUGH, None)?;
         let (shape, slen) = if shape_file.is_some() {
             shape_of(op)?
         } else {
@@ -138,14 +139,12 @@ fn open_foreign_tensor(
                 ),
             ));
         }
-        let sz = pt.header.dtype.size();
-        let source = if sz == 4 {
-            SourceType::F32
-        } else {
-            SourceType::F16
-        };
+        let source = pt.header.dtype.source();
         let stored = slen + pt.file_len;
-        (shape, Geo::Pt { sz }, vec![pt], stored, source)
+        let geo = Geo::Pt {
+            format: Some(source),
+        };
+        (shape, geo, vec![pt], stored, source)
     } else {
         return Err(invalid(
             &dir.join(TENSOR_DIR),

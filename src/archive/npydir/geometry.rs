@@ -7,6 +7,7 @@ use std::path::Path;
 use super::files::DataFile;
 use crate::archive::container::invalid;
 use crate::archive::ArchiveError;
+use crate::model::SourceType;
 
 /// How a tensor's values lie in its files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,9 +21,10 @@ pub(super) enum Geo {
         c: u64,
         g: u64,
     },
-    /// Passthrough with `sz`-byte elements.
+    /// Passthrough of elements of `format` (f16, f32 or a plain type); None until the
+    /// file's header is read.
     Pt {
-        sz: u64,
+        format: Option<SourceType>,
     },
 }
 
@@ -58,7 +60,10 @@ impl Geometry {
                     qb * c,
                 )
             }
-            Geo::Pt { sz } => (vec![(e0 * sz, e1 * sz)], e0, e1),
+            Geo::Pt { format } => {
+                let sz = format.map_or(0, |f| f.served_size());
+                (vec![(e0 * sz, e1 * sz)], e0, e1)
+            }
         }
     }
 }

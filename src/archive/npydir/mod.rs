@@ -99,8 +99,10 @@ impl Entry {
             Geo::Int8 { g: 1, .. } => "int8".to_string(),
             Geo::Int8 { c, g } => format!("int8(g={})", c / g),
             Geo::Int4 { c, g } => format!("int4(g={})", c / g),
-            Geo::Pt { sz: 4 } => "passthrough(f32)".to_string(),
-            Geo::Pt { .. } => "passthrough(f16)".to_string(),
+            Geo::Pt { format } => format!(
+                "passthrough({})",
+                crate::codec::format_label(format.unwrap_or(SourceType::F16))
+            ),
         };
         if self.files.iter().any(|f| f.is_zst()) {
             format!("{base}+zstd")
@@ -357,16 +359,18 @@ impl NpyDir {
                     cols: c,
                 }))
             }
-            Geo::Pt { sz } if parts[0].len() != n * sz as usize => Err(corrupt(format!(
-                "{} bytes for {n} values of {sz} bytes",
-                parts[0].len()
+            Geo::Pt { format: None } => Err(corrupt("passthrough file type unknown".into())),
+            Geo::Pt {
+                format: Some(format),
+            } if parts[0].len() as u64 != n as u64 * format.served_size() => Err(corrupt(format!(
+                "{} bytes for {n} values of {} bytes",
+                parts[0].len(),
+                format.served_size()
             ))),
-            Geo::Pt { sz } => Ok(Work::Block(BlockParts::Raw {
-                format: if sz == 4 {
-                    SourceType::F32
-                } else {
-                    SourceType::F16
-                },
+            Geo::Pt {
+                format: Some(format),
+            } => Ok(Work::Block(BlockParts::Raw {
+                format,
                 bytes: &parts[0],
                 rows: 1,
                 cols: n,
@@ -457,6 +461,64 @@ impl RowSource for NpyDir {
                 out[(lo - e0) as usize..(hi - e0) as usize]
                     .copy_from_slice(&vals[(lo - start) as usize..(hi - start) as usize]);
             }
+        }
+        Ok(())
+    }
+
+    /// Plain tensors (integers ...) only: float passthrough files are served through
+    /// f32 as before, whatever their source was.
+    fn raw_format(&self, tensor: usize) -> Option<SourceType> {
+        match self.entries.get(tensor)?.geom.geo {
+            Geo::Pt {
+                format: Some(f @ SourceType::Plain(_)),
+            } => Some(f),
+            _ => None,
+        }
+    }
+
+    fn read_raw_rows(
+        &self,
+        tensor: usize,
+        r0: u64,
+        r1: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let (Some(e), Some(t)) = (self.entries.get(tensor), self.model.tensors.get(tensor)) else {
+            return Err(ReadError::OutOfRange {
+                tensor: format!("#{tensor}"),
+                r0,
+                r1,
+            });
+        };
+        let format = self
+            .raw_format(tensor)
+            .ok_or_else(|| ReadError::NotRaw(t.name.clone()))?;
+        let g = &e.geom;
+        let rb = g.cols * format.served_size();
+        check_read(&t.name, (g.rows, rb), (r0, r1), out.len())?;
+        if r0 == r1 {
+            return Ok(());
+        }
+        for b in r0 / g.rows_per_block..=(r1 - 1) / g.rows_per_block {
+            let first = b * g.rows_per_block;
+            let last = (first + g.rows_per_block).min(g.rows);
+            let parts = self.block_bytes(tensor, b as usize).map_err(|be| {
+                if !matches!(be.err, ReadError::Changed(_)) {
+                    tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+                }
+                be.err
+            })?;
+            if parts[0].len() as u64 != (last - first) * rb {
+                return Err(ReadError::Corrupt {
+                    tensor: t.name.clone(),
+                    block: b as usize,
+                    reason: format!("{} bytes for {} rows of {rb}", parts[0].len(), last - first),
+                });
+            }
+            let (lo, hi) = (r0.max(first), r1.min(last));
+            out[((lo - r0) * rb) as usize..((hi - r0) * rb) as usize].copy_from_slice(
+                &parts[0][((lo - first) * rb) as usize..((hi - first) * rb) as usize],
+            );
         }
         Ok(())
     }

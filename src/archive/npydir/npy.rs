@@ -1,6 +1,8 @@
 //! A strict reader and writer of `.npy` headers (docs/NPYDIR.md §3). Only what npy-dirs
 //! use: little-endian scalar dtypes, C order. Everything else is an error that says why.
 
+use crate::model::SourceType;
+
 /// Element types an npy-dir file may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {
@@ -10,15 +12,21 @@ pub enum Dtype {
     F32,
     I32,
     I64,
+    Bool,
+    I16,
+    U16,
+    U32,
+    U64,
+    F64,
 }
 
 impl Dtype {
     pub fn size(self) -> u64 {
         match self {
-            Dtype::I8 | Dtype::U8 => 1,
-            Dtype::F16 => 2,
-            Dtype::F32 | Dtype::I32 => 4,
-            Dtype::I64 => 8,
+            Dtype::I8 | Dtype::U8 | Dtype::Bool => 1,
+            Dtype::F16 | Dtype::I16 | Dtype::U16 => 2,
+            Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
+            Dtype::I64 | Dtype::U64 | Dtype::F64 => 8,
         }
     }
     /// The `descr` numpy writes for this type.
@@ -30,8 +38,69 @@ impl Dtype {
             Dtype::F32 => "<f4",
             Dtype::I32 => "<i4",
             Dtype::I64 => "<i8",
+            Dtype::Bool => "|b1",
+            Dtype::I16 => "<i2",
+            Dtype::U16 => "<u2",
+            Dtype::U32 => "<u4",
+            Dtype::U64 => "<u8",
+            Dtype::F64 => "<f8",
         }
     }
+    /// The model's type of a passthrough file of this dtype: f16 and f32 are float
+    /// weights, every other dtype a plain tensor served as its bytes.
+    pub fn source(self) -> SourceType {
+        use crate::model::PlainType as P;
+        SourceType::Plain(match self {
+            Dtype::F16 => return SourceType::F16,
+            Dtype::F32 => return SourceType::F32,
+            Dtype::I8 => P::I8,
+            Dtype::U8 => P::U8,
+            Dtype::I32 => P::I32,
+            Dtype::I64 => P::I64,
+            Dtype::Bool => P::Bool,
+            Dtype::I16 => P::I16,
+            Dtype::U16 => P::U16,
+            Dtype::U32 => P::U32,
+            Dtype::U64 => P::U64,
+            Dtype::F64 => P::F64,
+        })
+    }
+
+    /// The dtype a passthrough file of a tensor of type `t` is written in; None for
+    /// fp8, which numpy has no dtype for.
+    pub fn of_plain(t: crate::model::PlainType) -> Option<Dtype> {
+        use crate::model::PlainType as P;
+        Some(match t {
+            P::Bool => Dtype::Bool,
+            P::U8 => Dtype::U8,
+            P::I8 => Dtype::I8,
+            P::I16 => Dtype::I16,
+            P::U16 => Dtype::U16,
+            P::I32 => Dtype::I32,
+            P::U32 => Dtype::U32,
+            P::F64 => Dtype::F64,
+            P::I64 => Dtype::I64,
+            P::U64 => Dtype::U64,
+            P::F8E4M3 | P::F8E5M2 => return None,
+        })
+    }
+
+    /// Every dtype a passthrough (`__pt`) file may have.
+    pub const PASSTHROUGH: [Dtype; 12] = [
+        Dtype::F16,
+        Dtype::F32,
+        Dtype::I8,
+        Dtype::U8,
+        Dtype::I32,
+        Dtype::I64,
+        Dtype::Bool,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::U32,
+        Dtype::U64,
+        Dtype::F64,
+    ];
+
     fn parse(d: &str) -> Result<Dtype, String> {
         Ok(match d {
             "|i1" | "<i1" => Dtype::I8,
@@ -40,6 +109,12 @@ impl Dtype {
             "<f4" => Dtype::F32,
             "<i4" => Dtype::I32,
             "<i8" => Dtype::I64,
+            "|b1" => Dtype::Bool,
+            "<i2" => Dtype::I16,
+            "<u2" => Dtype::U16,
+            "<u4" => Dtype::U32,
+            "<u8" => Dtype::U64,
+            "<f8" => Dtype::F64,
             _ if d.starts_with('>') => {
                 return Err(format!("big-endian dtype {d:?} is not supported"))
             }

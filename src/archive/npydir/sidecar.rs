@@ -19,7 +19,7 @@ use super::{file_len, read_small, Entry, Opened};
 use super::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::container::{hex64, invalid, parse_hex64};
 use crate::archive::ArchiveError;
-use crate::model::{check_hf_file_name, TensorDesc, MAX_HF_FILES};
+use crate::model::{check_hf_file_name, SourceType, TensorDesc, MAX_HF_FILES};
 
 /// The `cawsfs.json` version this build writes and reads.
 pub const SIDECAR_VERSION: u32 = 2;
@@ -264,7 +264,24 @@ fn open_side_tensor(
                 ));
             }
         }
-        Geo::Pt { .. } => {
+        Geo::Pt { format } => {
+            // A plain tensor's file holds its own type; a float tensor's f16 or f32.
+            let fits = match (t.source, format) {
+                (SourceType::Plain(_), Some(f)) => f == t.source,
+                (_, Some(f)) => f.is_float(),
+                (_, None) => false,
+            };
+            if !fits {
+                return Err(invalid(
+                    &dir.join(&files[0].rel),
+                    format!(
+                        "holds {}, not a type tensor {} ({:?}) can be stored in",
+                        files[0].header.dtype.descr(),
+                        t.name,
+                        t.source
+                    ),
+                ));
+            }
             if files[0].header.numel() != t.numel() {
                 return Err(invalid(
                     &dir.join(&files[0].rel),
@@ -384,9 +401,9 @@ fn side_layout(side: &Path, st: &SideTensor, cols: u64) -> Result<Layout, Archiv
         ),
         ("passthrough", None) => (
             &["pt"],
-            // The element size is learnt from the header when the file is opened.
-            Geo::Pt { sz: 0 },
-            [&[Dtype::F16, Dtype::F32], &[]],
+            // The element type is learnt from the header when the file is opened.
+            Geo::Pt { format: None },
+            [&Dtype::PASSTHROUGH, &[]],
         ),
         (k, g) => {
             return Err(tensor_err(
@@ -410,10 +427,12 @@ fn open_side_data(
     geom: &mut Geometry,
 ) -> Result<DataFile, ArchiveError> {
     let f = side_file(side, st, role)?;
-    if let Geo::Pt { sz: 0 } = geom.geo {
-        // Learn the passthrough element size from the header before framing.
+    if let Geo::Pt { format: None } = geom.geo {
+        // Learn the passthrough element type from the header before framing.
         let h = op.open(&f.file, dtypes, None)?.header;
-        geom.geo = Geo::Pt { sz: h.dtype.size() };
+        geom.geo = Geo::Pt {
+            format: Some(h.dtype.source()),
+        };
     }
     let n_blocks = geom.n_blocks();
     // The block count comes from the shape and rows_per_block: it is bounded by the

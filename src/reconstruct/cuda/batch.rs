@@ -435,6 +435,8 @@ pub(super) fn raw_params(format: SourceType) -> (i32, i32, u32, u32) {
             let (be, bb) = t.block();
             (t.id() as i32, 0, be as u32, bb as u32)
         }
+        // Never batched for the GPU (`batchable_prefix`): the kernel has no such type.
+        SourceType::Plain(p) => (-1, 0, 1, p.size() as u32),
     }
 }
 
@@ -469,11 +471,11 @@ pub fn batchable_prefix(jobs: &[(Work<'_>, &mut [f32])]) -> (usize, bool) {
         _ => false,
     };
     let n = jobs.iter().take_while(|(w, _)| alike(w)).count();
-    // F32 rows are a copy.
+    // F32 rows are a copy; plain types (integers, fp8 ...) are small and rare.
     let gpu = !matches!(
         first,
         Work::Block(BlockParts::Raw {
-            format: SourceType::F32,
+            format: SourceType::F32 | SourceType::Plain(_),
             ..
         })
     );
