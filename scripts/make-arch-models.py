@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Tiny randomly initialised Hugging Face models of several architectures, for the
+architecture tests (tests/clients/test_arch.py): config -> from_config -> save_pretrained,
+a few MB each, cached under ~/.cache/cawsfs/models/arch/NAME-vN. Prints each directory.
+
+    scripts/make-arch-models.py [NAME ...]     # default: every model below
+
+The weights are random (seeded), so only what is read back, not what a model says,
+can be compared. Each model's dtype and sharding differ on purpose: f32, f16 and bf16
+sources, and one sharded source directory.
+"""
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# Bump when a model's recipe changes, so cached directories are made again.
+VERSION = 1
+
+# Large enough that an archive's own metadata is a small part of it (the default codec
+# plans bits per weight for the whole archive), small enough to make in a second.
+COMMON = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=256)
+
+
+def recipes():
+    import transformers as tf
+    return {
+        # An encoder: AutoModel, no head; f32 like sentence-transformers checkpoints.
+        "bert": (tf.BertConfig(**COMMON, type_vocab_size=2), "float32", None),
+        "gpt2": (tf.GPT2Config(vocab_size=1024, n_embd=256, n_layer=2, n_head=4, n_positions=256),
+                 "float32", None),
+        "qwen3": (tf.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=64,
+                                 tie_word_embeddings=False), "bfloat16", None),
+        "gemma2": (tf.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=64), "float16", None),
+        # Sharded like a large checkpoint: model-0000i-of-0000N + index.
+        "phi3": (tf.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0), "bfloat16",
+                 "1MB"),
+    }
+
+
+def make(name, out):
+    import torch
+    import transformers as tf
+    config, dtype, shard = recipes()[name]
+    torch.manual_seed(1234)
+    auto = tf.AutoModel if name == "bert" else tf.AutoModelForCausalLM
+    model = auto.from_config(config).to(getattr(torch, dtype)).eval()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp, **kw)
+    tmp.rename(out)
+
+
+def main(names):
+    cache = Path(os.environ.get("CAWSFS_CACHE", Path.home() / ".cache" / "cawsfs"))
+    root = cache / "models" / "arch"
+    root.mkdir(parents=True, exist_ok=True)
+    for name in names or list(recipes()):
+        out = root / f"{name}-v{VERSION}"
+        if not (out / "config.json").is_file():
+            make(name, out)
+        print(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

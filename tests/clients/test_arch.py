@@ -1,0 +1,248 @@
+"""Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2 and
+Phi3 models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
+sharded), and the real all-MiniLM-L6-v2 (an int64 `position_ids` among its tensors),
+converted exactly and with the default codec, mounted, and read back by transformers."""
+import contextlib
+import gc
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from conftest import ROOT, run, run_status
+
+ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3"]
+# The default codec (about 5 bits per weight) may add at most this multiple of the
+# output error that plain 4-bit round-to-nearest (groups of 32, like Q4_0) adds to the
+# same matrices. Measured 0.80-1.07 on these models: random Gaussian weights are the
+# case a fitted grid gains least on.
+RTN4_FACTOR = 1.25
+
+
+@pytest.fixture(scope="module")
+def arch_models():
+    out = run(["python3", ROOT / "scripts" / "make-arch-models.py", *ARCHS]).stdout.split()
+    return dict(zip(ARCHS, map(os.path.abspath, out)))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return run([ROOT / "scripts" / "fetch-minilm.sh"]).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def converted(cawsfs, arch_models, minilm, shelf):
+    """{(model, setting): archive} for every model, exactly and with the default codec."""
+    out = {}
+    for name, src in [*arch_models.items(), ("minilm", minilm)]:
+        for setting, args in (("exact", ["--passthrough", "*"]), ("default", [])):
+            path = shelf / f"{name}-{setting}.cawsf"
+            run([cawsfs, "convert", src, "-o", path, *args])
+            out[name, setting] = path
+    return out
+
+
+@contextlib.contextmanager
+def mounted(cawsfs, archive, mp, *args):
+    mp.mkdir(parents=True, exist_ok=True)
+    out = run([cawsfs, "mount", archive, mp, *args]).stdout
+    log = re.search(r"log (\S+)\)", out).group(1)
+    try:
+        yield mp, log
+    finally:
+        run([cawsfs, "umount", mp])
+
+
+def forward(model_dir, name, rtn4=False):
+    """Last hidden states (encoder) or logits (causal LM) for fixed token ids; with
+    `rtn4`, of the model whose coded matrices are rounded to 4 bits first."""
+    import transformers as tf
+    auto = tf.AutoModel if name in ("bert", "minilm") else tf.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir).eval()
+    if rtn4:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2 and p.shape[0] >= 8 and p.shape[1] % 32 == 0:
+                    p.copy_(round_to_nearest_4bit(p.float()).to(p.dtype))
+    ids = torch.tensor([[1, 17, 300, 42, 999, 5, 77, 512]])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    out = out.last_hidden_state if name in ("bert", "minilm") else out.logits
+    # The model's parameters may map the (mounted) file: let them go before an unmount.
+    del model
+    gc.collect()
+    return out
+
+
+def round_to_nearest_4bit(w):
+    """Q4_0's rounding: groups of 32 along a row, scale = the value of largest
+    magnitude / -8, codes -8..7."""
+    g = w.reshape(-1, 32)
+    big = g.gather(1, g.abs().argmax(1, keepdim=True))
+    d = big / -8
+    q = torch.where(d == 0, torch.zeros_like(g), (g / d).round().clamp(-8, 7))
+    return (q * d).reshape(w.shape)
+
+
+def source_tensors(src):
+    got = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(src, f)))
+    return got
+
+
+@pytest.mark.parametrize("name", ARCHS + ["minilm"])
+def test_exact_conversion_serves_the_source(cawsfs, converted, arch_models, minilm, work, name):
+    src = arch_models.get(name, minilm)
+    archive = converted[name, "exact"]
+    export = work / "export.safetensors"
+    run([cawsfs, "export", archive, "--format", "safetensors", "-o", export])
+    with mounted(cawsfs, archive, work / "m") as (mp, log):
+        files = sorted(os.listdir(mp))
+        assert "model.safetensors" in files and "config.json" in files, files
+        # No GGUF view for an architecture llama.cpp's names are not known for.
+        assert "model.gguf" not in files, files
+        mounted_bytes = (mp / "model.safetensors").read_bytes()
+        assert mounted_bytes == export.read_bytes()
+        # Every source tensor, with its dtype (int64 position_ids too), bit for bit.
+        want = source_tensors(src)
+        # From bytes: a mapping of the mounted file would keep the mount busy.
+        got = load(mounted_bytes)
+        assert sorted(got) == sorted(want)
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        # The side files the source has (config, generation config, tokenizer ...).
+        for f in os.listdir(src):
+            if f.endswith(".json") and f != "model.safetensors.index.json":
+                assert (mp / f).read_bytes() == open(os.path.join(src, f), "rb").read(), f
+        assert torch.equal(forward(mp, name), forward(src, name))
+        lines = [l for l in open(log) if "no model.gguf" in l]
+        assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_default_codec_within_its_bound(cawsfs, converted, arch_models, work, name):
+    archive = converted[name, "default"]
+    report = json.loads(run([cawsfs, "inspect", archive, "--json"]).stdout)
+    coded = [t for t in report["tensors"] if not t["codec"].startswith("passthrough")]
+    assert coded, "the default codes this model's matrices"
+    # Integer, 1-D and tiny tensors stay exact.
+    for t in report["tensors"]:
+        if len(t["shape"]) != 2 or t["shape"][0] < 8:
+            assert t["codec"].startswith("passthrough"), t["name"]
+    export = work / "export.safetensors"
+    run([cawsfs, "export", archive, "--format", "safetensors", "-o", export])
+    with mounted(cawsfs, archive, work / "m") as (mp, _):
+        assert (mp / "model.safetensors").read_bytes() == export.read_bytes()
+        ref = forward(arch_models[name], name).float()
+        got = forward(mp, name).float()
+    rtn = forward(arch_models[name], name, rtn4=True).float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    err_rtn = ((rtn - ref).norm() / ref.norm()).item()
+    print(f"{name}: relative error {err:.4f}, 4-bit round-to-nearest {err_rtn:.4f}")
+    assert 0 < err <= RTN4_FACTOR * err_rtn, (err, err_rtn)
+
+
+def test_minilm_sentence_embeddings(cawsfs, converted, minilm, work):
+    """Mean-pooled sentence embeddings as sentence-transformers makes them: equal from
+    the exact archive, close (cosine ≥ 0.98) from the default one."""
+    import transformers as tf
+    tok = tf.AutoTokenizer.from_pretrained(minilm)
+    sents = ["The capital of France is Paris.", "A cat sat on the mat.",
+             "Quantum computers use qubits.", "The stock market fell sharply today."]
+    x = tok(sents, return_tensors="pt", padding=True)
+
+    def embed(d):
+        m = tf.AutoModel.from_pretrained(d).eval()
+        with torch.no_grad():
+            h = m(**x).last_hidden_state
+        mask = x["attention_mask"].unsqueeze(-1).float()
+        return torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
+
+    ref = embed(minilm)
+    for setting in ("exact", "default"):
+        with mounted(cawsfs, converted["minilm", setting], work / setting) as (mp, _):
+            # The mount's own tokenizer files give the same ids.
+            assert tf.AutoTokenizer.from_pretrained(mp)(sents)["input_ids"] == tok(sents)["input_ids"]
+            got = embed(mp)
+        cos = (got * ref).sum(-1)
+        if setting == "exact":
+            assert torch.equal(got, ref)
+        else:
+            assert cos.min() >= 0.98, cos
+
+
+def test_plain_tensors_keep_their_dtype_in_every_view(cawsfs, converted, work):
+    """`--dtype f16` converts weights, never integer tensors."""
+    with mounted(cawsfs, converted["minilm", "exact"], work / "m", "--dtype", "f16",
+                 "--no-disk-cache") as (mp, _):
+        got = load((mp / "model.safetensors").read_bytes())
+    assert got["embeddings.position_ids"].dtype == torch.int64
+    assert torch.equal(got["embeddings.position_ids"], torch.arange(512).unsqueeze(0))
+    assert got["embeddings.word_embeddings.weight"].dtype == torch.float16
+
+
+def test_no_gguf_view_is_one_line_everywhere(cawsfs, converted, work):
+    archive = converted["bert", "exact"]
+    text = run([cawsfs, "inspect", archive]).stdout
+    assert re.search(r'model\.gguf: not served: .*model type "bert"', text), text[-500:]
+    info = json.loads(run([cawsfs, "inspect", archive, "--json"]).stdout)
+    assert info["gguf_view"] is None and "bert" in info["gguf_missing"]
+    p = run_status([cawsfs, "export", archive, "--format", "gguf", "-o", work / "x.gguf"])
+    assert p.returncode != 0
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "bert" in err[0], p.stderr
+    assert not (work / "x.gguf").exists()
+    # verify checks the views that exist.
+    assert "ok" in run([cawsfs, "verify", archive]).stdout
+
+
+def test_unsupported_dtype_is_one_line(cawsfs, work):
+    """A sub-byte dtype (MX F4) names the file, the tensor and the dtype."""
+    import struct
+    d = work / "f4"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "bert"}')
+    header = json.dumps({"w": {"dtype": "F4", "shape": [4, 8], "data_offsets": [0, 16]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    p = run_status([cawsfs, "convert", d, "-o", work / "x.cawsf"])
+    assert p.returncode != 0
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "model.safetensors" in err[0] and "tensor w" in err[0] \
+        and "F4" in err[0], p.stderr
+
+
+def test_minilm_in_every_archive_kind(cawsfs, minilm, work):
+    """The real BERT through a delta archive (exact), cawsfs's own npy-dir (int8) and a
+    Squish npy-dir written by numpy alone (tests/clients/make_npydir.py): each mounts,
+    keeps the int64 position_ids, and gives sentence embeddings close to the source's."""
+    import sys
+    import transformers as tf
+    kinds = {
+        "delta": work / "m.cawsd",
+        "npydir": work / "m-npy",
+        "foreign": work / "m-squish",
+    }
+    run([cawsfs, "convert", minilm, "--to", "delta", "-o", kinds["delta"]])
+    run([cawsfs, "convert", minilm, "--to", "npy-dir", "-o", kinds["npydir"]])
+    run([sys.executable, ROOT / "tests" / "clients" / "make_npydir.py", minilm, kinds["foreign"]])
+    ref = forward(minilm, "minilm")
+    for kind, archive in kinds.items():
+        assert "ok" in run([cawsfs, "verify", archive]).stdout
+        with mounted(cawsfs, archive, work / f"mnt-{kind}") as (mp, _):
+            got = load((mp / "model.safetensors").read_bytes())
+            assert got["embeddings.position_ids"].dtype == torch.int64, kind
+            assert torch.equal(got["embeddings.position_ids"], torch.arange(512).unsqueeze(0))
+            h = forward(mp, "minilm").float()
+        if kind == "delta":
+            assert torch.equal(h, ref.float())
+            continue
+        # The sentence embedding (mean of the hidden states) of 8-bit rows.
+        cos = torch.nn.functional.cosine_similarity(h.mean(1), ref.float().mean(1)).item()
+        print(f"{kind}: sentence embedding cosine {cos:.5f}")
+        assert cos > 0.99, (kind, cos)
