@@ -266,10 +266,17 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
                 std::fs::write(&p, bytes).with_context(|| format!("{}", p.display()))?;
                 println!("wrote {}", p.display());
             }
-            export(
-                &layout::safetensors_file(model, a.dtype.map(float_of))?,
-                &a.output.join("model.safetensors"),
-            )
+            let (files, index) =
+                layout::safetensors_view(model, a.dtype.map(float_of), a.safetensors_shard_size)?;
+            if let Some(index) = index {
+                let p = a.output.join(layout::SAFETENSORS_INDEX);
+                std::fs::write(&p, index).with_context(|| format!("{}", p.display()))?;
+                println!("wrote {}", p.display());
+            }
+            for f in &files {
+                export(f, &a.output.join(&f.name))?;
+            }
+            Ok(())
         }
     }
 }

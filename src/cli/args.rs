@@ -309,6 +309,11 @@ pub struct MountArgs {
     /// Tensor dtype of model.safetensors (default: the source's float type).
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
+    /// Serve model.safetensors as Hugging Face shards (model-0000i-of-0000N.safetensors
+    /// and model.safetensors.index.json) of at most this many tensor bytes when it
+    /// would be larger, e.g. 2GiB (default: Hugging Face's 5 GB, decimal).
+    #[arg(long, default_value_t = cawsfs::layout::DEFAULT_SHARD_BYTES, value_parser = cawsfs::mount::parse_size)]
+    pub safetensors_shard_size: u64,
     /// Let other users read the mount (needs user_allow_other in /etc/fuse.conf for non-root).
     #[arg(long)]
     pub allow_other: bool,
@@ -498,6 +503,11 @@ pub struct ExportArgs {
     /// q5_0, q4_0 ...); docs/MOUNT.md lists them.
     #[arg(long, default_value = "auto", value_parser = GgufView::parse)]
     pub gguf_type: GgufView,
+    /// With --format hf-dir: Hugging Face shards of at most this many tensor bytes
+    /// when model.safetensors would be larger, as the mount serves them (default:
+    /// Hugging Face's 5 GB, decimal).
+    #[arg(long, default_value_t = cawsfs::layout::DEFAULT_SHARD_BYTES, value_parser = cawsfs::mount::parse_size)]
+    pub safetensors_shard_size: u64,
     #[arg(long)]
     pub threads: Option<usize>,
 }

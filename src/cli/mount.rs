@@ -36,6 +36,7 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
                 .unwrap_or_else(cawsfs::mount::default_cache_bytes),
             gguf_type: a.gguf_type,
             safetensors_dtype: a.dtype.map(float_of),
+            safetensors_shard_bytes: a.safetensors_shard_size,
             prefetch_threads: a.prefetch_threads,
             readahead_chunks: a.readahead_chunks,
             router_eviction: a.eviction == Eviction::Router,

@@ -36,6 +36,8 @@ pub struct FsOptions {
     pub gguf_type: GgufView,
     /// dtype of `model.safetensors` (None: the source's float type).
     pub safetensors_dtype: Option<FloatType>,
+    /// Above this many tensor bytes the safetensors view is Hugging Face's shards.
+    pub safetensors_shard_bytes: u64,
     pub readahead_chunks: u64,
     pub prefetch_threads: usize,
     /// Evict chunks a pending route names after other chunks (false: plain LRU).
@@ -61,6 +63,7 @@ impl Default for FsOptions {
             chunk_size: crate::cache::DEFAULT_CHUNK_SIZE,
             gguf_type: GgufView::Auto,
             safetensors_dtype: None,
+            safetensors_shard_bytes: layout::DEFAULT_SHARD_BYTES,
             readahead_chunks: crate::cache::DEFAULT_READAHEAD_CHUNKS,
             prefetch_threads: 2,
             router_eviction: true,
@@ -137,7 +140,11 @@ impl MountFs {
     pub fn new(archive: Arc<dyn Store>, opts: &FsOptions) -> Result<MountFs, SetupError> {
         let t0 = Instant::now();
         let model = archive.model();
-        let mut files = vec![layout::safetensors_file(model, opts.safetensors_dtype)?];
+        let (mut files, index) =
+            layout::safetensors_view(model, opts.safetensors_dtype, opts.safetensors_shard_bytes)?;
+        if let Some(index) = index {
+            files.push(VirtualFile::from_bytes(layout::SAFETENSORS_INDEX, index));
+        }
         match layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive)) {
             Ok(plan) => {
                 for note in layout::gguf_notes(model, &plan) {

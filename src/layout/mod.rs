@@ -618,13 +618,31 @@ fn read_tensor_rows(
     Ok(())
 }
 
-/// `model.safetensors`: HF names, `dtype` per tensor (None: the source's float type).
+/// `model.safetensors`: HF names, `dtype` per float tensor (None: the source's float
+/// type), plain tensors as their own type. One file whatever its size.
 pub fn safetensors_file(
     model: &ModelDesc,
     dtype: Option<FloatType>,
 ) -> Result<VirtualFile, LayoutError> {
-    safetensors::build(model, dtype)
+    let (mut files, _) = safetensors::build_view(model, dtype, u64::MAX)?;
+    Ok(files.remove(0))
 }
+
+pub use self::safetensors::DEFAULT_SHARD_BYTES;
+
+/// The safetensors view as a mount and an `hf-dir` export serve it: `model.safetensors`
+/// while its tensors take at most `max_shard` bytes, else Hugging Face's shards
+/// `model-0000i-of-0000N.safetensors` and the bytes of `model.safetensors.index.json`.
+pub fn safetensors_view(
+    model: &ModelDesc,
+    dtype: Option<FloatType>,
+    max_shard: u64,
+) -> Result<(Vec<VirtualFile>, Option<Vec<u8>>), LayoutError> {
+    safetensors::build_view(model, dtype, max_shard)
+}
+
+/// The name of the sharded view's index.
+pub const SAFETENSORS_INDEX: &str = "model.safetensors.index.json";
 
 /// llama.cpp's architecture name for `model`, or why it has no GGUF view (one line).
 pub fn gguf_arch(model: &ModelDesc) -> Result<&str, LayoutError> {

@@ -60,15 +60,105 @@ impl Served {
     }
 }
 
-pub(super) fn build(
-    model: &ModelDesc,
-    dtype: Option<FloatType>,
-) -> Result<VirtualFile, LayoutError> {
-    let mut order: Vec<(usize, Served)> = model
+/// Hugging Face's default largest shard ("5GB", decimal), the default of
+/// `--safetensors-shard-size`.
+pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// The name of shard `i` (from 0) of `n`, as `save_pretrained` names them.
+fn shard_name(i: usize, n: usize) -> String {
+    format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+}
+
+/// The tensor bytes of each tensor in the view, in model order, checking shapes.
+fn tensor_sizes(model: &ModelDesc, dtype: Option<FloatType>) -> Result<Vec<u64>, LayoutError> {
+    model
         .tensors
         .iter()
-        .enumerate()
-        .map(|(i, t)| (i, served(t.source, dtype)))
+        .map(|t| {
+            let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            if numel != Some(t.rows() * t.cols()) {
+                return Err(LayoutError::Metadata(format!(
+                    "tensor {}: shape {:?} inconsistent",
+                    t.name, t.shape
+                )));
+            }
+            numel
+                .and_then(|n| n.checked_mul(served(t.source, dtype).size()))
+                .ok_or_else(|| LayoutError::Metadata(format!("tensor {}: too large", t.name)))
+        })
+        .collect()
+}
+
+/// The safetensors view: `model.safetensors`, or, when its tensors take more than
+/// `max_shard` bytes, shards of at most that many tensor bytes (a larger tensor alone
+/// in its shard) and their index, split in model order as `save_pretrained` splits a
+/// state dict.
+pub(super) fn build_view(
+    model: &ModelDesc,
+    dtype: Option<FloatType>,
+    max_shard: u64,
+) -> Result<(Vec<VirtualFile>, Option<Vec<u8>>), LayoutError> {
+    let mut seen = std::collections::HashSet::new();
+    if let Some(t) = model.tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
+        return Err(LayoutError::Metadata(format!(
+            "tensor {} appears twice",
+            t.name
+        )));
+    }
+    let sizes = tensor_sizes(model, dtype)?;
+    let total = sizes
+        .iter()
+        .try_fold(0u64, |a, &n| a.checked_add(n))
+        .ok_or_else(|| LayoutError::Metadata("safetensors data size overflows".into()))?;
+    if total <= max_shard {
+        let all: Vec<usize> = (0..model.tensors.len()).collect();
+        return Ok((
+            vec![build_file(model, &all, dtype, "model.safetensors")?],
+            None,
+        ));
+    }
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (i, &n) in sizes.iter().enumerate() {
+        let cur = shards.last_mut().expect("one shard at least");
+        if !cur.is_empty() && size + n > max_shard {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        shards.last_mut().expect("one shard at least").push(i);
+        size += n;
+    }
+    let n = shards.len();
+    let mut files = Vec::with_capacity(n);
+    let mut weight_map = std::collections::BTreeMap::new();
+    for (k, members) in shards.iter().enumerate() {
+        let name = shard_name(k, n);
+        for &i in members {
+            weight_map.insert(model.tensors[i].name.clone(), name.clone());
+        }
+        files.push(build_file(model, members, dtype, &name)?);
+    }
+    // As transformers writes it: keys sorted, two-space indent, a final newline.
+    let index = serde_json::json!({
+        "metadata": { "total_size": total },
+        "weight_map": weight_map,
+    });
+    let mut bytes = serde_json::to_vec_pretty(&index)
+        .map_err(|e| LayoutError::Metadata(format!("safetensors index: {e}")))?;
+    bytes.push(b'\n');
+    Ok((files, Some(bytes)))
+}
+
+/// One safetensors file `name` of the tensors `members` (indices into the model).
+fn build_file(
+    model: &ModelDesc,
+    members: &[usize],
+    dtype: Option<FloatType>,
+    name: &str,
+) -> Result<VirtualFile, LayoutError> {
+    let mut order: Vec<(usize, Served)> = members
+        .iter()
+        .map(|&i| (i, served(model.tensors[i].source, dtype)))
         .collect();
     // The writer's order: descending dtype alignment, then name.
     order.sort_by(|(a, da), (b, db)| {
@@ -77,27 +167,12 @@ pub(super) fn build(
             .then_with(|| model.tensors[*a].name.cmp(&model.tensors[*b].name))
     });
 
-    let mut seen = std::collections::HashSet::new();
-    if let Some(t) = model.tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
-        return Err(LayoutError::Metadata(format!(
-            "tensor {} appears twice",
-            t.name
-        )));
-    }
     let mut infos = Vec::with_capacity(order.len());
     let mut offset: u64 = 0;
     for &(i, ft) in &order {
         let t = &model.tensors[i];
-        let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        if numel != Some(t.rows() * t.cols()) {
-            return Err(LayoutError::Metadata(format!(
-                "tensor {}: shape {:?} inconsistent",
-                t.name, t.shape
-            )));
-        }
-        let n = numel
-            .and_then(|n| n.checked_mul(ft.size()))
-            .ok_or_else(|| LayoutError::Metadata(format!("tensor {}: too large", t.name)))?;
+        // tensor_sizes checked the shape and that this does not overflow.
+        let n = t.numel() * ft.size();
         let end = offset
             .checked_add(n)
             .ok_or_else(|| LayoutError::Metadata("safetensors data size overflows".into()))?;
@@ -144,5 +219,5 @@ pub(super) fn build(
             Served::Plain(p) => b.plain_tensor(&t.name, i, (t.rows(), t.cols()), p)?,
         };
     }
-    Ok(b.finish("model.safetensors"))
+    Ok(b.finish(name))
 }

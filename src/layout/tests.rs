@@ -1131,3 +1131,42 @@ fn plain_tensors_are_served_as_their_bytes_whatever_the_dtype() {
         other => panic!("expected NoGguf, got {other:?}"),
     }
 }
+
+#[test]
+fn safetensors_shards_split_in_model_order_within_the_size() {
+    // Five 2-row f32 tensors of 4, 4, 10, 2 and 2 columns: 32, 32, 80, 16, 16 bytes.
+    let widths = [4u64, 4, 10, 2, 2];
+    let model = test_support::model(
+        tiny_arch(),
+        widths
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| td(&format!("t{i}"), &[2, c], SourceType::F32))
+            .collect(),
+    );
+    let (files, index) = safetensors_view(&model, None, 64).unwrap();
+    let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+    // 32+32 fill the first; 80 is larger than the bound and goes alone; 16+16.
+    assert_eq!(
+        names,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors"
+        ]
+    );
+    let index: serde_json::Value = serde_json::from_slice(&index.unwrap()).unwrap();
+    assert_eq!(index["metadata"]["total_size"], 176);
+    let map = index["weight_map"].as_object().unwrap();
+    let shard_of = |t: &str| map[t].as_str().unwrap().to_string();
+    assert_eq!(shard_of("t0"), names[0]);
+    assert_eq!(shard_of("t1"), names[0]);
+    assert_eq!(shard_of("t2"), names[1]);
+    assert_eq!(shard_of("t3"), names[2]);
+    assert_eq!(shard_of("t4"), names[2]);
+    // At or under the bound: one model.safetensors, no index.
+    let (files, index) = safetensors_view(&model, None, 176).unwrap();
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].name, "model.safetensors");
+    assert!(index.is_none());
+}

@@ -246,3 +246,40 @@ def test_minilm_in_every_archive_kind(cawsfs, minilm, work):
         cos = torch.nn.functional.cosine_similarity(h.mean(1), ref.float().mean(1)).item()
         print(f"{kind}: sentence embedding cosine {cos:.5f}")
         assert cos > 0.99, (kind, cos)
+
+
+def test_sharded_safetensors_view(cawsfs, converted, arch_models, work):
+    """Above --safetensors-shard-size the view is Hugging Face's shards and index: the
+    mount's equal `export --format hf-dir`'s, every shard within the size (a larger
+    tensor alone), and transformers loads them with the source's outputs."""
+    import struct
+    limit = 1 << 20
+    archive = converted["phi3", "exact"]
+    exp = work / "hf"
+    run([cawsfs, "export", archive, "--format", "hf-dir", "-o", exp,
+         "--safetensors-shard-size", "1MiB"])
+    with mounted(cawsfs, archive, work / "m", "--safetensors-shard-size", "1MiB") as (mp, _):
+        files = sorted(os.listdir(mp))
+        shards = [f for f in files if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
+        assert len(shards) >= 3 and "model.safetensors" not in files, files
+        assert all(f.endswith(f"-of-{len(shards):05}.safetensors") for f in shards)
+        index = json.loads((mp / "model.safetensors.index.json").read_text())
+        assert (mp / "model.safetensors.index.json").read_bytes() == \
+            (exp / "model.safetensors.index.json").read_bytes()
+        names = set()
+        total = 0
+        for f in shards:
+            data = (mp / f).read_bytes()
+            assert data == (exp / f).read_bytes(), f
+            n = struct.unpack("<Q", data[:8])[0]
+            header = json.loads(data[8:8 + n])
+            header.pop("__metadata__", None)
+            size = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+            assert size <= limit or len(header) == 1, (f, size)
+            total += size
+            for k in header:
+                assert index["weight_map"][k] == f, k
+                names.add(k)
+        assert names == set(index["weight_map"]) == set(source_tensors(arch_models["phi3"]))
+        assert index["metadata"]["total_size"] == total
+        assert torch.equal(forward(mp, "phi3"), forward(arch_models["phi3"], "phi3"))
