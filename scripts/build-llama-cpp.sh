@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Build llama.cpp's command-line tools (CPU, Release) from the source vendored in the
 # PyPI sdist llama-cpp-python==0.3.36, cached outside the repo. Idempotent; prints the
-# directory holding the binaries (llama-completion, llama-simple, llama-perplexity, llama-quantize ...).
+# directory holding the binaries (llama-completion, llama-simple, llama-perplexity, llama-quantize, llama-embedding ...).
 set -euo pipefail
 CACHE="${CAWSFS_CACHE:-$HOME/.cache/cawsfs}"
 VER=0.3.36
 SRC="$CACHE/llama.cpp-$VER"
 BUILD="$SRC/build"
 BIN="$BUILD/bin"
-TOOLS=(llama-completion llama-simple llama-perplexity llama-tokenize llama-quantize llama-imatrix)
+TOOLS=(llama-completion llama-simple llama-perplexity llama-tokenize llama-quantize llama-imatrix llama-embedding)
 have_all() { for t in "${TOOLS[@]}"; do [ -x "$BIN/$t" ] || return 1; done; }
 if ! have_all; then
   command -v cmake >/dev/null || { echo "build-llama-cpp: cmake is missing (apt-get install cmake)" >&2; exit 1; }

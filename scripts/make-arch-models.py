@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 
 # Bump when a model's recipe changes, so cached directories are made again.
-VERSION = 1
+VERSION = 2
+
+# Text the causal models' byte-level BPE tokenizer is trained on (Debian's base-files).
+TEXT = "/usr/share/common-licenses/GPL-3"
+# The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one).
+WITH_TOKENIZER = ("gpt2", "qwen3")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -39,6 +44,22 @@ def recipes():
     }
 
 
+def bpe_tokenizer(vocab_size):
+    """A byte-level BPE (GPT-2's kind) of `vocab_size` tokens trained on TEXT: the
+    same tokenizer on every machine (training is deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(Path(TEXT).read_text().splitlines(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>")
+
+
 def make(name, out):
     import torch
     import transformers as tf
@@ -50,6 +71,8 @@ def make(name, out):
     shutil.rmtree(tmp, ignore_errors=True)
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(tmp, **kw)
+    if name in WITH_TOKENIZER:
+        bpe_tokenizer(config.vocab_size).save_pretrained(tmp)
     tmp.rename(out)
 
 

@@ -1,4 +1,4 @@
-//! GGUF importer: a llama.cpp GGUF file (architectures `llama` and `qwen2`) seen as a
+//! GGUF importer: a llama.cpp GGUF file (architectures `llama`, `qwen2` and `qwen3`) seen as a
 //! [`ModelDesc`] in Hugging Face conventions.
 //!
 //! - Architecture hyper-parameters come from the `{arch}.*` metadata keys.
@@ -88,6 +88,7 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
     let model_type = match arch.as_str() {
         "llama" => "llama",
         "qwen2" => "qwen2",
+        "qwen3" => "qwen3",
         other => return Err(format!("unsupported architecture {other}")),
     };
     let k = |s: &str| format!("{arch}.{s}");

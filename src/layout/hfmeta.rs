@@ -52,9 +52,10 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
         "llama" => ("LlamaForCausalLM", false),
         "mistral" => ("MistralForCausalLM", false),
         "qwen2" => ("Qwen2ForCausalLM", true),
+        "qwen3" => ("Qwen3ForCausalLM", false),
         other => {
             return Err(LayoutError::Unsupported(format!(
-                "config.json for model type {other:?}: only llama, mistral and qwen2 are supported"
+                "config.json for model type {other:?}: only llama, mistral, qwen2 and qwen3 are supported"
             )))
         }
     };

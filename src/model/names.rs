@@ -11,6 +11,7 @@ pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
     match model_type {
         "llama" | "mistral" => Some("llama"),
         "qwen2" => Some("qwen2"),
+        "qwen3" => Some("qwen3"),
         _ => None,
     }
 }
@@ -26,6 +27,9 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("self_attn.q_proj.bias", "attn_q.bias"),
     ("self_attn.k_proj.bias", "attn_k.bias"),
     ("self_attn.v_proj.bias", "attn_v.bias"),
+    // Qwen3's per-head RMS norms of Q and K.
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     ("mlp.gate_proj.weight", "ffn_gate.weight"),
     ("mlp.up_proj.weight", "ffn_up.weight"),
     ("mlp.down_proj.weight", "ffn_down.weight"),
