@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 # Bump when a model's recipe changes, so cached directories are made again.
-VERSION = 2
+VERSION = 3
 
 # Text the causal models' byte-level BPE tokenizer is trained on (Debian's base-files).
 TEXT = "/usr/share/common-licenses/GPL-3"
-# The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one).
+# The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
+# BERT gets a WordPiece one trained on the same text.
 WITH_TOKENIZER = ("gpt2", "qwen3")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
@@ -60,6 +61,28 @@ def bpe_tokenizer(vocab_size):
                                    bos_token="<|endoftext|>")
 
 
+def wordpiece_tokenizer(vocab_size):
+    """BERT's kind of tokenizer (lower-cased WordPiece, [CLS] text [SEP]) of `vocab_size`
+    tokens trained on TEXT."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+    from transformers import PreTrainedTokenizerFast
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special,
+                                        show_progress=False)
+    tok.train_from_iterator(Path(TEXT).read_text().splitlines(), trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
 def make(name, out):
     import torch
     import transformers as tf
@@ -73,6 +96,8 @@ def make(name, out):
     model.save_pretrained(tmp, **kw)
     if name in WITH_TOKENIZER:
         bpe_tokenizer(config.vocab_size).save_pretrained(tmp)
+    if name == "bert":
+        wordpiece_tokenizer(config.vocab_size).save_pretrained(tmp)
     tmp.rename(out)
 
 

@@ -156,7 +156,7 @@ fn plan_tensors(
     let mut descs = Vec::with_capacity(file.tensors.len());
     let mut plans = Vec::with_capacity(file.tensors.len());
     for (gi, t) in file.tensors.iter().enumerate() {
-        let name = names::gguf_to_hf(&t.name)
+        let name = names::gguf_to_hf(arch.gguf_arch.as_deref().unwrap_or_default(), &t.name)
             .ok_or_else(|| format!("tensor {} has no Hugging Face name", t.name))?;
         if !quant::is_supported(t.ty) {
             return Err(format!(

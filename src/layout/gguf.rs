@@ -54,6 +54,7 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
             let g = names::hf_to_gguf(&t.name)?;
             let (group, layer) = match (t.name.as_str(), names::layer_of(&t.name)) {
                 ("model.embed_tokens.weight", _) => (0, 0),
+                (n, _) if n.starts_with("embeddings.") => (0, 0),
                 (_, Some(l)) => (1, l),
                 ("model.norm.weight", _) => (2, 0),
                 _ => (3, 0),
@@ -168,6 +169,9 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
         .filter(|s| !s.is_empty())
         .unwrap_or(&a.model_type)
         .to_string();
+    if arch == "bert" {
+        return bert_meta(model, config.as_ref(), &name, file_type);
+    }
     let s = |v: &str| GgufValue::String(v.to_string());
     let k = |suffix: &str| format!("{arch}.{suffix}");
     let mut m: Vec<(String, GgufValue)> = vec![
@@ -197,6 +201,54 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
     m.push((k("vocab_size"), GgufValue::U32(a.vocab_size)));
     m.push((k("rope.dimension_count"), GgufValue::U32(a.head_dim)));
     m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);
+    Ok(m)
+}
+
+/// Metadata of a BERT encoder, as llama.cpp's converter writes it: bidirectional
+/// attention, LayerNorm epsilon, and a WordPiece vocabulary with its token-type count.
+/// No pooling type: the config that names it (sentence-transformers' `1_Pooling/`) is
+/// not among the side files, so llama.cpp's `--pooling` chooses.
+fn bert_meta(
+    model: &ModelDesc,
+    config: Option<&serde_json::Value>,
+    name: &str,
+    file_type: u32,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    let a = &model.arch;
+    let eps = config
+        .and_then(|c| c.get("layer_norm_eps"))
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(1e-12) as f32;
+    let s = |v: &str| GgufValue::String(v.to_string());
+    let mut m: Vec<(String, GgufValue)> = vec![
+        ("general.architecture".into(), s("bert")),
+        ("general.type".into(), s("model")),
+        ("general.name".into(), s(name)),
+        ("bert.block_count".into(), GgufValue::U32(a.n_layers)),
+        (
+            "bert.context_length".into(),
+            GgufValue::U32(a.context_length),
+        ),
+        (
+            "bert.embedding_length".into(),
+            GgufValue::U32(a.hidden_size),
+        ),
+        (
+            "bert.feed_forward_length".into(),
+            GgufValue::U32(a.intermediate_size),
+        ),
+        (
+            "bert.attention.head_count".into(),
+            GgufValue::U32(a.n_heads),
+        ),
+        (
+            "bert.attention.layer_norm_epsilon".into(),
+            GgufValue::F32(eps),
+        ),
+        ("bert.attention.causal".into(), GgufValue::Bool(false)),
+        ("general.file_type".into(), GgufValue::U32(file_type)),
+    ];
+    m.extend(tokenizer::gguf_tokenizer_meta(model, config)?);
     Ok(m)
 }
 

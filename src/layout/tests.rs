@@ -342,7 +342,7 @@ fn gguf_layout_names_order_types_and_permutation() {
         assert_eq!(names, expect);
         for (name, ne, ty) in &infos {
             let t = &model.tensors[model
-                .tensor_index(&crate::model::names::gguf_to_hf(name).unwrap())
+                .tensor_index(&crate::model::names::gguf_to_hf("llama", name).unwrap())
                 .unwrap()];
             let rev: Vec<u64> = t.shape.iter().rev().copied().collect();
             assert_eq!(ne, &rev);

@@ -102,6 +102,9 @@ pub(super) fn gguf_tokenizer_meta(
     let Some((tj, tc)) = hf_tokenizer_files(model)? else {
         return Ok(Vec::new());
     };
+    if tj.model.ty.as_str() == Some("WordPiece") {
+        return wordpiece_meta(model, config, &tj, &tc);
+    }
     byte_level_bpe(&tj.model)?;
     let entries = token_entries(&tj)?;
     let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
@@ -148,6 +151,79 @@ pub(super) fn gguf_tokenizer_meta(
     }
     if let Some(t) = chat_template(model, &tc) {
         out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
+    }
+    Ok(out)
+}
+
+/// A WordPiece vocabulary (BERT's) as llama.cpp's converter writes it: model "bert",
+/// tokens in "phantom space" (a word-initial token gets a leading U+2581, a `##`
+/// continuation loses its `##`, control tokens stay as they are), the special tokens
+/// named in tokenizer_config.json ([CLS] also as BOS, which llama.cpp puts first), and
+/// the number of token types from config.json.
+fn wordpiece_meta(
+    model: &ModelDesc,
+    config: Option<&Value>,
+    tj: &TokenizerJson,
+    tc: &Value,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    let entries = token_entries(tj)?;
+    let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .zip(&types)
+        .map(|(t, &ty)| match t.strip_prefix("##") {
+            _ if ty == TT_CONTROL => t,
+            Some(rest) => rest.to_string(),
+            None => format!("\u{2581}{t}"),
+        })
+        .collect();
+    let n = tokens.len() as u64;
+    let type_count = config
+        .and_then(|c| c.get("type_vocab_size"))
+        .and_then(Value::as_u64)
+        .unwrap_or(2);
+    let mut out: Vec<(String, GgufValue)> = vec![
+        (
+            "tokenizer.ggml.model".into(),
+            GgufValue::String("bert".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            GgufValue::String("default".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens.into())),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            GgufValue::Array(GgufArray::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.token_type_count".into(),
+            GgufValue::U32(type_count.min(u32::MAX as u64) as u32),
+        ),
+    ];
+    let id_of = |typ: &str| -> Option<u32> {
+        let content = tc.get(format!("{typ}_token")).and_then(token_string)?;
+        entries
+            .iter()
+            .filter(|e| e.1 == content)
+            .max_by_key(|e| e.2.is_some())
+            .map(|e| e.0 as u32)
+            .filter(|&id| (id as u64) < n)
+    };
+    for (typ, key) in [
+        ("cls", "bos_token_id"),
+        ("sep", "seperator_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+        ("mask", "mask_token_id"),
+        ("cls", "cls_token_id"),
+    ] {
+        if let Some(id) = id_of(typ) {
+            out.push((format!("tokenizer.ggml.{key}"), GgufValue::U32(id)));
+        }
     }
     Ok(out)
 }

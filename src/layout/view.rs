@@ -133,6 +133,10 @@ fn offered_presets() -> impl Iterator<Item = Preset> {
     })
 }
 
+/// 2-D tensors every view serves in F32, as 1-D ones (`convert_hf_to_gguf.py`'s
+/// "always in float32" list, the ones of the architectures served here).
+const ALWAYS_F32: [&str; 2] = ["position_embd.weight", "token_types.weight"];
+
 /// What the archive holds for one tensor, as far as choosing its view is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Held {
@@ -299,7 +303,9 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
             let t = &model.tensors[index];
             let cols = t.cols();
             let h = held.get(index).copied().unwrap_or(Held::Lossy(None));
-            let one_d = t.shape.len() < 2;
+            // llama.cpp's converter writes these in F32 whatever the file type: ggml's
+            // CPU backend cannot add an F16 position or token-type row to F32 values.
+            let one_d = t.shape.len() < 2 || ALWAYS_F32.contains(&gguf_name.as_str());
             let quantizable = allows_quantization(
                 arch,
                 &PresetTensor {

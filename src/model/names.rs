@@ -12,62 +12,139 @@ pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
         "llama" | "mistral" => Some("llama"),
         "qwen2" => Some("qwen2"),
         "qwen3" => Some("qwen3"),
+        "bert" => Some("bert"),
         _ => None,
     }
 }
 
-/// Per-layer suffixes: (Hugging Face, GGUF).
-const LAYER_NAMES: &[(&str, &str)] = &[
-    ("input_layernorm.weight", "attn_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    ("self_attn.q_proj.weight", "attn_q.weight"),
-    ("self_attn.k_proj.weight", "attn_k.weight"),
-    ("self_attn.v_proj.weight", "attn_v.weight"),
-    ("self_attn.o_proj.weight", "attn_output.weight"),
-    ("self_attn.q_proj.bias", "attn_q.bias"),
-    ("self_attn.k_proj.bias", "attn_k.bias"),
-    ("self_attn.v_proj.bias", "attn_v.bias"),
-    // Qwen3's per-head RMS norms of Q and K.
-    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-    ("mlp.gate_proj.weight", "ffn_gate.weight"),
-    ("mlp.up_proj.weight", "ffn_up.weight"),
-    ("mlp.down_proj.weight", "ffn_down.weight"),
-];
-
-const GLOBAL_NAMES: &[(&str, &str)] = &[
-    ("model.embed_tokens.weight", "token_embd.weight"),
-    ("model.norm.weight", "output_norm.weight"),
-    ("lm_head.weight", "output.weight"),
-];
-
-/// Hugging Face name → llama.cpp name, or None for a tensor llama.cpp has no name for.
-pub fn hf_to_gguf(name: &str) -> Option<String> {
-    if let Some((_, g)) = GLOBAL_NAMES.iter().find(|(h, _)| *h == name) {
-        return Some(g.to_string());
-    }
-    let rest = name.strip_prefix("model.layers.")?;
-    let (layer, suffix) = rest.split_once('.')?;
-    let layer: u32 = layer.parse().ok()?;
-    let (_, g) = LAYER_NAMES.iter().find(|(h, _)| *h == suffix)?;
-    Some(format!("blk.{layer}.{g}"))
+/// How one family of architectures names its tensors on each side.
+struct Naming {
+    /// Hugging Face prefix of a layer's tensors, before the layer number.
+    layer_prefix: &'static str,
+    /// Per-layer suffixes: (Hugging Face, GGUF).
+    layers: &'static [(&'static str, &'static str)],
+    /// Tensors outside the layers: (Hugging Face, GGUF).
+    globals: &'static [(&'static str, &'static str)],
 }
 
-/// llama.cpp name → Hugging Face name.
-pub fn gguf_to_hf(name: &str) -> Option<String> {
-    if let Some((h, _)) = GLOBAL_NAMES.iter().find(|(_, g)| *g == name) {
-        return Some(h.to_string());
+/// llama, mistral, qwen2, qwen3.
+const LLAMA: Naming = Naming {
+    layer_prefix: "model.layers.",
+    layers: &[
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.k_proj.bias", "attn_k.bias"),
+        ("self_attn.v_proj.bias", "attn_v.bias"),
+        // Qwen3's per-head RMS norms of Q and K.
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ],
+    globals: &[
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ],
+};
+
+/// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
+const BERT: Naming = Naming {
+    layer_prefix: "encoder.layer.",
+    layers: &[
+        ("attention.self.query.weight", "attn_q.weight"),
+        ("attention.self.query.bias", "attn_q.bias"),
+        ("attention.self.key.weight", "attn_k.weight"),
+        ("attention.self.key.bias", "attn_k.bias"),
+        ("attention.self.value.weight", "attn_v.weight"),
+        ("attention.self.value.bias", "attn_v.bias"),
+        ("attention.output.dense.weight", "attn_output.weight"),
+        ("attention.output.dense.bias", "attn_output.bias"),
+        (
+            "attention.output.LayerNorm.weight",
+            "attn_output_norm.weight",
+        ),
+        ("attention.output.LayerNorm.bias", "attn_output_norm.bias"),
+        ("intermediate.dense.weight", "ffn_up.weight"),
+        ("intermediate.dense.bias", "ffn_up.bias"),
+        ("output.dense.weight", "ffn_down.weight"),
+        ("output.dense.bias", "ffn_down.bias"),
+        ("output.LayerNorm.weight", "layer_output_norm.weight"),
+        ("output.LayerNorm.bias", "layer_output_norm.bias"),
+    ],
+    globals: &[
+        ("embeddings.word_embeddings.weight", "token_embd.weight"),
+        (
+            "embeddings.token_type_embeddings.weight",
+            "token_types.weight",
+        ),
+        (
+            "embeddings.position_embeddings.weight",
+            "position_embd.weight",
+        ),
+        ("embeddings.LayerNorm.weight", "token_embd_norm.weight"),
+        ("embeddings.LayerNorm.bias", "token_embd_norm.bias"),
+    ],
+};
+
+const NAMINGS: [&Naming; 2] = [&LLAMA, &BERT];
+
+/// The naming of a GGUF architecture.
+fn naming(gguf_arch: &str) -> Option<&'static Naming> {
+    match gguf_arch {
+        "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
+        "bert" => Some(&BERT),
+        _ => None,
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, suffix) = rest.split_once('.')?;
-    let layer: u32 = layer.parse().ok()?;
-    let (h, _) = LAYER_NAMES.iter().find(|(_, g)| *g == suffix)?;
-    Some(format!("model.layers.{layer}.{h}"))
+}
+
+impl Naming {
+    fn to_gguf(&self, name: &str) -> Option<String> {
+        if let Some((_, g)) = self.globals.iter().find(|(h, _)| *h == name) {
+            return Some(g.to_string());
+        }
+        let rest = name.strip_prefix(self.layer_prefix)?;
+        let (layer, suffix) = rest.split_once('.')?;
+        let layer: u32 = layer.parse().ok()?;
+        let (_, g) = self.layers.iter().find(|(h, _)| *h == suffix)?;
+        Some(format!("blk.{layer}.{g}"))
+    }
+
+    fn to_hf(&self, name: &str) -> Option<String> {
+        if let Some((h, _)) = self.globals.iter().find(|(_, g)| *g == name) {
+            return Some(h.to_string());
+        }
+        let rest = name.strip_prefix("blk.")?;
+        let (layer, suffix) = rest.split_once('.')?;
+        let layer: u32 = layer.parse().ok()?;
+        let (h, _) = self.layers.iter().find(|(_, g)| *g == suffix)?;
+        Some(format!("{}{layer}.{h}", self.layer_prefix))
+    }
+}
+
+/// Hugging Face name → llama.cpp name, or None for a tensor llama.cpp has no name for.
+/// The families' Hugging Face names do not overlap, so the name alone decides.
+pub fn hf_to_gguf(name: &str) -> Option<String> {
+    NAMINGS.iter().find_map(|n| n.to_gguf(name))
+}
+
+/// llama.cpp name → Hugging Face name, in the naming of GGUF architecture `gguf_arch`
+/// (`blk.0.attn_q.weight` is a different tensor in a llama and in a BERT).
+pub fn gguf_to_hf(gguf_arch: &str, name: &str) -> Option<String> {
+    naming(gguf_arch)?.to_hf(name)
 }
 
 /// The layer a Hugging Face tensor name belongs to, if any.
 pub fn layer_of(name: &str) -> Option<u32> {
-    name.strip_prefix("model.layers.")?
+    NAMINGS
+        .iter()
+        .find_map(|n| name.strip_prefix(n.layer_prefix))?
         .split_once('.')?
         .0
         .parse()
@@ -128,7 +205,7 @@ mod tests {
             "model.layers.3.post_attention_layernorm.weight",
         ] {
             let g = hf_to_gguf(n).unwrap();
-            assert_eq!(gguf_to_hf(&g).unwrap(), n);
+            assert_eq!(gguf_to_hf("llama", &g).unwrap(), n);
         }
         assert_eq!(
             hf_to_gguf("model.layers.2.self_attn.q_proj.weight").unwrap(),
@@ -136,6 +213,23 @@ mod tests {
         );
         assert_eq!(hf_to_gguf("model.rotary_emb.inv_freq"), None);
         assert_eq!(layer_of("model.layers.12.mlp.up_proj.weight"), Some(12));
+        // BERT's names, and the same GGUF name meaning another tensor there.
+        for n in [
+            "embeddings.word_embeddings.weight",
+            "embeddings.LayerNorm.bias",
+            "encoder.layer.5.attention.self.query.weight",
+            "encoder.layer.0.output.LayerNorm.weight",
+        ] {
+            let g = hf_to_gguf(n).unwrap();
+            assert_eq!(gguf_to_hf("bert", &g).unwrap(), n);
+        }
+        assert_eq!(
+            gguf_to_hf("bert", "blk.1.attn_q.weight").unwrap(),
+            "encoder.layer.1.attention.self.query.weight"
+        );
+        assert_eq!(layer_of("encoder.layer.10.output.dense.bias"), Some(10));
+        assert_eq!(hf_to_gguf("embeddings.position_ids"), None);
+        assert_eq!(gguf_to_hf("gpt2", "blk.0.attn_q.weight"), None);
     }
 
     /// Matches llama.cpp's `w.reshape(n_head, 2, hd/2, ...).swapaxes(1, 2)`.
