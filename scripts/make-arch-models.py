@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 # Bump when a model's recipe changes, so cached directories are made again.
-VERSION = 3
+VERSION = 5
 
 # Text the causal models' byte-level BPE tokenizer is trained on (Debian's base-files).
 TEXT = "/usr/share/common-licenses/GPL-3"
 # The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
 # BERT gets a WordPiece one trained on the same text.
-WITH_TOKENIZER = ("gpt2", "qwen3")
+WITH_TOKENIZER = ("gpt2", "qwen3", "phi3")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -45,7 +45,7 @@ def recipes():
     }
 
 
-def bpe_tokenizer(vocab_size):
+def bpe_tokenizer(vocab_size, specials=("<|endoftext|>",)):
     """A byte-level BPE (GPT-2's kind) of `vocab_size` tokens trained on TEXT: the
     same tokenizer on every machine (training is deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -53,7 +53,7 @@ def bpe_tokenizer(vocab_size):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(Path(TEXT).read_text().splitlines(), trainer)
@@ -95,7 +95,10 @@ def make(name, out):
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(tmp, **kw)
     if name in WITH_TOKENIZER:
-        bpe_tokenizer(config.vocab_size).save_pretrained(tmp)
+        # Phi-3's vocabulary has SentencePiece's specials; llama.cpp looks them up by
+        # name when it loads a model named phi3.
+        specials = ("<|endoftext|>", "<unk>", "<s>", "</s>") if name == "phi3" else ("<|endoftext|>",)
+        bpe_tokenizer(config.vocab_size, specials).save_pretrained(tmp)
     if name == "bert":
         wordpiece_tokenizer(config.vocab_size).save_pretrained(tmp)
     tmp.rename(out)

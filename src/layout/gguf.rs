@@ -199,9 +199,57 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
     }
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m.push((k("vocab_size"), GgufValue::U32(a.vocab_size)));
-    m.push((k("rope.dimension_count"), GgufValue::U32(a.head_dim)));
+    let mut rope_dims = a.head_dim;
+    if arch == "phi3" {
+        rope_dims = phi3_meta(&mut m, config.as_ref(), a)?;
+    }
+    m.push((k("rope.dimension_count"), GgufValue::U32(rope_dims)));
     m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);
     Ok(m)
+}
+
+/// Phi-3's keys beyond the llama ones (the original context length and the sliding
+/// window, 0 for none), as its converter writes them; returns the rotary dimension
+/// count (`partial_rotary_factor` of a head). LongRoPE models need two factor tensors
+/// the converter makes from config.json, which this view does not make: refused.
+fn phi3_meta(
+    m: &mut Vec<(String, GgufValue)>,
+    config: Option<&serde_json::Value>,
+    a: &crate::model::ArchConfig,
+) -> Result<u32, LayoutError> {
+    let get = |key: &str| {
+        config.and_then(|c| {
+            c.get(key)
+                .or_else(|| c.get("rope_scaling")?.get(key))
+                .or_else(|| c.get("rope_parameters")?.get(key))
+        })
+    };
+    if get("long_factor").is_some_and(|v| !v.is_null()) {
+        return Err(LayoutError::NoGguf(
+            "no model.gguf for this Phi-3: its LongRoPE factors (rope_scaling.long_factor) are not served as GGUF tensors yet".into(),
+        ));
+    }
+    let orig = get("original_max_position_embeddings")
+        .and_then(serde_json::Value::as_u64)
+        .map_or(a.context_length, |v| v.min(u32::MAX as u64) as u32);
+    let window = get("sliding_window")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0)
+        .min(u32::MAX as u64) as u32;
+    m.push((
+        "phi3.rope.scaling.original_context_length".into(),
+        GgufValue::U32(orig),
+    ));
+    m.push((
+        "phi3.attention.sliding_window".into(),
+        GgufValue::U32(window),
+    ));
+    let pct = get("partial_rotary_factor")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(1.0);
+    Ok(((pct * a.hidden_size as f64) as u32)
+        .checked_div(a.n_heads)
+        .unwrap_or(a.head_dim))
 }
 
 /// Metadata of a BERT encoder, as llama.cpp's converter writes it: bidirectional

@@ -13,6 +13,7 @@ pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
         "qwen2" => Some("qwen2"),
         "qwen3" => Some("qwen3"),
         "bert" => Some("bert"),
+        "phi3" => Some("phi3"),
         _ => None,
     }
 }
@@ -54,6 +55,21 @@ const LLAMA: Naming = Naming {
     ],
 };
 
+/// Phi-3: the llama layout with fused Q/K/V and gate/up projections (`ffn_up` holds
+/// gate then up, which llama.cpp's SwiGLU splits in halves).
+const PHI3: Naming = Naming {
+    layer_prefix: "model.layers.",
+    layers: &[
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ],
+    globals: LLAMA.globals,
+};
+
 /// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
 const BERT: Naming = Naming {
     layer_prefix: "encoder.layer.",
@@ -93,13 +109,14 @@ const BERT: Naming = Naming {
     ],
 };
 
-const NAMINGS: [&Naming; 2] = [&LLAMA, &BERT];
+const NAMINGS: [&Naming; 3] = [&LLAMA, &PHI3, &BERT];
 
 /// The naming of a GGUF architecture.
 fn naming(gguf_arch: &str) -> Option<&'static Naming> {
     match gguf_arch {
         "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
         "bert" => Some(&BERT),
+        "phi3" => Some(&PHI3),
         _ => None,
     }
 }
@@ -230,6 +247,18 @@ mod tests {
         assert_eq!(layer_of("encoder.layer.10.output.dense.bias"), Some(10));
         assert_eq!(hf_to_gguf("embeddings.position_ids"), None);
         assert_eq!(gguf_to_hf("gpt2", "blk.0.attn_q.weight"), None);
+        // Phi-3's fused projections; its ffn_up is the fused gate/up.
+        let n = "model.layers.3.self_attn.qkv_proj.weight";
+        assert_eq!(hf_to_gguf(n).unwrap(), "blk.3.attn_qkv.weight");
+        assert_eq!(gguf_to_hf("phi3", "blk.3.attn_qkv.weight").unwrap(), n);
+        assert_eq!(
+            gguf_to_hf("phi3", "blk.0.ffn_up.weight").unwrap(),
+            "model.layers.0.mlp.gate_up_proj.weight"
+        );
+        assert_eq!(
+            gguf_to_hf("llama", "blk.0.ffn_up.weight").unwrap(),
+            "model.layers.0.mlp.up_proj.weight"
+        );
     }
 
     /// Matches llama.cpp's `w.reshape(n_head, 2, hd/2, ...).swapaxes(1, 2)`.
