@@ -180,24 +180,11 @@ impl HfSource {
 /// The model's type for a safetensors dtype; None for one the archive cannot hold
 /// (sub-byte MX types).
 pub(crate) fn source_type(d: Dtype) -> Option<SourceType> {
-    use crate::model::PlainType as P;
     Some(match d {
         Dtype::F32 => SourceType::F32,
         Dtype::F16 => SourceType::F16,
         Dtype::BF16 => SourceType::BF16,
-        Dtype::BOOL => SourceType::Plain(P::Bool),
-        Dtype::U8 => SourceType::Plain(P::U8),
-        Dtype::I8 => SourceType::Plain(P::I8),
-        Dtype::F8_E4M3 => SourceType::Plain(P::F8E4M3),
-        Dtype::F8_E5M2 => SourceType::Plain(P::F8E5M2),
-        Dtype::I16 => SourceType::Plain(P::I16),
-        Dtype::U16 => SourceType::Plain(P::U16),
-        Dtype::I32 => SourceType::Plain(P::I32),
-        Dtype::U32 => SourceType::Plain(P::U32),
-        Dtype::F64 => SourceType::Plain(P::F64),
-        Dtype::I64 => SourceType::Plain(P::I64),
-        Dtype::U64 => SourceType::Plain(P::U64),
-        _ => return None,
+        other => SourceType::Plain(crate::model::PlainType::of_safetensors(other)?),
     })
 }
 

@@ -20,25 +20,11 @@ enum Served {
 }
 
 fn st_dtype(t: Served) -> Dtype {
-    use PlainType as P;
     match t {
         Served::Float(FloatType::F32) => Dtype::F32,
         Served::Float(FloatType::F16) => Dtype::F16,
         Served::Float(FloatType::BF16) => Dtype::BF16,
-        Served::Plain(p) => match p {
-            P::Bool => Dtype::BOOL,
-            P::U8 => Dtype::U8,
-            P::I8 => Dtype::I8,
-            P::F8E4M3 => Dtype::F8_E4M3,
-            P::F8E5M2 => Dtype::F8_E5M2,
-            P::I16 => Dtype::I16,
-            P::U16 => Dtype::U16,
-            P::I32 => Dtype::I32,
-            P::U32 => Dtype::U32,
-            P::F64 => Dtype::F64,
-            P::I64 => Dtype::I64,
-            P::U64 => Dtype::U64,
-        },
+        Served::Plain(p) => p.safetensors(),
     }
 }
 

@@ -93,6 +93,46 @@ impl PlainType {
     }
 }
 
+/// Each plain type and the safetensors dtype of the same name, for both directions.
+const SAFETENSORS_DTYPES: [(PlainType, safetensors::Dtype); 12] = {
+    use safetensors::Dtype as D;
+    use PlainType as P;
+    [
+        (P::Bool, D::BOOL),
+        (P::U8, D::U8),
+        (P::I8, D::I8),
+        (P::F8E4M3, D::F8_E4M3),
+        (P::F8E5M2, D::F8_E5M2),
+        (P::I16, D::I16),
+        (P::U16, D::U16),
+        (P::I32, D::I32),
+        (P::U32, D::U32),
+        (P::F64, D::F64),
+        (P::I64, D::I64),
+        (P::U64, D::U64),
+    ]
+};
+
+impl PlainType {
+    /// The safetensors dtype of this type.
+    pub fn safetensors(self) -> safetensors::Dtype {
+        SAFETENSORS_DTYPES
+            .iter()
+            .find(|(p, _)| *p == self)
+            .map(|(_, d)| *d)
+            .expect("every plain type has a safetensors dtype")
+    }
+
+    /// The plain type of a safetensors dtype; None for float weights (F32, F16, BF16)
+    /// and the sub-byte types the archive cannot hold.
+    pub fn of_safetensors(d: safetensors::Dtype) -> Option<PlainType> {
+        SAFETENSORS_DTYPES
+            .iter()
+            .find(|(_, s)| *s == d)
+            .map(|(p, _)| *p)
+    }
+}
+
 /// OCP FP8 E4M3 ("fn": no infinities; S.1111.111 is NaN): bias 7, subnormals below.
 fn f8e4m3_to_f32(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
@@ -399,5 +439,18 @@ mod plain_tests {
         let ids: std::collections::BTreeSet<u32> = all.iter().map(|p| p.id()).collect();
         assert_eq!(ids.len(), all.len());
         assert!(ids.iter().all(|&i| i >= 0x100));
+        for p in all {
+            let d = p.safetensors();
+            assert_eq!(PlainType::of_safetensors(d), Some(p));
+            assert_eq!(d.bitsize() as u64, 8 * p.size(), "{p:?}");
+        }
+        for float in [
+            safetensors::Dtype::F32,
+            safetensors::Dtype::F16,
+            safetensors::Dtype::BF16,
+            safetensors::Dtype::F4,
+        ] {
+            assert_eq!(PlainType::of_safetensors(float), None);
+        }
     }
 }

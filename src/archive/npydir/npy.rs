@@ -1,7 +1,21 @@
 //! A strict reader and writer of `.npy` headers (docs/NPYDIR.md §3). Only what npy-dirs
 //! use: little-endian scalar dtypes, C order. Everything else is an error that says why.
 
-use crate::model::SourceType;
+use crate::model::{PlainType, SourceType};
+
+/// Each dtype but f16 and f32 and the plain type it holds, for both directions.
+const PLAIN: [(Dtype, PlainType); 10] = [
+    (Dtype::I8, PlainType::I8),
+    (Dtype::U8, PlainType::U8),
+    (Dtype::I32, PlainType::I32),
+    (Dtype::I64, PlainType::I64),
+    (Dtype::Bool, PlainType::Bool),
+    (Dtype::I16, PlainType::I16),
+    (Dtype::U16, PlainType::U16),
+    (Dtype::U32, PlainType::U32),
+    (Dtype::U64, PlainType::U64),
+    (Dtype::F64, PlainType::F64),
+];
 
 /// Element types an npy-dir file may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,40 +63,23 @@ impl Dtype {
     /// The model's type of a passthrough file of this dtype: f16 and f32 are float
     /// weights, every other dtype a plain tensor served as its bytes.
     pub fn source(self) -> SourceType {
-        use crate::model::PlainType as P;
-        SourceType::Plain(match self {
-            Dtype::F16 => return SourceType::F16,
-            Dtype::F32 => return SourceType::F32,
-            Dtype::I8 => P::I8,
-            Dtype::U8 => P::U8,
-            Dtype::I32 => P::I32,
-            Dtype::I64 => P::I64,
-            Dtype::Bool => P::Bool,
-            Dtype::I16 => P::I16,
-            Dtype::U16 => P::U16,
-            Dtype::U32 => P::U32,
-            Dtype::U64 => P::U64,
-            Dtype::F64 => P::F64,
-        })
+        match self {
+            Dtype::F16 => SourceType::F16,
+            Dtype::F32 => SourceType::F32,
+            other => SourceType::Plain(
+                PLAIN
+                    .iter()
+                    .find(|(d, _)| *d == other)
+                    .map(|(_, p)| *p)
+                    .expect("every dtype but f16 and f32 is in PLAIN"),
+            ),
+        }
     }
 
     /// The dtype a passthrough file of a tensor of type `t` is written in; None for
     /// fp8, which numpy has no dtype for.
-    pub fn of_plain(t: crate::model::PlainType) -> Option<Dtype> {
-        use crate::model::PlainType as P;
-        Some(match t {
-            P::Bool => Dtype::Bool,
-            P::U8 => Dtype::U8,
-            P::I8 => Dtype::I8,
-            P::I16 => Dtype::I16,
-            P::U16 => Dtype::U16,
-            P::I32 => Dtype::I32,
-            P::U32 => Dtype::U32,
-            P::F64 => Dtype::F64,
-            P::I64 => Dtype::I64,
-            P::U64 => Dtype::U64,
-            P::F8E4M3 | P::F8E5M2 => return None,
-        })
+    pub fn of_plain(t: PlainType) -> Option<Dtype> {
+        PLAIN.iter().find(|(_, p)| *p == t).map(|(d, _)| *d)
     }
 
     /// Every dtype a passthrough (`__pt`) file may have.
@@ -351,6 +348,22 @@ pub fn write_header(dtype: Dtype, shape: &[u64]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn passthrough_dtypes_and_plain_types_map_both_ways() {
+        use crate::model::{PlainType, SourceType};
+        for d in Dtype::PASSTHROUGH {
+            match d.source() {
+                SourceType::Plain(p) => assert_eq!(Dtype::of_plain(p), Some(d)),
+                s => assert!(matches!(
+                    (d, s),
+                    (Dtype::F16, SourceType::F16) | (Dtype::F32, SourceType::F32)
+                )),
+            }
+            assert_eq!(Dtype::parse(d.descr()).unwrap(), d);
+        }
+        assert_eq!(Dtype::of_plain(PlainType::F8E4M3), None);
+    }
+
     use super::*;
 
     fn v1(text: &str) -> Vec<u8> {
