@@ -648,8 +648,9 @@ pub const SAFETENSORS_INDEX: &str = "model.safetensors.index.json";
 pub fn gguf_arch(model: &ModelDesc) -> Result<&str, LayoutError> {
     model.arch.gguf_arch.as_deref().ok_or_else(|| {
         LayoutError::NoGguf(format!(
-            "no model.gguf for model type {:?}: llama.cpp's tensor names for it are not known to cawsfs (they are for llama, mistral, qwen2, qwen3, phi3, bert)",
-            model.arch.model_type
+            "no model.gguf for model type {:?}: llama.cpp's tensor names for it are not known to cawsfs (they are for {})",
+            model.arch.model_type,
+            crate::model::names::GGUF_ARCHS.map(|(m, _)| m).join(", ")
         ))
     })
 }

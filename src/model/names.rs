@@ -5,17 +5,24 @@
 //! `hd` rows, HF row `j*hd/2 + i` becomes GGUF row `2*i + j` (j ∈ {0,1}). Qwen2 uses
 //! the NEOX rotary layout and is not permuted.
 
-/// The GGUF `general.architecture` of a Hugging Face `model_type` whose tensors this
-/// module can name for llama.cpp; None for any other (the mount serves no GGUF view).
+/// Hugging Face `model_type`s whose tensors this module can name for llama.cpp, and
+/// the GGUF `general.architecture` of each.
+pub const GGUF_ARCHS: [(&str, &str); 6] = [
+    ("llama", "llama"),
+    ("mistral", "llama"),
+    ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("phi3", "phi3"),
+    ("bert", "bert"),
+];
+
+/// The GGUF `general.architecture` of a Hugging Face `model_type` in [`GGUF_ARCHS`];
+/// None for any other (the mount serves no GGUF view).
 pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
-    match model_type {
-        "llama" | "mistral" => Some("llama"),
-        "qwen2" => Some("qwen2"),
-        "qwen3" => Some("qwen3"),
-        "bert" => Some("bert"),
-        "phi3" => Some("phi3"),
-        _ => None,
-    }
+    GGUF_ARCHS
+        .iter()
+        .find(|(m, _)| *m == model_type)
+        .map(|(_, g)| *g)
 }
 
 /// How one family of architectures names its tensors on each side.
