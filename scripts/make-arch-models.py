@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 # Bump when a model's recipe changes, so cached directories are made again.
-VERSION = 5
+VERSION = 6
 
 # Text the causal models' byte-level BPE tokenizer is trained on (Debian's base-files).
 TEXT = "/usr/share/common-licenses/GPL-3"
 # The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
 # BERT gets a WordPiece one trained on the same text.
-WITH_TOKENIZER = ("gpt2", "qwen3", "phi3")
+WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -38,7 +38,10 @@ def recipes():
                  "float32", None),
         "qwen3": (tf.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=64,
                                  tie_word_embeddings=False), "bfloat16", None),
-        "gemma2": (tf.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=64), "float16", None),
+        # query_pre_attn_scalar = head_dim as in Gemma 2 2B and 9B (llama.cpp scales
+        # by the head size except for 27B).
+        "gemma2": (tf.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=64,
+                                   query_pre_attn_scalar=64), "float16", None),
         # Sharded like a large checkpoint: model-0000i-of-0000N + index.
         "phi3": (tf.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0), "bfloat16",
                  "1MB"),

@@ -51,7 +51,7 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
         .iter()
         .enumerate()
         .filter_map(|(i, t)| {
-            let g = names::hf_to_gguf(&t.name)?;
+            let g = names::hf_to_gguf_in(model.arch.gguf_arch.as_deref()?, &t.name)?;
             let (group, layer) = match (t.name.as_str(), names::layer_of(&t.name)) {
                 ("model.embed_tokens.weight", _) => (0, 0),
                 (n, _) if n.starts_with("embeddings.") => (0, 0),
@@ -119,7 +119,12 @@ pub(super) fn build(
             model.arch.n_heads,
             model.arch.n_kv_heads,
         );
-        let len = b.tensor(name, tv.index, t.rows(), t.cols(), (tv.ty, tv.raw), permute)?;
+        let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
+        let len = match names::value_shift(arch, name) {
+            0.0 => b.tensor(name, tv.index, t.rows(), t.cols(), (tv.ty, tv.raw), permute)?,
+            // A shifted tensor is a norm: encoded from its values, never copied.
+            add => b.tensor_plus(name, tv.index, (t.rows(), t.cols()), tv.ty, add)?,
+        };
         if len != n_bytes {
             return Err(LayoutError::Metadata(format!(
                 "GGUF header gives tensor {name} {n_bytes} bytes, its shape needs {len}"
@@ -203,9 +208,32 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
     if arch == "phi3" {
         rope_dims = phi3_meta(&mut m, config.as_ref(), a)?;
     }
+    if arch == "gemma2" {
+        gemma2_meta(&mut m, config.as_ref());
+    }
     m.push((k("rope.dimension_count"), GgufValue::U32(rope_dims)));
     m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);
     Ok(m)
+}
+
+/// Gemma 2's keys beyond the llama ones, from config.json as its converter reads them:
+/// the soft-caps of attention logits and of the output, and the sliding window.
+fn gemma2_meta(m: &mut Vec<(String, GgufValue)>, config: Option<&serde_json::Value>) {
+    let get = |key: &str| config.and_then(|c| c.get(key));
+    for (key, gguf) in [
+        ("attn_logit_softcapping", "gemma2.attn_logit_softcapping"),
+        ("final_logit_softcapping", "gemma2.final_logit_softcapping"),
+    ] {
+        if let Some(v) = get(key).and_then(serde_json::Value::as_f64) {
+            m.push((gguf.into(), GgufValue::F32(v as f32)));
+        }
+    }
+    if let Some(w) = get("sliding_window").and_then(serde_json::Value::as_u64) {
+        m.push((
+            "gemma2.attention.sliding_window".into(),
+            GgufValue::U32(w.min(u32::MAX as u64) as u32),
+        ));
+    }
 }
 
 /// Phi-3's keys beyond the llama ones (the original context length and the sliding

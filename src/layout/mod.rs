@@ -104,6 +104,9 @@ struct TensorPiece {
     /// llama.cpp rotary permutation with this many heads: output row `g` is source
     /// row `names::gguf_row_to_hf(g, rows, heads)` (elements for a 1-D tensor).
     permute: Option<u32>,
+    /// Added to every value before it is encoded (Gemma's norms: llama.cpp's converter
+    /// stores `1 + w` for the `w` transformers multiplies by `1 + w`); 0 for none.
+    add: f32,
 }
 
 #[derive(Clone, Debug)]
@@ -149,17 +152,21 @@ impl Builder {
         let (tag, what): (u8, Vec<u64>) = match &kind {
             PieceKind::Bytes(_) => (0, vec![]),
             PieceKind::Zeros => (1, vec![]),
-            PieceKind::Tensor(t) => (
-                2,
-                vec![
+            PieceKind::Tensor(t) => {
+                let mut v = vec![
                     t.tensor as u64,
                     t.fill.type_id() as u64,
                     t.fill.is_copy() as u64,
                     t.rows,
                     t.cols,
                     t.permute.map_or(0, |h| h as u64 + 1),
-                ],
-            ),
+                ];
+                // Only when set, so files without it keep their fingerprints.
+                if t.add != 0.0 {
+                    v.push(t.add.to_bits() as u64);
+                }
+                (2, v)
+            }
         };
         self.fingerprint.update(&[tag]);
         for x in std::iter::once(len).chain(what) {
@@ -203,7 +210,24 @@ impl Builder {
         } else {
             Fill::Encode(ty)
         };
-        self.piece(name, tensor, (rows, cols), fill, permute)
+        self.piece(name, tensor, (rows, cols), fill, (permute, 0.0))
+    }
+
+    /// Append a tensor's values plus `add`, encoded as `ty`.
+    fn tensor_plus(
+        &mut self,
+        name: &str,
+        tensor: usize,
+        (rows, cols): (u64, u64),
+        ty: GgmlType,
+        add: f32,
+    ) -> Result<u64, LayoutError> {
+        if !can_quantize(ty) {
+            return Err(LayoutError::Unsupported(format!(
+                "tensor {name}: cannot serve type {ty:?}"
+            )));
+        }
+        self.piece(name, tensor, (rows, cols), Fill::Encode(ty), (None, add))
     }
 
     /// Append a plain-typed tensor's stored bytes.
@@ -214,7 +238,7 @@ impl Builder {
         (rows, cols): (u64, u64),
         ty: PlainType,
     ) -> Result<u64, LayoutError> {
-        self.piece(name, tensor, (rows, cols), Fill::CopyPlain(ty), None)
+        self.piece(name, tensor, (rows, cols), Fill::CopyPlain(ty), (None, 0.0))
     }
 
     fn piece(
@@ -223,7 +247,7 @@ impl Builder {
         tensor: usize,
         (rows, cols): (u64, u64),
         fill: Fill,
-        permute: Option<u32>,
+        (permute, add): (Option<u32>, f32),
     ) -> Result<u64, LayoutError> {
         let raw = fill.is_copy();
         let (row_bytes, len) = tensor_bytes(name, rows, cols, fill)?;
@@ -251,6 +275,7 @@ impl Builder {
                 cols,
                 row_bytes,
                 permute,
+                add,
             }),
         )?;
         self.ranges.push((tensor, start, start + len));
@@ -604,6 +629,10 @@ fn read_tensor_rows(
             }
         };
         rows.read(src, t, s0, s1)?;
+        if let (Rows::Values(v), true) = (&mut *rows, t.add != 0.0) {
+            let n = ((s1 - s0) * t.cols) as usize;
+            v[..n].iter_mut().for_each(|x| *x += t.add);
+        }
         match t.permute {
             None => place(rows, out, (0, s1 - s0), r * row_bytes, r_end * row_bytes)?,
             Some(heads) => {

@@ -1170,3 +1170,50 @@ fn safetensors_shards_split_in_model_order_within_the_size() {
     assert_eq!(files[0].name, "model.safetensors");
     assert!(index.is_none());
 }
+
+#[test]
+fn gemma2_norms_are_served_plus_one_and_named_for_gemma() {
+    // test_model's tensors under Gemma 2: its post-attention norm is its own tensor
+    // there, and every norm weight is served as 1 + w (the other tensors as they are).
+    let mut model = test_model(true);
+    model.arch.model_type = "gemma2".into();
+    model.arch.gguf_arch = Some("gemma2".into());
+    model
+        .tensors
+        .retain(|t| !t.name.ends_with("rotary_emb.inv_freq"));
+    let src = Mock::new(&model, 9);
+    let held = vec![Held::Exact(SourceType::F32); model.tensors.len()];
+    let plan = gguf_plan(&model, GgufView::Type(GgmlType::F32), &held).unwrap();
+    let f = gguf_file(&model, &plan).unwrap();
+    let bytes = materialize(&f, &src);
+    let r = crate::gguf::reader::parse_header(&bytes).unwrap();
+    let by_name = |n: &str| r.tensors.iter().find(|t| t.name == n).unwrap();
+    assert!(r
+        .tensors
+        .iter()
+        .any(|t| t.name == "blk.0.post_attention_norm.weight"));
+    assert!(!r.tensors.iter().any(|t| t.name == "blk.0.ffn_norm.weight"));
+    for (hf, gguf, add) in [
+        (
+            "model.layers.1.input_layernorm.weight",
+            "blk.1.attn_norm.weight",
+            1.0,
+        ),
+        ("model.norm.weight", "output_norm.weight", 1.0),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            "blk.0.attn_k.weight",
+            0.0,
+        ),
+    ] {
+        let i = model.tensor_index(hf).unwrap();
+        let t = by_name(gguf);
+        let at = (r.data_offset + t.offset) as usize;
+        let got: Vec<f32> = bytes[at..at + src.data[i].0.len() * 4]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let want: Vec<f32> = src.data[i].0.iter().map(|v| v + add).collect();
+        assert_eq!(got, want, "{hf}");
+    }
+}

@@ -7,13 +7,14 @@
 
 /// Hugging Face `model_type`s whose tensors this module can name for llama.cpp, and
 /// the GGUF `general.architecture` of each.
-pub const GGUF_ARCHS: [(&str, &str); 6] = [
+pub const GGUF_ARCHS: [(&str, &str); 7] = [
     ("llama", "llama"),
     ("mistral", "llama"),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("phi3", "phi3"),
     ("bert", "bert"),
+    ("gemma2", "gemma2"),
 ];
 
 /// The GGUF `general.architecture` of a Hugging Face `model_type` in [`GGUF_ARCHS`];
@@ -77,6 +78,32 @@ const PHI3: Naming = Naming {
     globals: LLAMA.globals,
 };
 
+/// Gemma 2: four norms per layer (around attention and around the MLP), the output
+/// head tied to the embedding.
+const GEMMA2: Naming = Naming {
+    layer_prefix: "model.layers.",
+    layers: &[
+        ("input_layernorm.weight", "attn_norm.weight"),
+        (
+            "post_attention_layernorm.weight",
+            "post_attention_norm.weight",
+        ),
+        ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+        ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ],
+    globals: &[
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+    ],
+};
+
 /// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
 const BERT: Naming = Naming {
     layer_prefix: "encoder.layer.",
@@ -124,6 +151,7 @@ fn naming(gguf_arch: &str) -> Option<&'static Naming> {
         "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
         "bert" => Some(&BERT),
         "phi3" => Some(&PHI3),
+        "gemma2" => Some(&GEMMA2),
         _ => None,
     }
 }
@@ -153,9 +181,25 @@ impl Naming {
 }
 
 /// Hugging Face name → llama.cpp name, or None for a tensor llama.cpp has no name for.
-/// The families' Hugging Face names do not overlap, so the name alone decides.
+/// The name alone decides for the weights an importance matrix covers (the same in
+/// every family); a norm can differ by architecture: [`hf_to_gguf_in`].
 pub fn hf_to_gguf(name: &str) -> Option<String> {
     NAMINGS.iter().find_map(|n| n.to_gguf(name))
+}
+
+/// Hugging Face name → llama.cpp name in the naming of GGUF architecture `gguf_arch`.
+pub fn hf_to_gguf_in(gguf_arch: &str, name: &str) -> Option<String> {
+    naming(gguf_arch)?.to_gguf(name)
+}
+
+/// What llama.cpp's converter adds to the values of this tensor: 1 for Gemma's RMS
+/// norm weights (transformers scales by `1 + w`, llama.cpp by the stored weight).
+pub fn value_shift(gguf_arch: &str, hf_name: &str) -> f32 {
+    if gguf_arch == "gemma2" && hf_name.ends_with("norm.weight") {
+        1.0
+    } else {
+        0.0
+    }
 }
 
 /// llama.cpp name → Hugging Face name, in the naming of GGUF architecture `gguf_arch`

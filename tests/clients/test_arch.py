@@ -16,7 +16,7 @@ from conftest import ROOT, TEXT, run, run_status
 
 ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3"]
 # The architectures whose mount serves model.gguf too.
-GGUF_ARCHS = ["qwen3", "phi3", "bert"]
+GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert"]
 # The architectures whose GGUF files import.
 GGUF_IMPORT_ARCHS = ["qwen3"]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
