@@ -377,3 +377,22 @@ def test_minilm_gguf_sentence_embeddings(cawsfs, converted, minilm, llama_bin, w
     with torch.no_grad():
         ref = torch.nn.functional.normalize(model(**x).last_hidden_state[0].mean(0), dim=0)
     assert (emb @ ref).item() > 0.99999, (emb @ ref).item()
+
+
+def test_unsupported_dtype_in_a_foreign_npydir_is_one_line(cawsfs, work):
+    """A Squish npy-dir written by another tool with a dtype no view can serve
+    (complex64): every command names the file, the tensor and the dtype."""
+    import numpy as np
+    d = work / "npy"
+    (d / "tensors").mkdir(parents=True)
+    (d / "config.json").write_text('{"model_type": "bert"}')
+    np.save(d / "tensors" / "w__weight__pt.npy", np.zeros((4, 4), dtype=np.complex64))
+    np.save(d / "tensors" / "w__weight__shape.npy", np.array([4, 4], dtype=np.int64))
+    (d / "manifest.json").write_text(json.dumps({"w.weight": "w__weight"}))
+    for verb in (["inspect", d], ["verify", d], ["mount", d, work / "m"]):
+        (work / "m").mkdir(exist_ok=True)
+        p = run_status([cawsfs, *verb])
+        assert p.returncode != 0, verb
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and "w__weight__pt.npy" in err[0] and "tensor w.weight" in err[0] \
+            and "<c8" in err[0], (verb, p.stderr)

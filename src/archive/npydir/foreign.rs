@@ -124,7 +124,16 @@ fn open_foreign_tensor(
         let stored = slen + q.file_len + s.file_len;
         (shape, geo, vec![q, s], stored, SourceType::F16)
     } else if let Some(ptn) = get("__pt") {
-        let pt = op.open(&ptn, &Dtype::PASSTHROUGH, None)?;
+        let pt = op
+            .open(&ptn, &Dtype::PASSTHROUGH, None)
+            .map_err(|e| match e {
+                // Name the tensor too: the file's name is its key, not its name.
+                ArchiveError::Invalid { path, reason } => ArchiveError::Invalid {
+                    path,
+                    reason: format!("tensor {name}: {reason}"),
+                },
+                e => e,
+            })?;
         let (shape, slen) = if shape_file.is_some() {
             shape_of(op)?
         } else {
