@@ -16,7 +16,9 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
     let ar = cawsfs::archive::open(path)?;
     let m = ar.model();
     // A model without a GGUF view is inspected all the same; `no_gguf` says why.
-    let (plan, no_gguf) = match layout::gguf_plan(m, view, &layout::held_of(&*ar)) {
+    let plan = layout::gguf_plan(m, view, &layout::held_of(&*ar));
+    // The file too: its vocabulary can be what rules the view out.
+    let (plan, no_gguf) = match plan.and_then(|p| layout::gguf_file(m, &p).map(|_| p)) {
         Ok(plan) => (Some(plan), None),
         Err(layout::LayoutError::NoGguf(why)) => (None, Some(why)),
         Err(e) => return Err(e.into()),
@@ -181,9 +183,11 @@ pub fn cmd_verify(path: &Path, quick: bool) -> Result<()> {
         let m = ar.model();
         let files = [
             layout::safetensors_file(m, None).map(drop),
-            match layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar)) {
+            match layout::gguf_plan(m, layout::GgufView::Auto, &layout::held_of(&*ar))
+                .and_then(|plan| layout::gguf_file(m, &plan))
+            {
                 Err(layout::LayoutError::NoGguf(_)) => Ok(()),
-                plan => plan.and_then(|plan| layout::gguf_file(m, &plan)).map(drop),
+                file => file.map(drop),
             },
             layout::hf_metadata_files(m).map(drop),
         ];

@@ -145,13 +145,16 @@ impl MountFs {
         if let Some(index) = index {
             files.push(VirtualFile::from_bytes(layout::SAFETENSORS_INDEX, index));
         }
-        match layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive)) {
-            Ok(plan) => {
+        let gguf = layout::gguf_plan(model, opts.gguf_type, &layout::held_of(&*archive)).and_then(
+            |plan| {
                 for note in layout::gguf_notes(model, &plan) {
                     tracing::info!("{note}");
                 }
-                files.push(layout::gguf_file(model, &plan)?);
-            }
+                layout::gguf_file(model, &plan)
+            },
+        );
+        match gguf {
+            Ok(file) => files.push(file),
             // The other views are served; the log says once why this one is not.
             Err(layout::LayoutError::NoGguf(why)) => tracing::warn!("{why}"),
             Err(e) => return Err(e.into()),

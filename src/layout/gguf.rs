@@ -212,7 +212,7 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
         gemma2_meta(&mut m, config.as_ref());
     }
     m.push((k("rope.dimension_count"), GgufValue::U32(rope_dims)));
-    m.extend(tokenizer::gguf_tokenizer_meta(model, config.as_ref())?);
+    m.extend(vocabulary(model, config.as_ref())?);
     Ok(m)
 }
 
@@ -324,8 +324,21 @@ fn bert_meta(
         ("bert.attention.causal".into(), GgufValue::Bool(false)),
         ("general.file_type".into(), GgufValue::U32(file_type)),
     ];
-    m.extend(tokenizer::gguf_tokenizer_meta(model, config)?);
+    m.extend(vocabulary(model, config)?);
     Ok(m)
+}
+
+/// The GGUF vocabulary of a Hugging Face source. A tokenizer it cannot write (a
+/// SentencePiece one) means no GGUF view: llama.cpp cannot run a model without its
+/// vocabulary, and the mount still serves the other views.
+fn vocabulary(
+    model: &ModelDesc,
+    config: Option<&serde_json::Value>,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    tokenizer::gguf_tokenizer_meta(model, config).map_err(|e| match e {
+        LayoutError::Unsupported(why) => LayoutError::NoGguf(format!("no model.gguf: {why}")),
+        e => e,
+    })
 }
 
 /// The `tokenizer.ggml.pre` name llama.cpp uses for a `tokenizer.json` pre-tokenizer,

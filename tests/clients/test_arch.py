@@ -396,3 +396,24 @@ def test_unsupported_dtype_in_a_foreign_npydir_is_one_line(cawsfs, work):
         err = p.stderr.strip().splitlines()
         assert len(err) == 1 and "w__weight__pt.npy" in err[0] and "tensor w.weight" in err[0] \
             and "<c8" in err[0], (verb, p.stderr)
+
+
+def test_a_tokenizer_the_gguf_view_cannot_write_leaves_the_other_views(cawsfs, arch_models, work):
+    """A GGUF-mapped architecture whose tokenizer.json is not a byte-level BPE or a
+    WordPiece (here a Unigram, as SentencePiece conversions are): no model.gguf, said
+    once, and model.safetensors served as ever."""
+    import shutil
+    src = work / "src"
+    shutil.copytree(arch_models["qwen3"], src)
+    (src / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "Unigram", "vocab": [["<unk>", 0.0], ["a", -1.0]]}}))
+    archive = work / "a.cawsf"
+    run([cawsfs, "convert", src, "-o", archive, "--passthrough", "*"])
+    assert "model.gguf: not served: " in run([cawsfs, "inspect", archive]).stdout
+    assert "ok" in run([cawsfs, "verify", archive]).stdout
+    with mounted(cawsfs, archive, work / "m") as (mp, log):
+        files = os.listdir(mp)
+        assert "model.gguf" not in files and "model.safetensors" in files, files
+        assert torch.equal(forward(mp, "qwen3"), forward(arch_models["qwen3"], "qwen3"))
+        lines = [l for l in open(log) if "no model.gguf" in l]
+        assert len(lines) == 1 and "Unigram" in lines[0], lines
