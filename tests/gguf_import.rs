@@ -285,7 +285,7 @@ fn real_model_matches_gguf_python() {
     let d = src.desc();
     let a = &d.arch;
     assert_eq!(a.model_type, "llama");
-    assert_eq!(a.gguf_arch, "llama");
+    assert_eq!(a.gguf_arch.as_deref(), Some("llama"));
     assert_eq!(
         (
             a.n_layers,
