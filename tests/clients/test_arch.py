@@ -295,18 +295,10 @@ def llama_last_hidden(llama_bin, gguf, prompt, pooling="last"):
     """llama.cpp's final hidden state of the prompt's last token (after the output
     norm; or pooled as `pooling` says), L2-normalized, and the token ids it read the
     prompt as."""
-    # llama.cpp prints through a logger it never flushes at exit (its common/log.cpp
-    # says so, issue 22142): the JSON can come out cut short. Three tries.
-    for _ in range(3):
-        p = run([llama_bin / "llama-embedding", "-m", gguf, "-p", prompt, "--pooling", pooling,
-                 "--embd-normalize", "2", "--embd-output-format", "json", "-t", "2"])
-        try:
-            emb = torch.tensor(json.loads(p.stdout)["data"][0]["embedding"])
-            break
-        except json.JSONDecodeError:
-            continue
-    else:
-        raise AssertionError(f"llama-embedding printed no whole JSON: {p.stdout[-300:]}")
+    # Built with the flush at exit scripts/build-llama-cpp.sh adds: whole JSON.
+    p = run([llama_bin / "llama-embedding", "-m", gguf, "-p", prompt, "--pooling", pooling,
+             "--embd-normalize", "2", "--embd-output-format", "json", "-t", "2"])
+    emb = torch.tensor(json.loads(p.stdout)["data"][0]["embedding"])
     ids = run([llama_bin / "llama-tokenize", "-m", gguf, "-p", prompt, "--ids",
                "--log-disable"]).stdout.strip().splitlines()[-1]
     return emb, json.loads(ids)
@@ -334,6 +326,7 @@ def test_gguf_view_matches_transformers(cawsfs, converted, arch_models, llama_bi
         emb, ids = llama_last_hidden(llama_bin, mp / "model.gguf", prompt)
     ref, ref_ids = hf_last_hidden(arch_models[name], prompt)
     assert len(ids) > 5 and ids == ref_ids, (ids, ref_ids)
+    print(f"{name}: exact archive, f32 view: cosine {(emb @ ref).item():.7f}")
     assert (emb @ ref).item() > 0.99999 and (emb - ref).abs().max() < 1e-3
     with mounted(cawsfs, converted[name, "default"], work / "d") as (mp, _):
         emb, ids = llama_last_hidden(llama_bin, mp / "model.gguf", prompt)
@@ -376,6 +369,7 @@ def test_minilm_gguf_sentence_embeddings(cawsfs, converted, minilm, llama_bin, w
     model = tf.AutoModel.from_pretrained(minilm).eval()
     with torch.no_grad():
         ref = torch.nn.functional.normalize(model(**x).last_hidden_state[0].mean(0), dim=0)
+    print(f"minilm: exact archive, f32 view, mean pooling: cosine {(emb @ ref).item():.7f}")
     assert (emb @ ref).item() > 0.99999, (emb @ ref).item()
 
 
