@@ -347,14 +347,15 @@ def test_bad_sources_give_one_line_errors(cawsfs, model_gguf, work):
     garbage.write_bytes(b"GGUF" + os.urandom(4096))
     cases["garbage-gguf"] = (garbage, "garbage.gguf")
     cases["missing"] = (work / "nothing-here.gguf", "nothing-here.gguf")
-    # An architecture this build does not serve is named before any tensor's dtype.
+    # An architecture with a GGUF view whose config lacks what that view's metadata
+    # needs: the config and the key are named.
     bert = work / "bert-like"
     bert.mkdir(exist_ok=True)
     (bert / "config.json").write_text('{"model_type": "bert"}')
     from safetensors.numpy import save_file
     save_file({"embeddings.position_ids": np.arange(8, dtype=np.int64)[None]},
               str(bert / "model.safetensors"))
-    cases["bert"] = (bert, "unsupported model_type bert")
+    cases["bert"] = (bert, "config.json: missing or invalid hidden_size")
     for what, (src, needle) in cases.items():
         p = run_status([cawsfs, "convert", src, "-o", work / f"{what}.cawsf"])
         assert p.returncode != 0, what
