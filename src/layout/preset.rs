@@ -288,13 +288,17 @@ fn n_dims(ne: &[u64]) -> usize {
     ne.iter().rposition(|&n| n != 1).map_or(1, |i| i + 1)
 }
 
+/// 2-D tensors llama-quantize never quantizes and llama.cpp's converter writes in F32
+/// (`convert_hf_to_gguf.py`'s "always in float32" list, the ones of the architectures
+/// served here): every view serves them in F32, as 1-D ones.
+pub(super) const ALWAYS_F32: [&str; 2] = ["position_embd.weight", "token_types.weight"];
+
 /// `tensor_allows_quantization`.
 pub(super) fn allows_quantization(arch: &str, t: &PresetTensor<'_>) -> bool {
     let name = t.name;
     n_dims(t.ne) >= 2
         && name.ends_with("weight")
-        && name != "position_embd.weight"
-        && name != "token_types.weight"
+        && !ALWAYS_F32.contains(&name)
         && !NEVER_QUANTIZED.iter().any(|s| name.contains(s))
         && (arch != "glm5-next" || !NEVER_QUANTIZED_GLM5_NEXT.iter().any(|s| name.contains(s)))
 }

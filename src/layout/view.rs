@@ -4,7 +4,7 @@
 use std::fmt;
 
 use super::preset::{
-    allows_quantization, fallback, preset_types, Preset, PresetModel, PresetTensor,
+    allows_quantization, fallback, preset_types, Preset, PresetModel, PresetTensor, ALWAYS_F32,
 };
 use super::LayoutError;
 use crate::archive::Store;
@@ -132,10 +132,6 @@ fn offered_presets() -> impl Iterator<Item = Preset> {
             && (!low_k || (can_serve(GgmlType::Q2_K) && can_serve(GgmlType::Q3_K)))
     })
 }
-
-/// 2-D tensors every view serves in F32, as 1-D ones (`convert_hf_to_gguf.py`'s
-/// "always in float32" list, the ones of the architectures served here).
-const ALWAYS_F32: [&str; 2] = ["position_embd.weight", "token_types.weight"];
 
 /// What the archive holds for one tensor, as far as choosing its view is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
