@@ -45,6 +45,10 @@ def recipes():
         # Sharded like a large checkpoint: model-0000i-of-0000N + index.
         "phi3": (tf.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0), "bfloat16",
                  "1MB"),
+        # An architecture llama.cpp does not run: no GGUF view.
+        "opt": (tf.OPTConfig(vocab_size=1024, hidden_size=256, ffn_dim=512, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=256,
+                             word_embed_proj_dim=256), "float16", None),
     }
 
 

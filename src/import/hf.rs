@@ -295,8 +295,22 @@ pub(crate) fn arch_from_config(
 ) -> Result<ArchConfig, ImportError> {
     let (model_type, gguf_arch) = model_type_of(path, c)?;
     let required = gguf_arch.is_some();
+    let model_type_is_gpt2 = model_type == "gpt2";
+    // GPT-2's config names the same hyper-parameters its own way (`n_embd` ...);
+    // transformers maps them (GPT2Config.attribute_map), so do we.
+    fn alias(key: &str) -> &str {
+        match key {
+            "hidden_size" => "n_embd",
+            "num_attention_heads" => "n_head",
+            "num_hidden_layers" => "n_layer",
+            "intermediate_size" => "n_inner",
+            "max_position_embeddings" => "n_positions",
+            _ => key,
+        }
+    }
     let opt_u = |key: &str| {
         c.get(key)
+            .or_else(|| c.get(alias(key)))
             .and_then(Value::as_u64)
             .and_then(|v| u32::try_from(v).ok())
     };
@@ -317,12 +331,17 @@ pub(crate) fn arch_from_config(
         ));
     }
     let has_lm_head = tensors.iter().any(|t| t.name == "lm_head.weight");
+    // GPT-2's MLP is 4 × hidden wide unless `n_inner` says otherwise (null by default).
+    let intermediate_size = match opt_u("intermediate_size") {
+        None if model_type_is_gpt2 => hidden_size.saturating_mul(4),
+        _ => u("intermediate_size")?,
+    };
     Ok(ArchConfig {
         model_type,
         gguf_arch,
         n_layers: u("num_hidden_layers")?,
         hidden_size,
-        intermediate_size: u("intermediate_size")?,
+        intermediate_size,
         n_heads,
         n_kv_heads: opt_u("num_key_value_heads").unwrap_or(n_heads),
         head_dim: opt_u("head_dim").unwrap_or(hidden_size.checked_div(n_heads).unwrap_or(0)),

@@ -52,18 +52,39 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
         .enumerate()
         .filter_map(|(i, t)| {
             let g = names::hf_to_gguf_in(model.arch.gguf_arch.as_deref()?, &t.name)?;
-            let (group, layer) = match (t.name.as_str(), names::layer_of(&t.name)) {
-                ("model.embed_tokens.weight", _) => (0, 0),
-                (n, _) if n.starts_with("embeddings.") => (0, 0),
+            // Embeddings (and their norm), the blocks, the output norm, the output.
+            let layer = g
+                .strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(l, _)| l.parse().ok());
+            let (group, layer) = match (g.as_str(), layer) {
                 (_, Some(l)) => (1, l),
-                ("model.norm.weight", _) => (2, 0),
-                _ => (3, 0),
+                (n, _) if n.starts_with("output_norm.") => (2, 0),
+                (n, _) if n.starts_with("output.") => (3, 0),
+                _ => (0, 0),
             };
             Some((group, layer, t.name.as_str(), i, g))
         })
         .collect();
     v.sort();
     v.into_iter().map(|(_, _, _, i, g)| (i, g)).collect()
+}
+
+/// Whether `model.gguf` serves tensor `index` transposed (GPT-2's `Conv1D` weights).
+pub(super) fn is_transposed(model: &ModelDesc, index: usize) -> bool {
+    let t = &model.tensors[index];
+    t.shape.len() == 2
+        && names::transposed(model.arch.gguf_arch.as_deref().unwrap_or_default(), &t.name)
+}
+
+/// GGUF `ne` (fastest dimension first) of tensor `index` as `model.gguf` serves it.
+pub(super) fn served_ne(model: &ModelDesc, index: usize) -> Vec<u64> {
+    let shape = &model.tensors[index].shape;
+    if is_transposed(model, index) {
+        shape.clone()
+    } else {
+        shape.iter().rev().copied().collect()
+    }
 }
 
 pub(super) fn build(
@@ -86,12 +107,7 @@ pub(super) fn build(
     }
     let mut infos = Vec::new();
     for tv in tensors {
-        let t = &model.tensors[tv.index];
-        infos.push((
-            tv.gguf_name.clone(),
-            t.shape.iter().rev().copied().collect(),
-            tv.ty,
-        ));
+        infos.push((tv.gguf_name.clone(), served_ne(model, tv.index), tv.ty));
     }
     let out = header(meta, infos, ALIGNMENT)
         .map_err(|e| LayoutError::Unsupported(format!("model.gguf header: {e}")))?;
@@ -121,6 +137,9 @@ pub(super) fn build(
         );
         let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
         let len = match names::value_shift(arch, name) {
+            _ if is_transposed(model, tv.index) => {
+                b.tensor_transposed(name, tv.index, (t.cols(), t.rows()), tv.ty)?
+            }
             0.0 => b.tensor(name, tv.index, t.rows(), t.cols(), (tv.ty, tv.raw), permute)?,
             // A shifted tensor is a norm: encoded from its values, never copied.
             add => b.tensor_plus(name, tv.index, (t.rows(), t.cols()), tv.ty, add)?,
@@ -174,8 +193,8 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
         .filter(|s| !s.is_empty())
         .unwrap_or(&a.model_type)
         .to_string();
-    if arch == "bert" {
-        return bert_meta(model, config.as_ref(), &name, file_type);
+    if arch == "bert" || arch == "gpt2" {
+        return layer_norm_meta(model, config.as_ref(), &name, file_type);
     }
     let s = |v: &str| GgufValue::String(v.to_string());
     let k = |suffix: &str| format!("{arch}.{suffix}");
@@ -280,50 +299,48 @@ fn phi3_meta(
         .unwrap_or(a.head_dim))
 }
 
-/// Metadata of a BERT encoder, as llama.cpp's converter writes it: bidirectional
-/// attention, LayerNorm epsilon, and a WordPiece vocabulary with its token-type count.
-/// No pooling type: the config that names it (sentence-transformers' `1_Pooling/`) is
-/// not among the side files, so llama.cpp's `--pooling` chooses.
-fn bert_meta(
+/// Metadata of the LayerNorm architectures, BERT encoders and GPT-2, as llama.cpp's
+/// converter writes it: no rotary keys, the LayerNorm epsilon, and for BERT
+/// bidirectional attention; then the vocabulary (WordPiece with its token-type count,
+/// or byte-level BPE). No pooling type for BERT: the config that names it
+/// (sentence-transformers' `1_Pooling/`) is not among the side files, so llama.cpp's
+/// `--pooling` chooses.
+fn layer_norm_meta(
     model: &ModelDesc,
     config: Option<&serde_json::Value>,
     name: &str,
     file_type: u32,
 ) -> Result<Vec<(String, GgufValue)>, LayoutError> {
     let a = &model.arch;
+    let arch = super::gguf_arch(model)?;
+    let (eps_key, eps_default) = match arch {
+        "gpt2" => ("layer_norm_epsilon", 1e-5),
+        _ => ("layer_norm_eps", 1e-12),
+    };
     let eps = config
-        .and_then(|c| c.get("layer_norm_eps"))
+        .and_then(|c| c.get(eps_key))
         .and_then(serde_json::Value::as_f64)
-        .unwrap_or(1e-12) as f32;
+        .unwrap_or(eps_default) as f32;
     let s = |v: &str| GgufValue::String(v.to_string());
+    let k = |suffix: &str| format!("{arch}.{suffix}");
     let mut m: Vec<(String, GgufValue)> = vec![
-        ("general.architecture".into(), s("bert")),
+        ("general.architecture".into(), s(arch)),
         ("general.type".into(), s("model")),
         ("general.name".into(), s(name)),
-        ("bert.block_count".into(), GgufValue::U32(a.n_layers)),
+        (k("block_count"), GgufValue::U32(a.n_layers)),
+        (k("context_length"), GgufValue::U32(a.context_length)),
+        (k("embedding_length"), GgufValue::U32(a.hidden_size)),
         (
-            "bert.context_length".into(),
-            GgufValue::U32(a.context_length),
-        ),
-        (
-            "bert.embedding_length".into(),
-            GgufValue::U32(a.hidden_size),
-        ),
-        (
-            "bert.feed_forward_length".into(),
+            k("feed_forward_length"),
             GgufValue::U32(a.intermediate_size),
         ),
-        (
-            "bert.attention.head_count".into(),
-            GgufValue::U32(a.n_heads),
-        ),
-        (
-            "bert.attention.layer_norm_epsilon".into(),
-            GgufValue::F32(eps),
-        ),
-        ("bert.attention.causal".into(), GgufValue::Bool(false)),
-        ("general.file_type".into(), GgufValue::U32(file_type)),
+        (k("attention.head_count"), GgufValue::U32(a.n_heads)),
+        (k("attention.layer_norm_epsilon"), GgufValue::F32(eps)),
     ];
+    if arch == "bert" {
+        m.push(("bert.attention.causal".into(), GgufValue::Bool(false)));
+    }
+    m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m.extend(vocabulary(model, config)?);
     Ok(m)
 }

@@ -62,6 +62,10 @@ pub const BYTES_VERSION: u32 = 1;
 /// smallest unit a read decodes, so it bounds the memory of any read.
 const MAX_ROW_F32_BYTES: u64 = 256 << 20;
 
+/// A transposed tensor is larger than this (as f32) is refused: every read of one
+/// decodes the whole tensor (GPT-2 XL's largest is 41 MB).
+const MAX_TRANSPOSED_F32_BYTES: u64 = 1 << 30;
+
 /// How a tensor piece's bytes are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fill {
@@ -107,6 +111,9 @@ struct TensorPiece {
     /// Added to every value before it is encoded (Gemma's norms: llama.cpp's converter
     /// stores `1 + w` for the `w` transformers multiplies by `1 + w`); 0 for none.
     add: f32,
+    /// Served transposed: output row `r` is column `r` of the stored `cols × rows`
+    /// tensor (GPT-2's `Conv1D` weights in llama.cpp's orientation).
+    transpose: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -161,9 +168,12 @@ impl Builder {
                     t.cols,
                     t.permute.map_or(0, |h| h as u64 + 1),
                 ];
-                // Only when set, so files without it keep their fingerprints.
+                // Only when set, so files without them keep their fingerprints.
                 if t.add != 0.0 {
                     v.push(t.add.to_bits() as u64);
+                }
+                if t.transpose {
+                    v.push(u64::MAX);
                 }
                 (2, v)
             }
@@ -210,7 +220,7 @@ impl Builder {
         } else {
             Fill::Encode(ty)
         };
-        self.piece(name, tensor, (rows, cols), fill, (permute, 0.0))
+        self.piece(name, tensor, (rows, cols), fill, (permute, 0.0, false))
     }
 
     /// Append a tensor's values plus `add`, encoded as `ty`.
@@ -227,7 +237,42 @@ impl Builder {
                 "tensor {name}: cannot serve type {ty:?}"
             )));
         }
-        self.piece(name, tensor, (rows, cols), Fill::Encode(ty), (None, add))
+        self.piece(
+            name,
+            tensor,
+            (rows, cols),
+            Fill::Encode(ty),
+            (None, add, false),
+        )
+    }
+
+    /// Append the transpose of a stored `cols × rows` tensor as `rows × cols`,
+    /// encoded as `ty`.
+    fn tensor_transposed(
+        &mut self,
+        name: &str,
+        tensor: usize,
+        (rows, cols): (u64, u64),
+        ty: GgmlType,
+    ) -> Result<u64, LayoutError> {
+        if !can_quantize(ty) {
+            return Err(LayoutError::Unsupported(format!(
+                "tensor {name}: cannot serve type {ty:?}"
+            )));
+        }
+        if rows.saturating_mul(cols).saturating_mul(4) > MAX_TRANSPOSED_F32_BYTES {
+            return Err(LayoutError::Unsupported(format!(
+                "tensor {name}: {rows}x{cols} is too large to serve transposed (at most {} MiB as f32)",
+                MAX_TRANSPOSED_F32_BYTES >> 20
+            )));
+        }
+        self.piece(
+            name,
+            tensor,
+            (rows, cols),
+            Fill::Encode(ty),
+            (None, 0.0, true),
+        )
     }
 
     /// Append a plain-typed tensor's stored bytes.
@@ -238,7 +283,13 @@ impl Builder {
         (rows, cols): (u64, u64),
         ty: PlainType,
     ) -> Result<u64, LayoutError> {
-        self.piece(name, tensor, (rows, cols), Fill::CopyPlain(ty), (None, 0.0))
+        self.piece(
+            name,
+            tensor,
+            (rows, cols),
+            Fill::CopyPlain(ty),
+            (None, 0.0, false),
+        )
     }
 
     fn piece(
@@ -247,7 +298,7 @@ impl Builder {
         tensor: usize,
         (rows, cols): (u64, u64),
         fill: Fill,
-        (permute, add): (Option<u32>, f32),
+        (permute, add, transpose): (Option<u32>, f32, bool),
     ) -> Result<u64, LayoutError> {
         let raw = fill.is_copy();
         let (row_bytes, len) = tensor_bytes(name, rows, cols, fill)?;
@@ -276,6 +327,7 @@ impl Builder {
                 row_bytes,
                 permute,
                 add,
+                transpose,
             }),
         )?;
         self.ranges.push((tensor, start, start + len));
@@ -582,6 +634,9 @@ fn read_tensor_rows(
     rows: &mut Rows,
     out: &mut [u8],
 ) -> Result<(), ReadError> {
+    if t.transpose {
+        return read_transposed(src, t, (rel, end), out);
+    }
     // A permuted 1-D tensor: one small row whose elements are reordered.
     if let (Some(heads), 1, Fill::Encode(ty)) = (t.permute, t.rows, t.fill) {
         let mut vals = vec![0f32; t.cols as usize];
@@ -645,6 +700,31 @@ fn read_tensor_rows(
         r = r_end;
     }
     Ok(())
+}
+
+/// Bytes `[rel, end)` of a transposed piece: output row `r` is column `r` of the stored
+/// tensor, so any output row needs every stored row: the whole tensor is read (bounded
+/// by [`MAX_TRANSPOSED_F32_BYTES`] when the layout is built) and the window's rows
+/// gathered from it.
+fn read_transposed(
+    src: &dyn RowSource,
+    t: &TensorPiece,
+    (rel, end): (u64, u64),
+    out: &mut [u8],
+) -> Result<(), ReadError> {
+    let Fill::Encode(ty) = t.fill else {
+        unreachable!("transposed pieces are built encoded")
+    };
+    let (rows, cols) = (t.rows as usize, t.cols as usize);
+    let mut stored = vec![0f32; rows * cols];
+    src.read_rows(t.tensor, 0, t.cols, &mut stored)?;
+    let first = rel / t.row_bytes;
+    let last = end.div_ceil(t.row_bytes).min(t.rows);
+    let mut vals = Vec::with_capacity((last - first) as usize * cols);
+    for r in first as usize..last as usize {
+        vals.extend((0..cols).map(|c| stored[c * rows + r] + t.add));
+    }
+    encode_window(&vals, ty, (rel - first * t.row_bytes) as usize, out)
 }
 
 /// `model.safetensors`: HF names, `dtype` per float tensor (None: the source's float

@@ -1218,3 +1218,99 @@ fn gemma2_norms_are_served_plus_one_and_named_for_gemma() {
         assert_eq!(got, want, "{hf}");
     }
 }
+
+/// GPT-2: its Conv1D weights (`[in, out]`) are served transposed, as llama.cpp's
+/// converter writes them: the header gives `ne = [in, out]` and row `r` of the data is
+/// column `r` of the stored tensor, for any window; the rest is served as stored.
+#[test]
+fn gpt2_conv1d_weights_are_served_transposed_for_any_window() {
+    let arch = ArchConfig {
+        model_type: "gpt2".into(),
+        gguf_arch: Some("gpt2".into()),
+        n_layers: 1,
+        hidden_size: 64,
+        intermediate_size: 256,
+        n_heads: 2,
+        n_kv_heads: 2,
+        head_dim: 32,
+        vocab_size: 40,
+        context_length: 16,
+        tie_word_embeddings: true,
+        ..tiny_arch()
+    };
+    let (f32_, f16_) = (SourceType::F32, SourceType::F16);
+    let tensors = vec![
+        td("transformer.wte.weight", &[40, 64], f16_),
+        td("transformer.wpe.weight", &[16, 64], f16_),
+        td("transformer.h.0.ln_1.weight", &[64], f32_),
+        td("transformer.h.0.attn.c_attn.weight", &[64, 192], f16_),
+        td("transformer.h.0.attn.c_attn.bias", &[192], f32_),
+        td("transformer.h.0.attn.c_proj.weight", &[64, 64], f16_),
+        td("transformer.h.0.mlp.c_fc.weight", &[64, 256], f16_),
+        td("transformer.h.0.mlp.c_proj.weight", &[256, 64], f16_),
+        td("transformer.ln_f.weight", &[64], f32_),
+    ];
+    let model = ModelDesc {
+        arch,
+        tensors,
+        hf_files: BTreeMap::new(),
+        gguf_meta: Vec::new(),
+    };
+    let src = Mock::new(&model, 3);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for ty in [GgmlType::F32, GgmlType::Q8_0] {
+        let plan = view::plan(&model, GgufView::Type(ty), &[]).unwrap();
+        let f = gguf_file(&model, &plan).unwrap();
+        let mut bytes = vec![0u8; f.size as usize];
+        f.read_at(&src, 0, &mut bytes).unwrap();
+        let h = crate::gguf::reader::parse_header(&bytes).unwrap();
+        let names: Vec<&str> = h.tensors.iter().map(|t| t.name.as_str()).collect();
+        let mut first = names[..2].to_vec();
+        first.sort();
+        assert_eq!(first, ["position_embd.weight", "token_embd.weight"]);
+        assert_eq!(names.last(), Some(&"output_norm.weight"));
+        for (ti, start, end) in f.tensor_ranges() {
+            let t = &model.tensors[ti];
+            let gname = crate::model::names::hf_to_gguf_in("gpt2", &t.name).unwrap();
+            let info = h.tensors.iter().find(|i| i.name == gname).unwrap();
+            let tr = gname.ends_with("attn_qkv.weight")
+                || gname.ends_with("attn_output.weight")
+                || gname.ends_with("ffn_up.weight")
+                || gname.ends_with("ffn_down.weight");
+            let served_rows: Vec<Vec<f32>> = if tr {
+                assert_eq!(info.ne, t.shape, "{gname}");
+                (0..t.cols())
+                    .map(|c| (0..t.rows()).map(|r| src.row(ti, r)[c as usize]).collect())
+                    .collect()
+            } else {
+                assert_eq!(info.ne, t.shape.iter().rev().copied().collect::<Vec<_>>());
+                (0..t.rows()).map(|r| src.row(ti, r).to_vec()).collect()
+            };
+            // Norms, biases and positions in F32 (ggml adds position rows to F32).
+            let want_ty = if t.shape.len() < 2 || gname == "position_embd.weight" {
+                GgmlType::F32
+            } else {
+                ty
+            };
+            assert_eq!(info.ty, want_ty, "{gname}");
+            let mut want = Vec::new();
+            for row in served_rows {
+                let mut b = vec![0u8; want_ty.row_bytes(row.len() as u64).unwrap() as usize];
+                quantize(want_ty, &row, &mut b).unwrap();
+                want.extend(b);
+            }
+            assert_eq!(want.len() as u64, end - start, "{gname}");
+            assert!(
+                bytes[start as usize..end as usize] == want[..],
+                "{gname} {ty:?}"
+            );
+            for _ in 0..30 {
+                let a = rng.random_range(0..want.len());
+                let n = rng.random_range(1..=(want.len() - a).min(2000));
+                let mut buf = vec![0xAAu8; n];
+                assert_eq!(f.read_at(&src, start + a as u64, &mut buf).unwrap(), n);
+                assert!(buf == want[a..a + n], "{gname} {ty:?} bytes {a}+{n}");
+            }
+        }
+    }
+}

@@ -259,7 +259,7 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
     let order = super::gguf::gguf_order(model);
     let ne: Vec<Vec<u64>> = order
         .iter()
-        .map(|(i, _)| model.tensors[*i].shape.iter().rev().copied().collect())
+        .map(|(i, _)| super::gguf::served_ne(model, *i))
         .collect();
     let arch = super::gguf_arch(model)?;
     let m = PresetModel {
@@ -297,8 +297,17 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
         .enumerate()
         .map(|(k, ((index, gguf_name), ne))| {
             let t = &model.tensors[index];
-            let cols = t.cols();
-            let h = held.get(index).copied().unwrap_or(Held::Lossy(None));
+            let cols = ne.first().copied().unwrap_or(1);
+            let mut h = held.get(index).copied().unwrap_or(Held::Lossy(None));
+            if super::gguf::is_transposed(model, index) {
+                // Served from values: a grid along stored rows runs down the served
+                // columns, and stored blocks cannot be copied across.
+                h = match h {
+                    Held::Grid(_, e) => Held::Lossy(e),
+                    Held::Exact(SourceType::Ggml(_)) => Held::Lossy(None),
+                    h => h,
+                };
+            }
             // llama.cpp's converter writes these in F32 whatever the file type: ggml's
             // CPU backend cannot add an F16 position or token-type row to F32 values.
             let one_d = t.shape.len() < 2 || ALWAYS_F32.contains(&gguf_name.as_str());
@@ -419,7 +428,7 @@ pub fn notes(model: &ModelDesc, plan: &GgufPlan) -> Vec<String> {
             Some(format!(
                 "model.gguf ({view}): {} has rows of {} values, not a whole number of {} blocks; served as {}",
                 tv.gguf_name,
-                model.tensors[tv.index].cols(),
+                super::gguf::served_ne(model, tv.index).first().copied().unwrap_or(1),
                 type_name(want),
                 type_name(tv.ty)
             ))

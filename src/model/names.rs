@@ -7,7 +7,7 @@
 
 /// Hugging Face `model_type`s whose tensors this module can name for llama.cpp, and
 /// the GGUF `general.architecture` of each.
-pub const GGUF_ARCHS: [(&str, &str); 7] = [
+pub const GGUF_ARCHS: [(&str, &str); 8] = [
     ("llama", "llama"),
     ("mistral", "llama"),
     ("qwen2", "qwen2"),
@@ -15,6 +15,7 @@ pub const GGUF_ARCHS: [(&str, &str); 7] = [
     ("phi3", "phi3"),
     ("bert", "bert"),
     ("gemma2", "gemma2"),
+    ("gpt2", "gpt2"),
 ];
 
 /// The GGUF `general.architecture` of a Hugging Face `model_type` in [`GGUF_ARCHS`];
@@ -28,6 +29,10 @@ pub fn gguf_arch_of(model_type: &str) -> Option<&'static str> {
 
 /// How one family of architectures names its tensors on each side.
 struct Naming {
+    /// A prefix Hugging Face names may lack: GPT-2 checkpoints saved from `GPT2Model`
+    /// (openai-community/gpt2's own) name `h.0.ln_1.weight` what `GPT2LMHeadModel`
+    /// names `transformer.h.0.ln_1.weight`. The tables below carry it.
+    optional_prefix: &'static str,
     /// Hugging Face prefix of a layer's tensors, before the layer number.
     layer_prefix: &'static str,
     /// Per-layer suffixes: (Hugging Face, GGUF).
@@ -38,6 +43,7 @@ struct Naming {
 
 /// llama, mistral, qwen2, qwen3.
 const LLAMA: Naming = Naming {
+    optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
         ("input_layernorm.weight", "attn_norm.weight"),
@@ -66,6 +72,7 @@ const LLAMA: Naming = Naming {
 /// Phi-3: the llama layout with fused Q/K/V and gate/up projections (`ffn_up` holds
 /// gate then up, which llama.cpp's SwiGLU splits in halves).
 const PHI3: Naming = Naming {
+    optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
         ("input_layernorm.weight", "attn_norm.weight"),
@@ -81,6 +88,7 @@ const PHI3: Naming = Naming {
 /// Gemma 2: four norms per layer (around attention and around the MLP), the output
 /// head tied to the embedding.
 const GEMMA2: Naming = Naming {
+    optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
         ("input_layernorm.weight", "attn_norm.weight"),
@@ -106,6 +114,7 @@ const GEMMA2: Naming = Naming {
 
 /// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
 const BERT: Naming = Naming {
+    optional_prefix: "",
     layer_prefix: "encoder.layer.",
     layers: &[
         ("attention.self.query.weight", "attn_q.weight"),
@@ -143,7 +152,36 @@ const BERT: Naming = Naming {
     ],
 };
 
-const NAMINGS: [&Naming; 3] = [&LLAMA, &PHI3, &BERT];
+/// GPT-2: fused Q/K/V, LayerNorms with biases, learned positions, the output head
+/// tied to the embedding. Its four projection matrices are `Conv1D`s, stored
+/// `[in, out]`: llama.cpp's converter transposes them ([`transposed`]).
+const GPT2: Naming = Naming {
+    optional_prefix: "transformer.",
+    layer_prefix: "transformer.h.",
+    layers: &[
+        ("ln_1.weight", "attn_norm.weight"),
+        ("ln_1.bias", "attn_norm.bias"),
+        ("attn.c_attn.weight", "attn_qkv.weight"),
+        ("attn.c_attn.bias", "attn_qkv.bias"),
+        ("attn.c_proj.weight", "attn_output.weight"),
+        ("attn.c_proj.bias", "attn_output.bias"),
+        ("ln_2.weight", "ffn_norm.weight"),
+        ("ln_2.bias", "ffn_norm.bias"),
+        ("mlp.c_fc.weight", "ffn_up.weight"),
+        ("mlp.c_fc.bias", "ffn_up.bias"),
+        ("mlp.c_proj.weight", "ffn_down.weight"),
+        ("mlp.c_proj.bias", "ffn_down.bias"),
+    ],
+    globals: &[
+        ("transformer.wte.weight", "token_embd.weight"),
+        ("transformer.wpe.weight", "position_embd.weight"),
+        ("transformer.ln_f.weight", "output_norm.weight"),
+        ("transformer.ln_f.bias", "output_norm.bias"),
+        ("lm_head.weight", "output.weight"),
+    ],
+};
+
+const NAMINGS: [&Naming; 4] = [&LLAMA, &PHI3, &BERT, &GPT2];
 
 /// The naming of a GGUF architecture.
 fn naming(gguf_arch: &str) -> Option<&'static Naming> {
@@ -152,12 +190,17 @@ fn naming(gguf_arch: &str) -> Option<&'static Naming> {
         "bert" => Some(&BERT),
         "phi3" => Some(&PHI3),
         "gemma2" => Some(&GEMMA2),
+        "gpt2" => Some(&GPT2),
         _ => None,
     }
 }
 
 impl Naming {
     fn to_gguf(&self, name: &str) -> Option<String> {
+        let p = self.optional_prefix;
+        if !p.is_empty() && !name.starts_with(p) && name != "lm_head.weight" {
+            return self.to_gguf(&format!("{p}{name}"));
+        }
         if let Some((_, g)) = self.globals.iter().find(|(h, _)| *h == name) {
             return Some(g.to_string());
         }
@@ -212,11 +255,29 @@ pub fn gguf_to_hf(gguf_arch: &str, name: &str) -> Option<String> {
 pub fn layer_of(name: &str) -> Option<u32> {
     NAMINGS
         .iter()
-        .find_map(|n| name.strip_prefix(n.layer_prefix))?
+        .find_map(|n| {
+            let bare = n.layer_prefix.strip_prefix(n.optional_prefix)?;
+            name.strip_prefix(n.layer_prefix)
+                .or_else(|| name.strip_prefix(bare).filter(|_| !bare.is_empty()))
+        })?
         .split_once('.')?
         .0
         .parse()
         .ok()
+}
+
+/// Whether llama.cpp's converter transposes this tensor: GPT-2's `Conv1D` weights,
+/// stored `[in, out]` where every other linear layer is `[out, in]`.
+pub fn transposed(gguf_arch: &str, hf_name: &str) -> bool {
+    gguf_arch == "gpt2"
+        && [
+            "attn.c_attn.weight",
+            "attn.c_proj.weight",
+            "mlp.c_fc.weight",
+            "mlp.c_proj.weight",
+        ]
+        .iter()
+        .any(|s| hf_name.ends_with(s))
 }
 
 /// Number of heads whose rows llama.cpp permutes for this tensor, or None when the
@@ -298,6 +359,22 @@ mod tests {
         assert_eq!(layer_of("encoder.layer.10.output.dense.bias"), Some(10));
         assert_eq!(hf_to_gguf("embeddings.position_ids"), None);
         assert_eq!(gguf_to_hf("gpt2", "blk.0.attn_q.weight"), None);
+        // GPT-2, with and without GPT2LMHeadModel's prefix; its Conv1D weights.
+        for n in ["transformer.h.3.mlp.c_fc.weight", "h.3.mlp.c_fc.weight"] {
+            assert_eq!(hf_to_gguf_in("gpt2", n).unwrap(), "blk.3.ffn_up.weight");
+            assert_eq!(layer_of(n), Some(3));
+            assert!(transposed("gpt2", n));
+        }
+        assert_eq!(
+            hf_to_gguf_in("gpt2", "wpe.weight").unwrap(),
+            "position_embd.weight"
+        );
+        assert_eq!(
+            gguf_to_hf("gpt2", "blk.0.attn_qkv.bias").unwrap(),
+            "transformer.h.0.attn.c_attn.bias"
+        );
+        assert!(!transposed("gpt2", "transformer.h.0.attn.c_attn.bias"));
+        assert!(!transposed("llama", "model.layers.0.mlp.c_fc.weight"));
         // Phi-3's fused projections; its ffn_up is the fused gate/up.
         let n = "model.layers.3.self_attn.qkv_proj.weight";
         assert_eq!(hf_to_gguf(n).unwrap(), "blk.3.attn_qkv.weight");

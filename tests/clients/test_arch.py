@@ -1,5 +1,5 @@
-"""Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2 and
-Phi3 models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
+"""Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2, Phi3
+and OPT models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
 sharded), and the real all-MiniLM-L6-v2 (an int64 `position_ids` among its tensors),
 converted exactly and with the default codec, mounted, and read back by transformers."""
 import contextlib
@@ -14,9 +14,9 @@ from safetensors.torch import load, load_file
 
 from conftest import ROOT, TEXT, run, run_status
 
-ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3"]
-# The architectures whose mount serves model.gguf too.
-GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert"]
+ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt"]
+# The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
+GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2"]
 # The architectures whose GGUF files import.
 GGUF_IMPORT_ARCHS = ["qwen3"]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
@@ -193,15 +193,15 @@ def test_plain_tensors_keep_their_dtype_in_every_view(cawsfs, converted, work):
 
 
 def test_no_gguf_view_is_one_line_everywhere(cawsfs, converted, work):
-    archive = converted["gpt2", "exact"]
+    archive = converted["opt", "exact"]
     text = run([cawsfs, "inspect", archive]).stdout
-    assert re.search(r'model\.gguf: not served: .*model type "gpt2"', text), text[-500:]
+    assert re.search(r'model\.gguf: not served: .*model type "opt"', text), text[-500:]
     info = json.loads(run([cawsfs, "inspect", archive, "--json"]).stdout)
-    assert info["gguf_view"] is None and "gpt2" in info["gguf_missing"]
+    assert info["gguf_view"] is None and "opt" in info["gguf_missing"]
     p = run_status([cawsfs, "export", archive, "--format", "gguf", "-o", work / "x.gguf"])
     assert p.returncode != 0
     err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and "gpt2" in err[0], p.stderr
+    assert len(err) == 1 and "opt" in err[0], p.stderr
     assert not (work / "x.gguf").exists()
     # verify checks the views that exist.
     assert "ok" in run([cawsfs, "verify", archive]).stdout
@@ -334,7 +334,10 @@ def test_gguf_view_matches_transformers(cawsfs, converted, arch_models, llama_bi
     assert ids == ref_ids
     cos = (emb @ ref).item()
     print(f"{name}: default archive, auto view: cosine {cos:.6f}")
-    assert cos > 0.999, cos
+    # GPT-2's matrices are served transposed: the codec's grid runs down the served
+    # columns, so auto re-quantizes them (a type adding at most ~12 % to their error)
+    # where the other architectures get their grid back exactly.
+    assert cos > (0.998 if name == "gpt2" else 0.999), cos
 
 
 @pytest.mark.parametrize("name", GGUF_IMPORT_ARCHS)
