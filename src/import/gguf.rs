@@ -1,5 +1,5 @@
-//! GGUF importer: a llama.cpp GGUF file (architectures `llama`, `qwen2` and `qwen3`) seen as a
-//! [`ModelDesc`] in Hugging Face conventions.
+//! GGUF importer: a llama.cpp GGUF file (architectures `llama`, `qwen2`, `qwen3`,
+//! `phi3`, `gemma2` and `gpt2`) seen as a [`ModelDesc`] in Hugging Face conventions.
 //!
 //! - Architecture hyper-parameters come from the `{arch}.*` metadata keys.
 //! - Tensor names map to Hugging Face names; shapes are `ne` reversed.
@@ -8,6 +8,9 @@
 //!   of a ggml tensor are independent byte runs (a row is a whole number of blocks),
 //!   so quantized data is reordered without decoding it.
 //! - All metadata is kept verbatim so a GGUF view can reproduce it.
+//! - Value transforms that are not row orders stay as the file has them (Gemma's
+//!   `1 + w` norms, GPT-2's transposed `Conv1D` matrices, whose shape here is the
+//!   file's): the safetensors view undoes them when it serves (`layout`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -89,7 +92,14 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         "llama" => "llama",
         "qwen2" => "qwen2",
         "qwen3" => "qwen3",
-        other => return Err(format!("unsupported architecture {other}")),
+        "phi3" => "phi3",
+        "gemma2" => "gemma2",
+        "gpt2" => "gpt2",
+        other => {
+            return Err(format!(
+            "unsupported architecture {other} (llama, qwen2, qwen3, phi3, gemma2 and gpt2 import)"
+        ))
+        }
     };
     let k = |s: &str| format!("{arch}.{s}");
     let hidden_size = m.u32(&k("embedding_length"))?;
@@ -133,14 +143,22 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         vocab_size,
         context_length: m.u32(&k("context_length"))?,
         rope_theta: m.f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0),
-        rms_norm_eps: m
-            .f32_opt(&k("attention.layer_norm_rms_epsilon"))?
-            .ok_or_else(|| {
-                format!(
+        // GPT-2's LayerNorm epsilon where the others have an RMS norm's.
+        rms_norm_eps: match m.f32_opt(&k("attention.layer_norm_rms_epsilon"))? {
+            Some(e) => e,
+            None if arch == "gpt2" => {
+                m.f32_opt(&k("attention.layer_norm_epsilon"))?
+                    .ok_or_else(|| {
+                        format!("missing metadata key {}", k("attention.layer_norm_epsilon"))
+                    })?
+            }
+            None => {
+                return Err(format!(
                     "missing metadata key {}",
                     k("attention.layer_norm_rms_epsilon")
-                )
-            })?,
+                ))
+            }
+        },
         tie_word_embeddings: !file.tensors.iter().any(|t| t.name == "output.weight"),
         bos_token_id: m.u32_opt("tokenizer.ggml.bos_token_id")?,
         eos_token_id: m.u32_opt("tokenizer.ggml.eos_token_id")?,
@@ -413,9 +431,9 @@ mod tests {
     fn errors() {
         let dir = tempfile::tempdir().unwrap();
         let t = || vec![("output_norm.weight".to_string(), vec![32], GgmlType::F32)];
-        let p = write(dir.path(), llama_meta("gpt2"), t(), |_, _| {});
+        let p = write(dir.path(), llama_meta("mamba"), t(), |_, _| {});
         let e = GgufSource::open(&p).err().unwrap().to_string();
-        assert!(e.ends_with("unsupported architecture gpt2"), "{e}");
+        assert!(e.contains("unsupported architecture mamba (llama, "), "{e}");
         let mut m = llama_meta("llama");
         m.retain(|(k, _)| k != "llama.block_count");
         let p = write(dir.path(), m, t(), |_, _| {});

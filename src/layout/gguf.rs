@@ -73,7 +73,9 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
 /// Whether `model.gguf` serves tensor `index` transposed (GPT-2's `Conv1D` weights).
 pub(super) fn is_transposed(model: &ModelDesc, index: usize) -> bool {
     let t = &model.tensors[index];
-    t.shape.len() == 2
+    // A GGUF source holds them as llama.cpp does already.
+    model.gguf_meta.is_empty()
+        && t.shape.len() == 2
         && names::transposed(model.arch.gguf_arch.as_deref().unwrap_or_default(), &t.name)
 }
 
@@ -136,7 +138,12 @@ pub(super) fn build(
             model.arch.n_kv_heads,
         );
         let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
-        let len = match names::value_shift(arch, name) {
+        // A GGUF source's values are llama.cpp's already.
+        let shift = match model.gguf_meta.is_empty() {
+            true => names::value_shift(arch, name),
+            false => 0.0,
+        };
+        let len = match shift {
             _ if is_transposed(model, tv.index) => {
                 b.tensor_transposed(name, tv.index, (t.cols(), t.rows()), tv.ty)?
             }

@@ -46,6 +46,38 @@ fn torch_dtype(model: &ModelDesc) -> &'static str {
     }
 }
 
+/// A GGUF source's `{arch}.{key}` metadata value.
+fn gguf_key<'a>(model: &'a ModelDesc, key: &str) -> Option<&'a GgufValue> {
+    let arch = model.arch.gguf_arch.as_deref()?;
+    meta_get(&model.gguf_meta, &format!("{arch}.{key}"))
+}
+
+/// GPT-2's config.json, in its own key names.
+fn gpt2_config(model: &ModelDesc) -> Value {
+    let a = &model.arch;
+    json!({
+        "activation_function": "gelu_new",
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.0,
+        "bos_token_id": a.bos_token_id,
+        "embd_pdrop": 0.0,
+        "eos_token_id": a.eos_token_id,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": f32_json(a.rms_norm_eps),
+        "model_type": "gpt2",
+        "n_embd": a.hidden_size,
+        "n_head": a.n_heads,
+        "n_inner": (a.intermediate_size != 4 * a.hidden_size).then_some(a.intermediate_size),
+        "n_layer": a.n_layers,
+        "n_positions": a.context_length,
+        "resid_pdrop": 0.0,
+        "tie_word_embeddings": a.tie_word_embeddings,
+        "torch_dtype": torch_dtype(model),
+        "use_cache": true,
+        "vocab_size": a.vocab_size,
+    })
+}
+
 fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
     let a = &model.arch;
     let (arch_class, bias) = match a.model_type.as_str() {
@@ -53,9 +85,12 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
         "mistral" => ("MistralForCausalLM", false),
         "qwen2" => ("Qwen2ForCausalLM", true),
         "qwen3" => ("Qwen3ForCausalLM", false),
+        "phi3" => ("Phi3ForCausalLM", false),
+        "gemma2" => ("Gemma2ForCausalLM", false),
+        "gpt2" => return Ok(gpt2_config(model)),
         other => {
             return Err(LayoutError::Unsupported(format!(
-                "config.json for model type {other:?}: only llama, mistral, qwen2 and qwen3 are supported"
+                "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2 and gpt2 are supported"
             )))
         }
     };
@@ -68,7 +103,39 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
     c.insert("bos_token_id".into(), json!(a.bos_token_id));
     c.insert("eos_token_id".into(), json!(a.eos_token_id));
     c.insert("head_dim".into(), json!(a.head_dim));
-    c.insert("hidden_act".into(), json!("silu"));
+    match a.model_type.as_str() {
+        // llama.cpp's Gemma 2 scales queries by the head size (all but the 27B model)
+        // and keeps the soft-caps and the window as keys.
+        "gemma2" => {
+            c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            c.insert("query_pre_attn_scalar".into(), json!(a.head_dim));
+            for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+                let v = gguf_key(model, key).and_then(GgufValue::as_f64);
+                c.insert(key.into(), v.map_or(Value::Null, |v| f32_json(v as f32)));
+            }
+            let w = gguf_key(model, "attention.sliding_window").and_then(GgufValue::as_u64);
+            c.insert("sliding_window".into(), json!(w));
+        }
+        _ => {
+            c.insert("hidden_act".into(), json!("silu"));
+        }
+    }
+    if a.model_type == "phi3" {
+        // Rotary dimensions as a share of a head; the original context; the window
+        // (0: none).
+        let rot = gguf_key(model, "rope.dimension_count")
+            .and_then(GgufValue::as_u64)
+            .map_or(1.0, |d| d as f64 / a.head_dim.max(1) as f64);
+        c.insert("partial_rotary_factor".into(), json!(rot));
+        let orig = gguf_key(model, "rope.scaling.original_context_length")
+            .and_then(GgufValue::as_u64)
+            .unwrap_or(a.context_length as u64);
+        c.insert("original_max_position_embeddings".into(), json!(orig));
+        let w = gguf_key(model, "attention.sliding_window")
+            .and_then(GgufValue::as_u64)
+            .filter(|&w| w > 0);
+        c.insert("sliding_window".into(), json!(w));
+    }
     c.insert("hidden_size".into(), json!(a.hidden_size));
     c.insert("initializer_range".into(), json!(0.02));
     c.insert("intermediate_size".into(), json!(a.intermediate_size));

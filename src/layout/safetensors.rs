@@ -9,7 +9,8 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
 use super::{Builder, LayoutError, VirtualFile};
-use crate::model::{FloatType, ModelDesc, PlainType, SourceType};
+use crate::model::names;
+use crate::model::{FloatType, ModelDesc, PlainType, SourceType, TensorDesc};
 
 /// What one tensor is served as: a float type (converted from whatever the archive
 /// holds), or a plain type's stored bytes.
@@ -135,6 +136,35 @@ pub(super) fn build_view(
     Ok((files, Some(bytes)))
 }
 
+/// What the safetensors view undoes of llama.cpp's conventions in a GGUF source's
+/// values (nothing for any other source).
+struct FromGguf<'a> {
+    /// The GGUF architecture, when the source was a GGUF file.
+    arch: Option<&'a str>,
+}
+
+fn from_gguf(model: &ModelDesc) -> FromGguf<'_> {
+    FromGguf {
+        arch: model
+            .arch
+            .gguf_arch
+            .as_deref()
+            .filter(|_| !model.gguf_meta.is_empty()),
+    }
+}
+
+impl FromGguf<'_> {
+    /// Held transposed (GPT-2's `Conv1D` matrices): served `[in, out]`.
+    fn transposed(&self, t: &TensorDesc) -> bool {
+        self.arch
+            .is_some_and(|a| t.shape.len() == 2 && names::transposed(a, &t.name))
+    }
+    /// Held with this added (Gemma's `1 + w` norms).
+    fn shift(&self, t: &TensorDesc) -> f32 {
+        self.arch.map_or(0.0, |a| names::value_shift(a, &t.name))
+    }
+}
+
 /// One safetensors file `name` of the tensors `members` (indices into the model).
 fn build_file(
     model: &ModelDesc,
@@ -167,11 +197,14 @@ fn build_file(
                 LayoutError::Metadata(format!("tensor {}: size does not fit usize", t.name))
             })
         };
-        let shape = t
+        let mut shape = t
             .shape
             .iter()
             .map(|&d| to_usize(d))
             .collect::<Result<Vec<_>, _>>()?;
+        if from_gguf(model).transposed(t) {
+            shape.reverse();
+        }
         infos.push((
             t.name.clone(),
             TensorInfo {
@@ -196,9 +229,16 @@ fn build_file(
 
     let mut b = Builder::default();
     b.bytes(header)?;
+    let undo = from_gguf(model);
     for &(i, ft) in &order {
         let t = &model.tensors[i];
         match ft {
+            Served::Float(f) if undo.transposed(t) => {
+                b.tensor_transposed(&t.name, i, (t.cols(), t.rows()), f.ggml())?
+            }
+            Served::Float(f) if undo.shift(t) != 0.0 => {
+                b.tensor_plus(&t.name, i, (t.rows(), t.cols()), f.ggml(), -undo.shift(t))?
+            }
             Served::Float(f) => {
                 b.tensor(&t.name, i, t.rows(), t.cols(), (f.ggml(), false), None)?
             }
