@@ -45,6 +45,9 @@ def recipes():
         # Sharded like a large checkpoint: model-0000i-of-0000N + index.
         "phi3": (tf.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0), "bfloat16",
                  "1MB"),
+        # A SentencePiece vocabulary (tokenizer.model beside its tokenizer.json), as
+        # Llama 2, Mistral 7B v0.1 and Gemma have.
+        "llama-spm": (tf.LlamaConfig(**COMMON, num_key_value_heads=2), "float16", None),
         # An architecture llama.cpp does not run: no GGUF view.
         "opt": (tf.OPTConfig(vocab_size=1024, hidden_size=256, ffn_dim=512, num_hidden_layers=2,
                              num_attention_heads=4, max_position_embeddings=256,
@@ -66,6 +69,26 @@ def bpe_tokenizer(vocab_size, specials=("<|endoftext|>",)):
     tok.train_from_iterator(Path(TEXT).read_text().splitlines(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>")
+
+
+def spm_tokenizer(vocab_size, out):
+    """A SentencePiece BPE with byte fallback (Llama 2's kind) of `vocab_size` pieces
+    trained on TEXT, saved in `out` as tokenizer.model and as the tokenizer.json
+    transformers converts it to."""
+    import io
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(Path(TEXT).read_text().splitlines()), model_writer=model,
+        vocab_size=vocab_size, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    (out / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", '
+        '"unk_token": "<unk>", "add_bos_token": true}')
+    AutoTokenizer.from_pretrained(out).save_pretrained(out)
 
 
 def wordpiece_tokenizer(vocab_size):
@@ -108,6 +131,8 @@ def make(name, out):
         bpe_tokenizer(config.vocab_size, specials).save_pretrained(tmp)
     if name == "bert":
         wordpiece_tokenizer(config.vocab_size).save_pretrained(tmp)
+    if name == "llama-spm":
+        spm_tokenizer(config.vocab_size, tmp)
     tmp.rename(out)
 
 

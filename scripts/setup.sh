@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the tests and the demo need on a fresh machine, skipping what is
 # already there: Debian packages (cmake, fuse3, zstd, time), Python packages (numpy, gguf,
-# safetensors, torch, transformers, pytest, zstandard, xxhash), the test model and the llama.cpp build.
+# safetensors, torch, transformers, pytest, zstandard, xxhash; sentencepiece and protobuf,
+# which make and convert SentencePiece tokenizers), the test model and the llama.cpp build.
 # Heavy downloads and builds are cached under ~/.cache/cawsfs, outside the repo.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -19,9 +20,10 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >&2
 fi
 
-if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard, xxhash" 2>/dev/null; then
-  echo "setup: pip install numpy gguf safetensors torch transformers pytest zstandard xxhash" >&2
-  python3 -m pip install --quiet --disable-pip-version-check numpy gguf safetensors torch transformers pytest zstandard xxhash >&2
+py_pkgs=(numpy gguf safetensors torch transformers pytest zstandard xxhash sentencepiece protobuf)
+if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard, xxhash, sentencepiece, google.protobuf" 2>/dev/null; then
+  echo "setup: pip install ${py_pkgs[*]}" >&2
+  python3 -m pip install --quiet --disable-pip-version-check "${py_pkgs[@]}" >&2
 fi
 
 "$here/fetch-test-model.sh" >/dev/null

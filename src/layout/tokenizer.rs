@@ -1,7 +1,7 @@
-//! Byte-level BPE tokenizers between the two conventions: `tokenizer.json` (+
-//! `tokenizer_config.json`, `config.json`) → GGUF `tokenizer.ggml.*` keys, and back.
-//! Only byte-level BPE ("gpt2" in GGUF) is handled; SentencePiece and other models are
-//! refused with a clear error.
+//! Tokenizers between the two conventions: `tokenizer.json` (+ `tokenizer_config.json`,
+//! `config.json`) → GGUF `tokenizer.ggml.*` keys, and back. Byte-level BPE ("gpt2" in
+//! GGUF) both ways, SentencePiece-style BPE with byte fallback ("llama") both ways,
+//! WordPiece ("bert") to GGUF; other models are refused with a clear error.
 
 use std::collections::BTreeMap;
 
@@ -19,9 +19,11 @@ const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 
 /// GGUF token types.
 const TT_NORMAL: i32 = 1;
+const TT_UNKNOWN: i32 = 2;
 const TT_CONTROL: i32 = 3;
 const TT_USER_DEFINED: i32 = 4;
 const TT_UNUSED: i32 = 5;
+const TT_BYTE: i32 = 6;
 
 /// Largest vocabulary accepted (bounds allocations driven by config values).
 const MAX_VOCAB: u64 = 1 << 24;
@@ -105,6 +107,9 @@ pub(super) fn gguf_tokenizer_meta(
     if tj.model.ty.as_str() == Some("WordPiece") {
         return wordpiece_meta(model, config, &tj, &tc);
     }
+    if tj.model.ty.as_str() == Some("BPE") && tj.model.byte_fallback.as_bool() == Some(true) {
+        return sentencepiece_meta(model, config, &tj, &tc);
+    }
     byte_level_bpe(&tj.model)?;
     let entries = token_entries(&tj)?;
     let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
@@ -153,6 +158,130 @@ pub(super) fn gguf_tokenizer_meta(
         out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
     }
     Ok(out)
+}
+
+/// A SentencePiece-style BPE (byte fallback, U+2581 for spaces: Llama 2's, Mistral's,
+/// Gemma's) as llama.cpp's converter writes one from `tokenizer.model`: model "llama",
+/// tokens by id, types (`<0xXX>` bytes, the unknown token, control and user-defined
+/// added tokens), and scores: 0 for those, minus the rank among the ordinary pieces
+/// for these (a SentencePiece BPE model scores its pieces in merge order, which is
+/// the id order tokenizer.json keeps). No merges: llama.cpp's SentencePiece tokenizer
+/// merges by score.
+fn sentencepiece_meta(
+    model: &ModelDesc,
+    config: Option<&Value>,
+    tj: &TokenizerJson,
+    tc: &Value,
+) -> Result<Vec<(String, GgufValue)>, LayoutError> {
+    let entries = token_entries(tj)?;
+    let (tokens, mut types) = token_table(&entries, model.arch.vocab_size)?;
+    // transformers 5 leaves the model's unk_token null and names it in the config.
+    let unk = (tj.model.unk_token.as_str()).or_else(|| tc.get("unk_token").and_then(token_string));
+    let mut rank = 0u32;
+    let mut scores = Vec::with_capacity(tokens.len());
+    for (tok, ty) in tokens.iter().zip(types.iter_mut()) {
+        if Some(tok.as_str()) == unk {
+            *ty = TT_UNKNOWN;
+        } else if *ty == TT_NORMAL && is_byte_token(tok) {
+            *ty = TT_BYTE;
+        }
+        if *ty == TT_NORMAL {
+            scores.push(-(rank as f32));
+            rank += 1;
+        } else {
+            scores.push(0.0);
+        }
+    }
+    let n = tokens.len() as u64;
+    let mut out: Vec<(String, GgufValue)> = vec![
+        (
+            "tokenizer.ggml.model".into(),
+            GgufValue::String("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            GgufValue::String("default".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens.into())),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            GgufValue::Array(GgufArray::F32(scores)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            GgufValue::Array(GgufArray::I32(types)),
+        ),
+    ];
+    // llama.cpp prefixes a space unless told not to (the converter says so only then).
+    if !spm_prefixes_space(tj) {
+        out.push((
+            "tokenizer.ggml.add_space_prefix".into(),
+            GgufValue::Bool(false),
+        ));
+    }
+    out.extend(special_token_ids(model, config, tc, &entries, n));
+    let has_unk = out
+        .iter()
+        .any(|(k, _)| k == "tokenizer.ggml.unknown_token_id");
+    if let Some(id) = unk.and_then(|u| entries.iter().find(|e| e.1 == u)) {
+        if id.0 < n && !has_unk {
+            out.push((
+                "tokenizer.ggml.unknown_token_id".into(),
+                GgufValue::U32(id.0 as u32),
+            ));
+        }
+    }
+    out.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        GgufValue::Bool(add_bos_token(&tj.post_processor, tc)),
+    ));
+    if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
+        out.push((
+            "tokenizer.ggml.add_eos_token".into(),
+            GgufValue::Bool(add_eos),
+        ));
+    }
+    if let Some(t) = chat_template(model, tc) {
+        out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
+    }
+    Ok(out)
+}
+
+/// `<0xXX>`: a byte-fallback token.
+fn is_byte_token(t: &str) -> bool {
+    t.len() == 6
+        && t.starts_with("<0x")
+        && t.ends_with('>')
+        && t[3..5].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Whether a SentencePiece-style tokenizer.json puts U+2581 before the text: a
+/// Metaspace pre-tokenizer whose scheme is not "never" (transformers' conversions), or
+/// a normalizer that prepends it (older ones).
+fn spm_prefixes_space(tj: &TokenizerJson) -> bool {
+    let prepends = |n: &Value| is_type(n, "Prepend");
+    let norm = &tj.normalizer;
+    if prepends(norm)
+        || norm["normalizers"]
+            .as_array()
+            .is_some_and(|v| v.iter().any(prepends))
+    {
+        return true;
+    }
+    let pre = &tj.pre_tokenizer;
+    let metaspace = std::iter::once(pre)
+        .chain(pre["pretokenizers"].as_array().into_iter().flatten())
+        .find(|p| is_type(p, "Metaspace"));
+    match metaspace {
+        Some(m) => {
+            m.get("prepend_scheme").and_then(Value::as_str) != Some("never")
+                && m.get("add_prefix_space").and_then(Value::as_bool) != Some(false)
+        }
+        None => false,
+    }
 }
 
 /// A WordPiece vocabulary (BERT's) as llama.cpp's converter writes it: model "bert",
@@ -523,8 +652,35 @@ fn meta_token_types(meta: &[(String, GgufValue)], n: usize) -> Vec<i64> {
     }
 }
 
-/// tokenizer.json and tokenizer_config.json for a GGUF byte-level BPE vocabulary
-/// (`tokenizer.ggml.model == "gpt2"`).
+/// Merges for a SentencePiece BPE vocabulary, made as transformers' converter makes
+/// them from `tokenizer.model` (`generate_merges`): for each piece in id order, every
+/// split of it into two pieces of the vocabulary, shorter left part first. Pieces are
+/// ranked by id because a SentencePiece BPE model lists them in merge order.
+fn sentencepiece_merges(tokens: &StrList) -> StrList {
+    let mut ids = std::collections::HashMap::with_capacity(tokens.len());
+    for (id, t) in tokens.iter().enumerate() {
+        // transformers' `{piece: id}` keeps the last id of a repeated piece.
+        ids.insert(t, id);
+    }
+    let mut merges = StrList::with_capacity(tokens.len());
+    let mut pair = String::new();
+    for t in tokens.iter() {
+        for (i, _) in t.char_indices().skip(1) {
+            let (l, r) = t.split_at(i);
+            if ids.contains_key(l) && ids.contains_key(r) {
+                pair.clear();
+                pair.push_str(l);
+                pair.push(' ');
+                pair.push_str(r);
+                merges.push(&pair);
+            }
+        }
+    }
+    merges
+}
+
+/// tokenizer.json and tokenizer_config.json for a GGUF vocabulary: byte-level BPE
+/// (`tokenizer.ggml.model == "gpt2"`) or SentencePiece (`"llama"`, byte fallback).
 pub(super) fn hf_tokenizer(
     meta: &[(String, GgufValue)],
     context_length: u32,
@@ -532,27 +688,39 @@ pub(super) fn hf_tokenizer(
     let model = meta_get(meta, "tokenizer.ggml.model")
         .and_then(GgufValue::as_str)
         .unwrap_or("");
-    if model != "gpt2" {
-        return Err(LayoutError::Unsupported(format!(
-            "GGUF tokenizer model {model:?}: only byte-level BPE (\"gpt2\") tokenizers can be converted to tokenizer.json"
-        )));
-    }
+    let spm = match model {
+        "gpt2" => false,
+        "llama" => true,
+        _ => {
+            return Err(LayoutError::Unsupported(format!(
+                "GGUF tokenizer model {model:?}: only byte-level BPE (\"gpt2\") and SentencePiece (\"llama\") tokenizers can be converted to tokenizer.json"
+            )))
+        }
+    };
     let tokens = meta_strings(meta, "tokenizer.ggml.tokens")
         .ok_or_else(|| meta_err("GGUF metadata: tokenizer.ggml.tokens missing".into()))?;
     let types = meta_token_types(meta, tokens.len());
     static NO_MERGES: StrList = StrList::EMPTY;
-    let merges = meta_strings(meta, "tokenizer.ggml.merges").unwrap_or(&NO_MERGES);
+    let spm_merges;
+    let merges = if spm {
+        spm_merges = sentencepiece_merges(tokens);
+        &spm_merges
+    } else {
+        meta_strings(meta, "tokenizer.ggml.merges").unwrap_or(&NO_MERGES)
+    };
     let pre = meta_get(meta, "tokenizer.ggml.pre")
         .and_then(GgufValue::as_str)
         .unwrap_or("default");
 
     let mut added = Vec::new();
     for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
-        if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
+        // SentencePiece's unknown token is special too.
+        let special = tt == TT_CONTROL as i64 || (spm && tt == TT_UNKNOWN as i64);
+        if special || tt == TT_USER_DEFINED as i64 {
             added.push(json!({
                 "id": id, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": tt != TT_CONTROL as i64,
-                "special": tt == TT_CONTROL as i64,
+                "rstrip": false, "normalized": !special,
+                "special": special,
             }));
         }
     }
@@ -582,26 +750,63 @@ pub(super) fn hf_tokenizer(
                 "special_tokens": {bt: {"id": bt, "ids": [b], "tokens": [bt]}},
             })
         }
+        _ if spm => Value::Null,
         _ => {
             json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})
         }
     };
-    let tokenizer_json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer_for(pre),
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": VOCAB_MARK, "merges": MERGES_MARK,
-        },
-    });
+    let tokenizer_json = if spm {
+        // As transformers converts a SentencePiece BPE: spaces as U+2581, one before
+        // the text unless the GGUF says llama.cpp adds none, bytes by fallback.
+        let space = meta_get(meta, "tokenizer.ggml.add_space_prefix")
+            .and_then(GgufValue::as_bool)
+            .unwrap_or(true);
+        let unk = meta_get(meta, "tokenizer.ggml.unknown_token_id")
+            .and_then(GgufValue::as_u64)
+            .and_then(|i| tokens.get(i as usize));
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if space {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}",
+                              "prepend_scheme": if space { "first" } else { "never" }, "split": false},
+            "post_processor": post_processor,
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": unk,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": VOCAB_MARK, "merges": MERGES_MARK,
+            },
+        })
+    } else {
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": pre_tokenizer_for(pre),
+            "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": VOCAB_MARK, "merges": MERGES_MARK,
+            },
+        })
+    };
     let tokenizer_json = splice_pretty(&tokenizer_json, tokens, merges)?;
 
     let mut tc = serde_json::Map::new();
@@ -611,11 +816,12 @@ pub(super) fn hf_tokenizer(
     }
     let mut decoder = BTreeMap::new();
     for (id, (tok, &tt)) in tokens.iter().zip(&types).enumerate() {
-        if tt == TT_CONTROL as i64 || tt == TT_USER_DEFINED as i64 {
+        let special = tt == TT_CONTROL as i64 || (spm && tt == TT_UNKNOWN as i64);
+        if special || tt == TT_USER_DEFINED as i64 {
             decoder.insert(
                 id,
-                json!({"content": tok, "lstrip": false, "normalized": tt != TT_CONTROL as i64,
-                       "rstrip": false, "single_word": false, "special": tt == TT_CONTROL as i64}),
+                json!({"content": tok, "lstrip": false, "normalized": !special,
+                       "rstrip": false, "single_word": false, "special": special}),
             );
         }
     }
@@ -639,7 +845,12 @@ pub(super) fn hf_tokenizer(
     }
     tc.insert("clean_up_tokenization_spaces".into(), json!(false));
     tc.insert("model_max_length".into(), json!(context_length));
-    tc.insert("tokenizer_class".into(), json!("GPT2Tokenizer"));
+    let class = if spm {
+        "LlamaTokenizer"
+    } else {
+        "GPT2Tokenizer"
+    };
+    tc.insert("tokenizer_class".into(), json!(class));
     Ok(HfTokenizer {
         tokenizer_json,
         tokenizer_config: Value::Object(tc),
@@ -649,6 +860,34 @@ pub(super) fn hf_tokenizer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// transformers' `generate_merges` on a SentencePiece BPE vocabulary: every split
+    /// into two pieces of the vocabulary, pieces in id order, shorter left part first.
+    #[test]
+    fn sentencepiece_merges_follow_transformers() {
+        let tokens: StrList = [
+            "<unk>",
+            "a",
+            "b",
+            "ab",
+            "abc",
+            "c",
+            "bc",
+            "\u{2581}é",
+            "\u{2581}",
+        ]
+        .into_iter()
+        .collect();
+        let got = sentencepiece_merges(&tokens);
+        assert_eq!(
+            got.iter().collect::<Vec<_>>(),
+            ["a b", "a bc", "ab c", "b c"]
+        );
+        let with_e: StrList = ["\u{2581}", "é", "\u{2581}é"].into_iter().collect();
+        let m = sentencepiece_merges(&with_e);
+        assert_eq!(m.iter().collect::<Vec<_>>(), ["\u{2581} é"]);
+        assert!(is_byte_token("<0x0A>") && !is_byte_token("<0x0G>") && !is_byte_token("<s>"));
+    }
 
     /// The spliced text is exactly what building the whole document as JSON values and
     /// pretty-printing it gives: escapes, a duplicate token (first id kept), and empty

@@ -20,6 +20,8 @@ pub(super) struct TokenizerJson<'a> {
     #[serde(default)]
     pub added_tokens: Vec<Value>,
     #[serde(default)]
+    pub normalizer: Value,
+    #[serde(default)]
     pub pre_tokenizer: Value,
     #[serde(default)]
     pub post_processor: Value,
@@ -31,6 +33,8 @@ pub(super) struct Model<'a> {
     pub ty: Value,
     #[serde(default)]
     pub byte_fallback: Value,
+    #[serde(default)]
+    pub unk_token: Value,
     #[serde(borrow, default)]
     pub vocab: Vocab<'a>,
     #[serde(borrow, default)]

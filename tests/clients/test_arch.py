@@ -1,5 +1,5 @@
-"""Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2, Phi3
-and OPT models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
+"""Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2, Phi3,
+OPT and Llama (with a SentencePiece vocabulary) models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
 sharded), and the real all-MiniLM-L6-v2 (an int64 `position_ids` among its tensors),
 converted exactly and with the default codec, mounted, and read back by transformers."""
 import contextlib
@@ -14,11 +14,11 @@ from safetensors.torch import load, load_file
 
 from conftest import ROOT, TEXT, run, run_status
 
-ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt"]
+ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm"]
 # The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
-GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2"]
+GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm"]
 # The architectures whose GGUF files import.
-GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2"]
+GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2", "llama-spm"]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
 # output error that plain 4-bit round-to-nearest (groups of 32, like Q4_0) adds to the
 # same matrices. Measured 0.80-1.07 on these models: random Gaussian weights are the
@@ -414,3 +414,57 @@ def test_a_tokenizer_the_gguf_view_cannot_write_leaves_the_other_views(cawsfs, a
         assert torch.equal(forward(mp, "qwen3"), forward(arch_models["qwen3"], "qwen3"))
         lines = [l for l in open(log) if "no model.gguf" in l]
         assert len(lines) == 1 and "Unigram" in lines[0], lines
+
+
+def gguf_fields(path, prefix):
+    import gguf
+    r = gguf.GGUFReader(path)
+    return {k: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
+
+
+def test_sentencepiece_vocabulary_both_ways(cawsfs, converted, arch_models, llama_bin, work):
+    """A SentencePiece vocabulary (Llama 2's kind: tokenizer.model beside tokenizer.json).
+    The mounted model.gguf carries the vocabulary llama.cpp's own converter
+    (convert_hf_to_gguf.py, from the llama.cpp source the tests build) writes from
+    tokenizer.model: tokens, scores, types and special ids; llama.cpp tokenizes with
+    both alike. And that converter's file, imported, gives tokenizer files with which
+    transformers tokenizes as the source's tokenizer does."""
+    import sys
+    import transformers as tf
+    src = arch_models["llama-spm"]
+    root = llama_bin.parent.parent
+    ref = work / "ref.gguf"
+    run([sys.executable, root / "convert_hf_to_gguf.py", src, "--outfile", ref,
+         "--outtype", "f32"], env=dict(os.environ, PYTHONPATH=str(root / "gguf-py")))
+    want = gguf_fields(ref, "tokenizer.")
+    text = open(TEXT).read()
+    # Not starting with a space: llama.cpp and transformers differ there by design (a
+    # second U+2581 or not), whatever converted the vocabulary.
+    samples = [text[i:i + 400].lstrip() for i in range(0, 30000, 2000)] + [
+        "naïve café 東京 🙂 1234567", "a  b\n\n\tc", "</s> special <s>"]
+    tokenize = lambda gguf, s: json.loads(run(
+        [llama_bin / "llama-tokenize", "-m", gguf, "-p", s, "--ids", "--log-disable"]
+    ).stdout.strip().splitlines()[-1])
+    with mounted(cawsfs, converted["llama-spm", "exact"], work / "m", "--gguf-type", "f32") as (mp, _):
+        got = gguf_fields(mp / "model.gguf", "tokenizer.")
+        for k in want:
+            # The converter also writes add_sep_token = false, llama.cpp's default.
+            if k != "tokenizer.ggml.add_sep_token":
+                assert got.get(k) == want[k], k
+        assert want["tokenizer.ggml.model"] == "llama"
+        for s in samples:
+            assert tokenize(mp / "model.gguf", s) == tokenize(ref, s), s
+    archive = work / "ref.cawsf"
+    run([cawsfs, "convert", ref, "-o", archive, "--passthrough", "*"])
+    source = tf.AutoTokenizer.from_pretrained(src)
+    with mounted(cawsfs, archive, work / "g") as (mp, _):
+        assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(mp))
+        mine = tf.AutoTokenizer.from_pretrained(mp)
+        for s in samples + [" a leading space"]:
+            assert mine(s)["input_ids"] == source(s)["input_ids"], s
+            ids = mine(s)["input_ids"]
+            assert mine.decode(ids, skip_special_tokens=True) == \
+                source.decode(ids, skip_special_tokens=True), s
+        # Not after a special token either (llama.cpp restarts the space prefix there).
+        for s in samples[:-1]:
+            assert mine(s)["input_ids"] == tokenize(ref, s), s
