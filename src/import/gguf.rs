@@ -1,5 +1,6 @@
 //! GGUF importer: a llama.cpp GGUF file (architectures `llama`, `qwen2`, `qwen3`,
-//! `phi3`, `gemma2` and `gpt2`) seen as a [`ModelDesc`] in Hugging Face conventions.
+//! `phi3`, `gemma2`, `gpt2` and `bert`) seen as a [`ModelDesc`] in Hugging Face
+//! conventions.
 //!
 //! - Architecture hyper-parameters come from the `{arch}.*` metadata keys.
 //! - Tensor names map to Hugging Face names; shapes are `ne` reversed.
@@ -95,10 +96,11 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         "phi3" => "phi3",
         "gemma2" => "gemma2",
         "gpt2" => "gpt2",
+        "bert" => "bert",
         other => {
             return Err(format!(
-            "unsupported architecture {other} (llama, qwen2, qwen3, phi3, gemma2 and gpt2 import)"
-        ))
+                "unsupported architecture {other} (llama, qwen2, qwen3, phi3, gemma2, gpt2 and bert import)"
+            ))
         }
     };
     let k = |s: &str| format!("{arch}.{s}");
@@ -143,15 +145,14 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         vocab_size,
         context_length: m.u32(&k("context_length"))?,
         rope_theta: m.f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0),
-        // GPT-2's LayerNorm epsilon where the others have an RMS norm's.
+        // GPT-2's and BERT's LayerNorm epsilon where the others have an RMS norm's.
         rms_norm_eps: match m.f32_opt(&k("attention.layer_norm_rms_epsilon"))? {
             Some(e) => e,
-            None if arch == "gpt2" => {
-                m.f32_opt(&k("attention.layer_norm_epsilon"))?
-                    .ok_or_else(|| {
-                        format!("missing metadata key {}", k("attention.layer_norm_epsilon"))
-                    })?
-            }
+            None if arch == "gpt2" || arch == "bert" => m
+                .f32_opt(&k("attention.layer_norm_epsilon"))?
+                .ok_or_else(|| {
+                    format!("missing metadata key {}", k("attention.layer_norm_epsilon"))
+                })?,
             None => {
                 return Err(format!(
                     "missing metadata key {}",

@@ -78,6 +78,40 @@ fn gpt2_config(model: &ModelDesc) -> Value {
     })
 }
 
+/// A BERT encoder's config.json (`AutoModel` loads it as `BertModel`; llama.cpp's GGUF
+/// has no pooler, so transformers makes a fresh one, which the hidden states ignore).
+fn bert_config(model: &ModelDesc) -> Value {
+    let a = &model.arch;
+    let type_vocab = model
+        .tensors
+        .iter()
+        .find(|t| t.name == "embeddings.token_type_embeddings.weight")
+        .map_or(2, |t| t.rows());
+    let pad = meta_get(&model.gguf_meta, "tokenizer.ggml.padding_token_id")
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(0);
+    json!({
+        "architectures": ["BertModel"],
+        "attention_probs_dropout_prob": 0.1,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "hidden_size": a.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": a.intermediate_size,
+        "layer_norm_eps": f32_json(a.rms_norm_eps),
+        "max_position_embeddings": a.context_length,
+        "model_type": "bert",
+        "num_attention_heads": a.n_heads,
+        "num_hidden_layers": a.n_layers,
+        "pad_token_id": pad,
+        "position_embedding_type": "absolute",
+        "torch_dtype": torch_dtype(model),
+        "type_vocab_size": type_vocab,
+        "use_cache": true,
+        "vocab_size": a.vocab_size,
+    })
+}
+
 fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
     let a = &model.arch;
     let (arch_class, bias) = match a.model_type.as_str() {
@@ -88,6 +122,7 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
         "phi3" => ("Phi3ForCausalLM", false),
         "gemma2" => ("Gemma2ForCausalLM", false),
         "gpt2" => return Ok(gpt2_config(model)),
+        "bert" => return Ok(bert_config(model)),
         other => {
             return Err(LayoutError::Unsupported(format!(
                 "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2 and gpt2 are supported"

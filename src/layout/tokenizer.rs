@@ -1,7 +1,7 @@
 //! Tokenizers between the two conventions: `tokenizer.json` (+ `tokenizer_config.json`,
 //! `config.json`) → GGUF `tokenizer.ggml.*` keys, and back. Byte-level BPE ("gpt2" in
 //! GGUF) both ways, SentencePiece-style BPE with byte fallback ("llama") both ways,
-//! WordPiece ("bert") to GGUF; other models are refused with a clear error.
+//! WordPiece ("bert") both ways; other models are refused with a clear error.
 
 use std::collections::BTreeMap;
 
@@ -333,6 +333,7 @@ fn wordpiece_meta(
             GgufValue::U32(type_count.min(u32::MAX as u64) as u32),
         ),
     ];
+    out.extend(normalizer_keys(&tj.normalizer));
     let id_of = |typ: &str| -> Option<u32> {
         let content = tc.get(format!("{typ}_token")).and_then(token_string)?;
         entries
@@ -652,6 +653,151 @@ fn meta_token_types(meta: &[(String, GgufValue)], n: usize) -> Vec<i64> {
     }
 }
 
+/// tokenizer.json and tokenizer_config.json for a GGUF WordPiece vocabulary (BERT's):
+/// the phantom-space tokens turned back (a leading U+2581 marks a word's first token,
+/// any other ordinary token continues a word: `##`), BERT's normalizer with the
+/// case and accent handling the GGUF names, `[CLS] A [SEP]` templates.
+fn hf_wordpiece(
+    meta: &[(String, GgufValue)],
+    context_length: u32,
+) -> Result<HfTokenizer, LayoutError> {
+    let tokens = meta_strings(meta, "tokenizer.ggml.tokens")
+        .ok_or_else(|| meta_err("GGUF metadata: tokenizer.ggml.tokens missing".into()))?;
+    let types = meta_token_types(meta, tokens.len());
+    let words: Vec<String> = tokens
+        .iter()
+        .zip(&types)
+        .map(|(t, &ty)| match t.strip_prefix('\u{2581}') {
+            _ if ty == TT_CONTROL as i64 => t.to_string(),
+            Some(rest) => rest.to_string(),
+            None => format!("##{t}"),
+        })
+        .collect();
+    let tok_id = |key: &str| {
+        meta_get(meta, key)
+            .and_then(GgufValue::as_u64)
+            .filter(|&i| (i as usize) < words.len())
+            .map(|i| (i, words[i as usize].as_str()))
+    };
+    let cls = tok_id("tokenizer.ggml.cls_token_id").or(tok_id("tokenizer.ggml.bos_token_id"));
+    let sep = tok_id("tokenizer.ggml.seperator_token_id").or(tok_id("tokenizer.ggml.eos_token_id"));
+    let unk = tok_id("tokenizer.ggml.unknown_token_id");
+    let flag = |key: &str| meta_get(meta, key).and_then(GgufValue::as_bool);
+    // llama.cpp lowercases unless told not to, and strips accents when it lowercases.
+    let lowercase = flag("tokenizer.ggml.normalizer.lowercase").unwrap_or(true);
+    let strip_accents = flag("tokenizer.ggml.normalizer.strip_accents").unwrap_or(lowercase);
+
+    let mut vocab = serde_json::Map::new();
+    for (id, w) in words.iter().enumerate() {
+        vocab.entry(w.clone()).or_insert(json!(id));
+    }
+    let added: Vec<Value> = words
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, &ty))| ty == TT_CONTROL as i64)
+        .map(|(id, (w, _))| {
+            json!({"id": id, "content": w, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let post_processor = match (cls, sep) {
+        (Some((c, ct)), Some((s, st))) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": ct, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": st, "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": ct, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": st, "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}},
+                     {"SpecialToken": {"id": st, "type_id": 1}}],
+            "special_tokens": {ct: {"id": ct, "ids": [c], "tokens": [ct]},
+                               st: {"id": st, "ids": [s], "tokens": [st]}},
+        }),
+        _ => Value::Null,
+    };
+    let tokenizer_json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
+                       "strip_accents": strip_accents, "lowercase": lowercase},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "post_processor": post_processor,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordPiece", "unk_token": unk.map_or("[UNK]", |u| u.1),
+                  "continuing_subword_prefix": "##", "max_input_chars_per_word": 100,
+                  "vocab": vocab},
+    });
+    let mut tokenizer_json = serde_json::to_vec_pretty(&tokenizer_json)
+        .map_err(|e| meta_err(format!("serializing JSON: {e}")))?;
+    tokenizer_json.push(b'\n');
+
+    let mut tc = serde_json::Map::new();
+    tc.insert("clean_up_tokenization_spaces".into(), json!(true));
+    tc.insert("do_lower_case".into(), json!(lowercase));
+    for (name, v) in [
+        ("cls_token", cls),
+        ("sep_token", sep),
+        ("unk_token", unk),
+        ("pad_token", tok_id("tokenizer.ggml.padding_token_id")),
+        ("mask_token", tok_id("tokenizer.ggml.mask_token_id")),
+    ] {
+        if let Some((_, t)) = v {
+            tc.insert(name.into(), json!(t));
+        }
+    }
+    tc.insert("model_max_length".into(), json!(context_length));
+    tc.insert("strip_accents".into(), json!(strip_accents));
+    tc.insert("tokenizer_class".into(), json!("BertTokenizer"));
+    Ok(HfTokenizer {
+        tokenizer_json,
+        tokenizer_config: Value::Object(tc),
+    })
+}
+
+/// `tokenizer.ggml.normalizer.*`: the case and accent handling of a tokenizer.json
+/// normalizer (a BertNormalizer's flags, Lowercase and StripAccents steps, inside a
+/// Sequence too), as llama.cpp's converter reads them; llama.cpp's WordPiece
+/// lowercases without them.
+fn normalizer_keys(n: &Value) -> Vec<(String, GgufValue)> {
+    fn walk(n: &Value, lower: &mut Option<bool>, strip: &mut Option<bool>) {
+        match n.get("type").and_then(Value::as_str) {
+            Some("Lowercase") => *lower = Some(true),
+            Some("StripAccents") => *strip = Some(true),
+            Some("BertNormalizer") => {
+                if let Some(v) = n.get("lowercase").and_then(Value::as_bool) {
+                    *lower = Some(v);
+                }
+                if let Some(v) = n.get("strip_accents").and_then(Value::as_bool) {
+                    *strip = Some(v);
+                }
+            }
+            Some("Sequence") => {
+                for m in n["normalizers"].as_array().into_iter().flatten() {
+                    walk(m, lower, strip);
+                }
+            }
+            _ => {}
+        }
+    }
+    let (mut lower, mut strip) = (None, None);
+    walk(n, &mut lower, &mut strip);
+    let mut out = Vec::new();
+    if let Some(v) = lower {
+        out.push((
+            "tokenizer.ggml.normalizer.lowercase".into(),
+            GgufValue::Bool(v),
+        ));
+    }
+    if let Some(v) = strip {
+        out.push((
+            "tokenizer.ggml.normalizer.strip_accents".into(),
+            GgufValue::Bool(v),
+        ));
+    }
+    out
+}
+
 /// Merges for a SentencePiece BPE vocabulary, made as transformers' converter makes
 /// them from `tokenizer.model` (`generate_merges`): for each piece in id order, every
 /// split of it into two pieces of the vocabulary, shorter left part first. Pieces are
@@ -691,9 +837,10 @@ pub(super) fn hf_tokenizer(
     let spm = match model {
         "gpt2" => false,
         "llama" => true,
+        "bert" => return hf_wordpiece(meta, context_length),
         _ => {
             return Err(LayoutError::Unsupported(format!(
-                "GGUF tokenizer model {model:?}: only byte-level BPE (\"gpt2\") and SentencePiece (\"llama\") tokenizers can be converted to tokenizer.json"
+                "GGUF tokenizer model {model:?}: only byte-level BPE (\"gpt2\"), SentencePiece (\"llama\") and WordPiece (\"bert\") tokenizers can be converted to tokenizer.json"
             )))
         }
     };
@@ -860,6 +1007,32 @@ pub(super) fn hf_tokenizer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cased BERT's normalizer says so to llama.cpp (which lowercases by default);
+    /// flags inside a Sequence count, a null strip_accents is left to llama.cpp.
+    #[test]
+    fn normalizer_flags_become_gguf_keys() {
+        let keys = |n: Value| {
+            normalizer_keys(&n)
+                .into_iter()
+                .map(|(k, v)| (k, v.as_bool().unwrap()))
+                .collect::<Vec<_>>()
+        };
+        let lower = "tokenizer.ggml.normalizer.lowercase".to_string();
+        let strip = "tokenizer.ggml.normalizer.strip_accents".to_string();
+        assert_eq!(
+            keys(json!({"type": "BertNormalizer", "lowercase": false, "strip_accents": null})),
+            [(lower.clone(), false)]
+        );
+        assert_eq!(
+            keys(
+                json!({"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "Lowercase"},
+                        {"type": "StripAccents"}]})
+            ),
+            [(lower, true), (strip, true)]
+        );
+        assert!(keys(Value::Null).is_empty());
+    }
 
     /// transformers' `generate_merges` on a SentencePiece BPE vocabulary: every split
     /// into two pieces of the vocabulary, pieces in id order, shorter left part first.
