@@ -2,7 +2,8 @@
 # Install everything the tests and the demo need on a fresh machine, skipping what is
 # already there: Debian packages (cmake, fuse3, zstd, time), Python packages (numpy, gguf,
 # safetensors, torch, transformers, pytest, zstandard, xxhash; sentencepiece and protobuf,
-# which make and convert SentencePiece tokenizers), the test model and the llama.cpp build.
+# which make and convert SentencePiece tokenizers; sentence-transformers, a client), the
+# test model and the llama.cpp build.
 # Heavy downloads and builds are cached under ~/.cache/cawsfs, outside the repo.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -20,8 +21,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >&2
 fi
 
-py_pkgs=(numpy gguf safetensors torch transformers pytest zstandard xxhash sentencepiece protobuf)
-if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard, xxhash, sentencepiece, google.protobuf" 2>/dev/null; then
+py_pkgs=(numpy gguf safetensors torch transformers pytest zstandard xxhash sentencepiece protobuf
+  sentence-transformers)
+if ! python3 -c "import numpy, gguf, safetensors, torch, transformers, pytest, zstandard, xxhash, sentencepiece, google.protobuf, sentence_transformers" 2>/dev/null; then
   echo "setup: pip install ${py_pkgs[*]}" >&2
   python3 -m pip install --quiet --disable-pip-version-check "${py_pkgs[@]}" >&2
 fi

@@ -267,6 +267,10 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
                 .with_context(|| format!("{}", a.output.display()))?;
             for (name, bytes) in layout::hf_metadata_files(model)? {
                 let p = a.output.join(&name);
+                // A sentence-transformers module's file (`1_Pooling/config.json`).
+                if let Some(d) = p.parent() {
+                    std::fs::create_dir_all(d).with_context(|| format!("{}", d.display()))?;
+                }
                 std::fs::write(&p, bytes).with_context(|| format!("{}", p.display()))?;
                 println!("wrote {}", p.display());
             }

@@ -357,6 +357,10 @@ pub fn convert(
     // Side files for Squish / numpy users (derived for a GGUF source) ...
     let write = |name: &str, bytes: &[u8]| {
         let p = tmp.join(name);
+        // A sentence-transformers module's file (`1_Pooling/config.json`).
+        if let Some(parent) = p.parent().filter(|d| *d != tmp) {
+            std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+        }
         std::fs::write(&p, bytes).map_err(|e| io(&p, e))
     };
     for (name, bytes) in crate::layout::hf_metadata_files(desc)
@@ -367,7 +371,11 @@ pub fn convert(
     // ... and the source's own, verbatim, which cawsfs.json names.
     let mut hf_files = BTreeMap::new();
     for (name, bytes) in &desc.hf_files {
-        if name.contains('/') || name.contains("..") || name == MANIFEST || name == SIDECAR {
+        if crate::model::check_hf_file_name(name).is_err()
+            || name.starts_with(&format!("{TENSOR_DIR}/"))
+            || name == MANIFEST
+            || name == SIDECAR
+        {
             return Err(ConvertError::Options(format!(
                 "side file name {name:?} cannot be stored"
             )));

@@ -1,11 +1,13 @@
-//! The mounted filesystem as plain Rust, not tied to the FUSE bindings: a flat,
-//! read-only directory of virtual files (`model.safetensors`, `model.gguf`, the
-//! Hugging Face metadata files) whose bytes come from the layouts through the chunk
-//! cache. `fuse.rs` translates kernel requests into calls here and errors into errno.
+//! The mounted filesystem as plain Rust, not tied to the FUSE bindings: a read-only
+//! directory of virtual files (`model.safetensors`, `model.gguf`, the Hugging Face
+//! metadata files) whose bytes come from the layouts through the chunk cache, and the
+//! subdirectories some metadata files live in (sentence-transformers' `1_Pooling/`).
+//! `fuse.rs` translates kernel requests into calls here and errors into errno.
 //!
 //! Inode numbers are stable: 1 is the root, the tensor files (`model.gguf`,
 //! `model.safetensors`) follow in name order from 2, then the metadata files in name
-//! order; the set of files depends only on the archive and the mount options.
+//! order, then their subdirectories in name order; the set of files depends only on
+//! the archive and the mount options.
 //!
 //! The metadata files are made on first use, not at mount: deriving `tokenizer.json`
 //! from a GGUF vocabulary and packing it took 55 ms of a restart's 98 ms of setup
@@ -124,12 +126,21 @@ pub struct Entry {
     passthrough: std::sync::atomic::AtomicBool,
 }
 
+/// The metadata files (named by their path: `1_Pooling/config.json`) and the
+/// subdirectories they are in, by name; directory `k` has inode `first_dir + k`.
+struct Metadata {
+    files: Vec<Entry>,
+    dirs: Vec<String>,
+    first_dir: u64,
+}
+
 pub struct MountFs {
     archive: Arc<dyn Store>,
     /// The tensor files, made before the mount is up.
     entries: Vec<Entry>,
-    /// The metadata files, made on first use ([`MountFs::metadata_files`]).
-    metadata: OnceLock<Vec<Entry>>,
+    /// The metadata files and their subdirectories, made on first use
+    /// ([`MountFs::metadata`]).
+    metadata: OnceLock<Metadata>,
     cache: Arc<ChunkCache>,
     tier: Option<Arc<FsTier>>,
     mtime: SystemTime,
@@ -249,7 +260,29 @@ impl MountFs {
     /// call; a caller arriving meanwhile waits for them. A model they cannot be made
     /// for is logged once and served without them: its tensor files stay readable.
     fn metadata_files(&self) -> &[Entry] {
+        &self.metadata().files
+    }
+
+    fn metadata(&self) -> &Metadata {
         self.metadata.get_or_init(|| {
+            let files = self.make_metadata_files();
+            let mut dirs: Vec<String> = files
+                .iter()
+                .filter_map(|e| Some(e.name.split_once('/')?.0.to_string()))
+                .collect();
+            dirs.sort();
+            dirs.dedup();
+            let first_dir = ROOT_INO + 1 + (self.entries.len() + files.len()) as u64;
+            Metadata {
+                files,
+                dirs,
+                first_dir,
+            }
+        })
+    }
+
+    fn make_metadata_files(&self) -> Vec<Entry> {
+        {
             let t0 = Instant::now();
             let made = layout::hf_metadata_files(self.archive.model());
             let t_made = t0.elapsed();
@@ -283,7 +316,7 @@ impl MountFs {
                 t0.elapsed() - t_made
             );
             entries
-        })
+        }
     }
 
     pub fn cache(&self) -> &Arc<ChunkCache> {
@@ -305,6 +338,9 @@ impl MountFs {
     }
 
     fn entry(&self, ino: u64) -> Result<&Entry, FsError> {
+        if ino == ROOT_INO || self.dir_name(ino).is_some() {
+            return Err(FsError::IsADirectory);
+        }
         let i = ino.checked_sub(ROOT_INO + 1).ok_or(FsError::NoInode(ino))? as usize;
         let n = self.entries.len();
         if i < n {
@@ -313,6 +349,25 @@ impl MountFs {
         self.metadata_files()
             .get(i - n)
             .ok_or(FsError::NoInode(ino))
+    }
+
+    /// The name of subdirectory `ino`, if it is one.
+    fn dir_name(&self, ino: u64) -> Option<&str> {
+        if ino <= ROOT_INO + self.entries.len() as u64 {
+            return None;
+        }
+        let m = self.metadata();
+        let k = ino.checked_sub(m.first_dir)?;
+        m.dirs.get(k as usize).map(String::as_str)
+    }
+
+    fn dir_attr(&self, ino: u64) -> Attr {
+        Attr {
+            ino,
+            size: 0,
+            is_dir: true,
+            mtime: self.mtime,
+        }
     }
 
     fn root_attr(&self) -> Attr {
@@ -334,44 +389,79 @@ impl MountFs {
     }
 
     pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Attr, FsError> {
-        if parent != ROOT_INO {
-            self.entry(parent)?;
-            return Err(FsError::NotADirectory);
-        }
         let name_str = name.to_string_lossy();
-        self.entry_by_name(&name_str)
-            .filter(|e| OsStr::new(&e.name) == name)
+        let not_found = || FsError::NotFound(name_str.to_string());
+        // A '/' is never part of a name the kernel asks for.
+        let path = match parent {
+            // A file first (finding `model.gguf` makes no metadata file), then a
+            // subdirectory.
+            ROOT_INO if self.entry_by_name(&name_str).is_none() => {
+                let m = self.metadata();
+                return match m.dirs.iter().position(|d| OsStr::new(d) == name) {
+                    Some(k) => Ok(self.dir_attr(m.first_dir + k as u64)),
+                    None => Err(not_found()),
+                };
+            }
+            ROOT_INO => name_str.to_string(),
+            p => match self.dir_name(p) {
+                Some(d) => format!("{d}/{name_str}"),
+                None => {
+                    self.entry(p)?;
+                    return Err(FsError::NotADirectory);
+                }
+            },
+        };
+        self.entry_by_name(&path)
+            .filter(|e| parent != ROOT_INO || OsStr::new(&e.name) == name)
             .map(|e| self.file_attr(e))
-            .ok_or_else(|| FsError::NotFound(name_str.into_owned()))
+            .ok_or_else(not_found)
     }
 
     pub fn getattr(&self, ino: u64) -> Result<Attr, FsError> {
         if ino == ROOT_INO {
             return Ok(self.root_attr());
         }
+        if self.dir_name(ino).is_some() {
+            return Ok(self.dir_attr(ino));
+        }
         self.entry(ino).map(|e| self.file_attr(e))
     }
 
-    /// `(ino, is_dir, name)` for `.`, `..` and every file.
+    /// `(ino, is_dir, name)` for `.`, `..` and every file and subdirectory in `ino`.
     pub fn readdir(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
-        if ino != ROOT_INO {
-            self.entry(ino)?;
-            return Err(FsError::NotADirectory);
-        }
+        let prefix = match ino {
+            ROOT_INO => String::new(),
+            _ => match self.dir_name(ino) {
+                Some(d) => format!("{d}/"),
+                None => {
+                    self.entry(ino)?;
+                    return Err(FsError::NotADirectory);
+                }
+            },
+        };
         let mut out = vec![
-            (ROOT_INO, true, ".".to_string()),
+            (ino, true, ".".to_string()),
             (ROOT_INO, true, "..".to_string()),
         ];
-        let mut files: Vec<&Entry> = self.entries().collect();
-        files.sort_by(|a, b| a.name.cmp(&b.name));
-        out.extend(files.iter().map(|e| (e.ino, false, e.name.clone())));
+        let mut files: Vec<(u64, bool, String)> = self
+            .entries()
+            .filter_map(|e| {
+                let rest = e.name.strip_prefix(&prefix)?;
+                (!rest.contains('/')).then(|| (e.ino, false, rest.to_string()))
+            })
+            .collect();
+        if ino == ROOT_INO {
+            let m = self.metadata();
+            files.extend(
+                (m.dirs.iter().enumerate()).map(|(k, d)| (m.first_dir + k as u64, true, d.clone())),
+            );
+        }
+        files.sort_by(|a, b| a.2.cmp(&b.2));
+        out.extend(files);
         Ok(out)
     }
 
     pub fn open(&self, ino: u64, write: bool) -> Result<(), FsError> {
-        if ino == ROOT_INO {
-            return Err(FsError::IsADirectory);
-        }
         self.entry(ino)?;
         if write {
             return Err(FsError::ReadOnly);

@@ -30,23 +30,17 @@ const NOT_KEPT: &[&str] = &[
 ];
 
 /// The side files of `dir` to keep: regular files directly in it with a kept
-/// extension, at most [`MAX_HF_FILES`] (sorted by name). Sub-directories (a
-/// sentence-transformers pooling config ...) are not kept: the mount is one directory.
+/// extension, and those of the subdirectories sentence-transformers' `modules.json`
+/// names (`1_Pooling/config.json` ...: without them `SentenceTransformer` cannot load
+/// the directory), at most [`MAX_HF_FILES`] in all, sorted by name.
 pub(crate) fn side_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, ImportError> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
-        let entry = entry.map_err(|e| io(dir, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-            continue;
-        };
-        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
-        let kept = ext.is_some_and(|e| KEPT_EXTENSIONS.contains(&e.as_str()))
-            && !NOT_KEPT.contains(&name.as_str())
-            && !name.starts_with('.')
-            && check_hf_file_name(&name).is_ok();
-        // `metadata` follows a symbolic link (Hugging Face caches are made of them).
-        if kept && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file()) {
-            out.push((name, entry.path()));
+    let mut out = kept_files(dir, "")?;
+    if let Some((_, p)) = out.iter().find(|(n, _)| n == "modules.json") {
+        for sub in module_dirs(&read_small(p)?) {
+            let d = dir.join(&sub);
+            if std::fs::metadata(&d).is_ok_and(|m| m.is_dir()) {
+                out.extend(kept_files(&d, &format!("{sub}/"))?);
+            }
         }
     }
     out.sort();
@@ -58,6 +52,44 @@ pub(crate) fn side_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, ImportErr
                 out.len()
             ),
         ));
+    }
+    Ok(out)
+}
+
+/// The module directories a sentence-transformers `modules.json` names (`"path"` of
+/// each module, one plain path component; the model itself is `""`).
+fn module_dirs(modules: &[u8]) -> Vec<String> {
+    let Ok(Value::Array(mods)) = serde_json::from_slice::<Value>(modules) else {
+        return Vec::new();
+    };
+    mods.iter()
+        .filter_map(|m| m.get("path")?.as_str())
+        .filter(|p| check_hf_file_name(p).is_ok() && !p.contains('/'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Regular files directly in `dir` with a kept extension, named `prefix` + file name.
+fn kept_files(dir: &Path, prefix: &str) -> Result<Vec<(String, PathBuf)>, ImportError> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
+        let entry = entry.map_err(|e| io(dir, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
+        let full = format!("{prefix}{name}");
+        let kept = ext.is_some_and(|e| KEPT_EXTENSIONS.contains(&e.as_str()))
+            && !NOT_KEPT.contains(&name.as_str())
+            && !name.starts_with('.')
+            && check_hf_file_name(&full).is_ok();
+        // `metadata` follows a symbolic link (Hugging Face caches are made of them).
+        if kept && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file()) {
+            out.push((full, entry.path()));
+        }
+        if out.len() > MAX_HF_FILES {
+            break;
+        }
     }
     Ok(out)
 }
@@ -482,6 +514,32 @@ mod side_file_tests {
                 "tokenizer.model",
                 "vocab.txt",
             ]
+        );
+        // The module directories sentence-transformers' modules.json names, not others.
+        let mods = r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                       {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                       {"idx": 2, "name": "2", "path": "../up", "type": "x"}]"#;
+        std::fs::write(d.path().join("modules.json"), mods).unwrap();
+        for sub in ["1_Pooling", "onnx", "up"] {
+            std::fs::create_dir_all(d.path().join(sub)).unwrap();
+            std::fs::write(d.path().join(sub).join("config.json"), b"{}").unwrap();
+            std::fs::write(d.path().join(sub).join("model.onnx"), b"x").unwrap();
+        }
+        let names: Vec<String> = side_files(d.path())
+            .unwrap()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert!(
+            names.contains(&"1_Pooling/config.json".to_string()),
+            "{names:?}"
+        );
+        assert!(names.contains(&"modules.json".to_string()));
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.contains("onnx") || n.contains("up/")),
+            "{names:?}"
         );
     }
 }

@@ -308,10 +308,9 @@ fn phi3_meta(
 
 /// Metadata of the LayerNorm architectures, BERT encoders and GPT-2, as llama.cpp's
 /// converter writes it: no rotary keys, the LayerNorm epsilon, and for BERT
-/// bidirectional attention; then the vocabulary (WordPiece with its token-type count,
-/// or byte-level BPE). No pooling type for BERT: the config that names it
-/// (sentence-transformers' `1_Pooling/`) is not among the side files, so llama.cpp's
-/// `--pooling` chooses.
+/// bidirectional attention and the pooling sentence-transformers' config names (what
+/// llama-embedding pools by unless `--pooling` says otherwise); then the vocabulary
+/// (WordPiece with its token-type count, or byte-level BPE).
 fn layer_norm_meta(
     model: &ModelDesc,
     config: Option<&serde_json::Value>,
@@ -346,10 +345,54 @@ fn layer_norm_meta(
     ];
     if arch == "bert" {
         m.push(("bert.attention.causal".into(), GgufValue::Bool(false)));
+        if let Some(p) = pooling_type(model)? {
+            m.push(("bert.pooling_type".into(), GgufValue::U32(p)));
+        }
     }
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m.extend(vocabulary(model, config)?);
     Ok(m)
+}
+
+/// llama.cpp's pooling type (1 mean, 2 CLS, 3 last token) of a sentence-transformers
+/// model, as its converter reads it: the config of the module `modules.json` lists
+/// as a Pooling; None without one. A pooling llama.cpp has no type for (max, weighted
+/// mean ...) means no GGUF view, as the converter refuses it.
+fn pooling_type(model: &ModelDesc) -> Result<Option<u32>, LayoutError> {
+    let json = |name: &str| -> Option<serde_json::Value> {
+        serde_json::from_slice(model.hf_files.get(name)?).ok()
+    };
+    let Some(modules) = json("modules.json") else {
+        return Ok(None);
+    };
+    let path = modules.as_array().into_iter().flatten().find_map(|m| {
+        m.get("type")?
+            .as_str()?
+            .ends_with("Pooling")
+            .then(|| m.get("path")?.as_str())
+            .flatten()
+    });
+    let Some(config) = path.and_then(|p| json(&format!("{p}/config.json"))) else {
+        return Ok(None);
+    };
+    let on = |key: &str| config.get(key).and_then(serde_json::Value::as_bool) == Some(true);
+    let mode = config
+        .get("pooling_mode")
+        .and_then(serde_json::Value::as_str);
+    Ok(Some(
+        if on("pooling_mode_mean_tokens") || mode == Some("mean") {
+            1
+        } else if on("pooling_mode_cls_token") || mode == Some("cls") {
+            2
+        } else if on("pooling_mode_lasttoken") || mode == Some("lasttoken") {
+            3
+        } else {
+            return Err(LayoutError::NoGguf(format!(
+            "no model.gguf: the sentence-transformers pooling in {}/config.json has no llama.cpp pooling type (mean, CLS and last token have)",
+            path.unwrap_or_default()
+        )));
+        },
+    ))
 }
 
 /// The GGUF vocabulary of a Hugging Face source. A tokenizer it cannot write (a

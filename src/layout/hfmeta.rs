@@ -200,6 +200,11 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
 
 pub(super) fn build(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutError> {
     if !model.hf_files.is_empty() {
+        // Names come from archive metadata: one checked here is safe to serve and to
+        // write under an export directory.
+        for name in model.hf_files.keys() {
+            crate::model::check_hf_file_name(name).map_err(LayoutError::Metadata)?;
+        }
         // BTreeMap iteration is sorted by name.
         return Ok(model
             .hf_files

@@ -268,19 +268,25 @@ pub const MAX_HF_FILES: usize = 256;
 /// Longest side-file name, in bytes (what Linux file systems allow).
 pub const MAX_HF_FILE_NAME: usize = 255;
 
-/// Whether `name` can be a side file served in the mount's one flat directory: one
-/// path component, not `.` or `..`, no NUL, not empty, at most [`MAX_HF_FILE_NAME`]
-/// bytes. Names come from archive metadata, so they are checked where they are read.
+/// Whether `name` can be a side file served in the mount: a file of the mount's
+/// directory or of one subdirectory of it (`1_Pooling/config.json`, what
+/// sentence-transformers keeps beside the model), so one or two path components, each
+/// not empty, not `.` or `..`, without NUL, of at most [`MAX_HF_FILE_NAME`] bytes.
+/// Names come from archive metadata, so they are checked where they are read.
 pub fn check_hf_file_name(name: &str) -> Result<(), String> {
+    let parts: Vec<&str> = name.split('/').collect();
     let why = if name.is_empty() {
         "is empty"
-    } else if name == "." || name == ".." {
+    } else if parts.len() > 2 {
+        "has more than two path components"
+    } else if parts
+        .iter()
+        .any(|p| p.is_empty() || *p == "." || *p == "..")
+    {
         "is not a file name"
-    } else if name.contains('/') {
-        "has more than one path component"
     } else if name.contains('\0') {
         "contains NUL"
-    } else if name.len() > MAX_HF_FILE_NAME {
+    } else if parts.iter().any(|p| p.len() > MAX_HF_FILE_NAME) {
         "is longer than 255 bytes"
     } else {
         return Ok(());
@@ -369,13 +375,14 @@ mod tests {
     use super::check_hf_file_name;
 
     #[test]
-    fn side_file_names_are_one_plain_component() {
+    fn side_file_names_are_one_or_two_plain_components() {
         for ok in [
             "config.json",
             "tokenizer.json",
             "a..b",
             ".hidden",
             "chat_template.jinja",
+            "1_Pooling/config.json",
         ] {
             assert!(check_hf_file_name(ok).is_ok(), "{ok}");
         }
@@ -384,7 +391,11 @@ mod tests {
             "",
             ".",
             "..",
-            "a/b",
+            "a/b/c",
+            "a/",
+            "a//b",
+            "./b",
+            "../escape",
             "../../escape",
             "/abs",
             "nul\0x",

@@ -468,3 +468,38 @@ def test_sentencepiece_vocabulary_both_ways(cawsfs, converted, arch_models, llam
         # Not after a special token either (llama.cpp restarts the space prefix there).
         for s in samples[:-1]:
             assert mine(s)["input_ids"] == tokenize(ref, s), s
+
+
+def test_sentence_transformers_loads_the_mount(cawsfs, converted, minilm, llama_bin, work):
+    """all-MiniLM-L6-v2 as sentence-transformers keeps it (modules.json naming
+    1_Pooling/): the mount serves that subdirectory, and SentenceTransformer loads the
+    mount (and an exported hf-dir) and embeds as it does from the source; model.gguf
+    carries the pooling, so llama-embedding mean-pools without being told."""
+    from sentence_transformers import SentenceTransformer
+    sents = ["The capital of France is Paris.", "Free software respects its users."]
+
+    def embed(path):
+        model = SentenceTransformer(str(path), device="cpu")
+        out = model.encode(sents, convert_to_tensor=True)
+        del model
+        gc.collect()
+        return out
+
+    want = embed(minilm)
+    pooling = open(os.path.join(minilm, "1_Pooling", "config.json"), "rb").read()
+    archive = converted["minilm", "exact"]
+    with mounted(cawsfs, archive, work / "m", "--gguf-type", "f32") as (mp, _):
+        assert "1_Pooling" in os.listdir(mp) and (mp / "1_Pooling").is_dir()
+        assert os.listdir(mp / "1_Pooling") == ["config.json"]
+        assert (mp / "1_Pooling" / "config.json").read_bytes() == pooling
+        assert torch.equal(embed(mp), want)
+        p = run([llama_bin / "llama-embedding", "-m", mp / "model.gguf", "-p", sents[0],
+                 "--embd-normalize", "2", "--embd-output-format", "json", "-t", "2"])
+    emb = torch.tensor(json.loads(p.stdout)["data"][0]["embedding"])
+    cos = (emb @ torch.nn.functional.normalize(want[0], dim=0)).item()
+    print(f"minilm: llama-embedding with the GGUF's own pooling: cosine {cos:.7f}")
+    assert cos > 0.99999, cos
+    out = work / "hf"
+    run([cawsfs, "export", archive, "--format", "hf-dir", "-o", out])
+    assert (out / "1_Pooling" / "config.json").read_bytes() == pooling
+    assert torch.equal(embed(out), want)

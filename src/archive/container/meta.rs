@@ -140,8 +140,12 @@ mod tests {
         let files = |names: &[&str]| -> BTreeMap<String, serde_json::Value> {
             names.iter().map(|n| (n.to_string(), "x".into())).collect()
         };
-        assert!(model_from_meta(model.clone(), files(&["config.json"])).is_ok());
-        for bad in ["", "a/b", "../../escape", ".."] {
+        assert!(model_from_meta(
+            model.clone(),
+            files(&["config.json", "1_Pooling/config.json"])
+        )
+        .is_ok());
+        for bad in ["", "a/b/c", "a/..", "../../escape", ".."] {
             let e = model_from_meta(model.clone(), files(&[bad])).unwrap_err();
             assert!(e.contains("side file name") && !e.contains('\n'), "{e}");
         }
