@@ -210,10 +210,8 @@ impl Builder {
         (ty, raw): (GgmlType, bool),
         permute: Option<u32>,
     ) -> Result<u64, LayoutError> {
-        if !raw && !can_quantize(ty) {
-            return Err(LayoutError::Unsupported(format!(
-                "tensor {name}: cannot serve type {ty:?}"
-            )));
+        if !raw {
+            encodable(name, ty)?;
         }
         let fill = if raw {
             Fill::Copy(ty)
@@ -232,11 +230,7 @@ impl Builder {
         ty: GgmlType,
         add: f32,
     ) -> Result<u64, LayoutError> {
-        if !can_quantize(ty) {
-            return Err(LayoutError::Unsupported(format!(
-                "tensor {name}: cannot serve type {ty:?}"
-            )));
-        }
+        encodable(name, ty)?;
         self.piece(
             name,
             tensor,
@@ -255,11 +249,7 @@ impl Builder {
         (rows, cols): (u64, u64),
         ty: GgmlType,
     ) -> Result<u64, LayoutError> {
-        if !can_quantize(ty) {
-            return Err(LayoutError::Unsupported(format!(
-                "tensor {name}: cannot serve type {ty:?}"
-            )));
-        }
+        encodable(name, ty)?;
         if rows.saturating_mul(cols).saturating_mul(4) > MAX_TRANSPOSED_F32_BYTES {
             return Err(LayoutError::Unsupported(format!(
                 "tensor {name}: {rows}x{cols} is too large to serve transposed (at most {} MiB as f32)",
@@ -343,6 +333,16 @@ impl Builder {
                 fingerprint: self.fingerprint.digest(),
             }),
         }
+    }
+}
+
+/// Refuses a type the layout cannot encode f32 rows into.
+fn encodable(name: &str, ty: GgmlType) -> Result<(), LayoutError> {
+    match can_quantize(ty) {
+        true => Ok(()),
+        false => Err(LayoutError::Unsupported(format!(
+            "tensor {name}: cannot serve type {ty:?}"
+        ))),
     }
 }
 

@@ -117,46 +117,17 @@ pub(super) fn gguf_tokenizer_meta(
     let merges: Vec<String> = tj.model.merges.iter().map(|m| m.0.to_string()).collect();
 
     let pre = &tj.pre_tokenizer;
-    let mut out: Vec<(String, GgufValue)> = vec![
-        (
-            "tokenizer.ggml.add_space_prefix".into(),
-            GgufValue::Bool(add_space_prefix(pre)),
-        ),
-        (
-            "tokenizer.ggml.model".into(),
-            GgufValue::String("gpt2".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            GgufValue::String(pre_name(pre).into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens.into())),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-        (
-            "tokenizer.ggml.merges".into(),
-            GgufValue::Array(GgufArray::String(merges.into())),
-        ),
-    ];
-    out.extend(special_token_ids(model, config, &tc, &entries, n));
+    let mut out: Vec<(String, GgufValue)> = vec![(
+        "tokenizer.ggml.add_space_prefix".into(),
+        GgufValue::Bool(add_space_prefix(pre)),
+    )];
+    out.extend(vocab_keys("gpt2", pre_name(pre), tokens, None, types));
     out.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        GgufValue::Bool(add_bos_token(&tj.post_processor, &tc)),
+        "tokenizer.ggml.merges".into(),
+        GgufValue::Array(GgufArray::String(merges.into())),
     ));
-    if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
-        out.push((
-            "tokenizer.ggml.add_eos_token".into(),
-            GgufValue::Bool(add_eos),
-        ));
-    }
-    if let Some(t) = chat_template(model, &tc) {
-        out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
-    }
+    out.extend(special_token_ids(model, config, &tc, &entries, n));
+    out.extend(bos_eos_template(model, &tj, &tc));
     Ok(out)
 }
 
@@ -193,28 +164,7 @@ fn sentencepiece_meta(
         }
     }
     let n = tokens.len() as u64;
-    let mut out: Vec<(String, GgufValue)> = vec![
-        (
-            "tokenizer.ggml.model".into(),
-            GgufValue::String("llama".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            GgufValue::String("default".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens.into())),
-        ),
-        (
-            "tokenizer.ggml.scores".into(),
-            GgufValue::Array(GgufArray::F32(scores)),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-    ];
+    let mut out = vocab_keys("llama", "default", tokens, Some(scores), types);
     // llama.cpp prefixes a space unless told not to (the converter says so only then).
     if !spm_prefixes_space(tj) {
         out.push((
@@ -234,10 +184,16 @@ fn sentencepiece_meta(
             ));
         }
     }
-    out.push((
+    out.extend(bos_eos_template(model, tj, tc));
+    Ok(out)
+}
+
+/// Whether to add BOS and EOS, and the chat template, of a causal model's tokenizer.
+fn bos_eos_template(model: &ModelDesc, tj: &TokenizerJson, tc: &Value) -> Vec<(String, GgufValue)> {
+    let mut out = vec![(
         "tokenizer.ggml.add_bos_token".into(),
         GgufValue::Bool(add_bos_token(&tj.post_processor, tc)),
-    ));
+    )];
     if let Some(add_eos) = tc.get("add_eos_token").and_then(Value::as_bool) {
         out.push((
             "tokenizer.ggml.add_eos_token".into(),
@@ -247,7 +203,38 @@ fn sentencepiece_meta(
     if let Some(t) = chat_template(model, tc) {
         out.push(("tokenizer.chat_template".into(), GgufValue::String(t)));
     }
-    Ok(out)
+    out
+}
+
+/// The keys every GGUF vocabulary has: its model, pre-tokenizer, tokens, scores (when
+/// it has them) and token types.
+fn vocab_keys(
+    model: &str,
+    pre: &str,
+    tokens: Vec<String>,
+    scores: Option<Vec<f32>>,
+    types: Vec<i32>,
+) -> Vec<(String, GgufValue)> {
+    let s = |v: &str| GgufValue::String(v.into());
+    let mut out = vec![
+        ("tokenizer.ggml.model".into(), s(model)),
+        ("tokenizer.ggml.pre".into(), s(pre)),
+        (
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(tokens.into())),
+        ),
+    ];
+    if let Some(scores) = scores {
+        out.push((
+            "tokenizer.ggml.scores".into(),
+            GgufValue::Array(GgufArray::F32(scores)),
+        ));
+    }
+    out.push((
+        "tokenizer.ggml.token_type".into(),
+        GgufValue::Array(GgufArray::I32(types)),
+    ));
+    out
 }
 
 /// `<0xXX>`: a byte-fallback token.
@@ -311,28 +298,11 @@ fn wordpiece_meta(
         .and_then(|c| c.get("type_vocab_size"))
         .and_then(Value::as_u64)
         .unwrap_or(2);
-    let mut out: Vec<(String, GgufValue)> = vec![
-        (
-            "tokenizer.ggml.model".into(),
-            GgufValue::String("bert".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            GgufValue::String("default".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens.into())),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-        (
-            "tokenizer.ggml.token_type_count".into(),
-            GgufValue::U32(type_count.min(u32::MAX as u64) as u32),
-        ),
-    ];
+    let mut out = vocab_keys("bert", "default", tokens, None, types);
+    out.push((
+        "tokenizer.ggml.token_type_count".into(),
+        GgufValue::U32(type_count.min(u32::MAX as u64) as u32),
+    ));
     out.extend(normalizer_keys(&tj.normalizer));
     let id_of = |typ: &str| -> Option<u32> {
         let content = tc.get(format!("{typ}_token")).and_then(token_string)?;
