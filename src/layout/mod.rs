@@ -62,9 +62,10 @@ pub const BYTES_VERSION: u32 = 1;
 /// smallest unit a read decodes, so it bounds the memory of any read.
 const MAX_ROW_F32_BYTES: u64 = 256 << 20;
 
-/// A transposed tensor is larger than this (as f32) is refused: every read of one
-/// decodes the whole tensor (GPT-2 XL's largest is 41 MB).
-const MAX_TRANSPOSED_F32_BYTES: u64 = 1 << 30;
+/// A transposed tensor larger than this (as f32) is refused: every read of one
+/// decodes the whole tensor, so it is the smallest unit such a read decodes and is
+/// bounded as a row is (GPT-2 XL's largest is 41 MB).
+const MAX_TRANSPOSED_F32_BYTES: u64 = MAX_ROW_F32_BYTES;
 
 /// How a tensor piece's bytes are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
