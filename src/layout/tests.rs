@@ -1256,6 +1256,15 @@ fn gpt2_conv1d_weights_are_served_transposed_for_any_window() {
         hf_files: BTreeMap::new(),
         gguf_meta: Vec::new(),
     };
+    // A matrix larger than a read may hold whole is refused in one line.
+    let mut big = model.clone();
+    big.tensors[6].shape = vec![8192, 8200];
+    let plan = view::plan(&big, GgufView::Type(GgmlType::F16), &[]).unwrap();
+    let e = gguf_file(&big, &plan).unwrap_err().to_string();
+    assert!(
+        e.contains("c_fc.weight: 8200x8192 is too large to serve transposed"),
+        "{e}"
+    );
     let src = Mock::new(&model, 3);
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     for ty in [GgmlType::F32, GgmlType::Q8_0] {
