@@ -282,41 +282,39 @@ impl MountFs {
     }
 
     fn make_metadata_files(&self) -> Vec<Entry> {
-        {
-            let t0 = Instant::now();
-            let made = layout::hf_metadata_files(self.archive.model());
-            let t_made = t0.elapsed();
-            let files = match made {
-                Ok(files) => files,
-                Err(e) => {
-                    tracing::error!(
-                        "{}: serving no metadata files (config.json, tokenizer.json ...): {e}",
-                        self.archive.path().display()
-                    );
-                    return Vec::new();
-                }
-            };
-            let first = ROOT_INO + 1 + self.entries.len() as u64;
-            let entries: Vec<Entry> = files
-                .into_iter()
-                .filter(|(name, _)| self.entries.iter().all(|e| e.name != *name))
-                .enumerate()
-                .map(|(i, (name, bytes))| Entry {
-                    ino: first + i as u64,
-                    file: VirtualFile::from_bytes(&name, bytes),
-                    name,
-                    cached: false,
-                    tier: None,
-                    verified: Default::default(),
-                    passthrough: Default::default(),
-                })
-                .collect();
-            tracing::debug!(
-                "metadata files made in {t_made:?} and packed in {:?}",
-                t0.elapsed() - t_made
-            );
-            entries
-        }
+        let t0 = Instant::now();
+        let made = layout::hf_metadata_files(self.archive.model());
+        let t_made = t0.elapsed();
+        let files = match made {
+            Ok(files) => files,
+            Err(e) => {
+                tracing::error!(
+                    "{}: serving no metadata files (config.json, tokenizer.json ...): {e}",
+                    self.archive.path().display()
+                );
+                return Vec::new();
+            }
+        };
+        let first = ROOT_INO + 1 + self.entries.len() as u64;
+        let entries: Vec<Entry> = files
+            .into_iter()
+            .filter(|(name, _)| self.entries.iter().all(|e| e.name != *name))
+            .enumerate()
+            .map(|(i, (name, bytes))| Entry {
+                ino: first + i as u64,
+                file: VirtualFile::from_bytes(&name, bytes),
+                name,
+                cached: false,
+                tier: None,
+                verified: Default::default(),
+                passthrough: Default::default(),
+            })
+            .collect();
+        tracing::debug!(
+            "metadata files made in {t_made:?} and packed in {:?}",
+            t0.elapsed() - t_made
+        );
+        entries
     }
 
     pub fn cache(&self) -> &Arc<ChunkCache> {
@@ -411,8 +409,9 @@ impl MountFs {
                 }
             },
         };
+        // Compared as bytes: `path` was made from a lossy conversion of `name`.
         self.entry_by_name(&path)
-            .filter(|e| parent != ROOT_INO || OsStr::new(&e.name) == name)
+            .filter(|e| e.name.rsplit('/').next().map(OsStr::new) == Some(name))
             .map(|e| self.file_attr(e))
             .ok_or_else(not_found)
     }
