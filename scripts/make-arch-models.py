@@ -21,7 +21,7 @@ VERSION = 6
 TEXT = "/usr/share/common-licenses/GPL-3"
 # The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
 # BERT gets a WordPiece one trained on the same text.
-WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2")
+WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2", "phi3-long")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -45,6 +45,14 @@ def recipes():
         # Sharded like a large checkpoint: model-0000i-of-0000N + index.
         "phi3": (tf.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0), "bfloat16",
                  "1MB"),
+        # LongRoPE (Phi-3.5's rotary scaling): factors llama.cpp reads as tensors.
+        "phi3-long": (tf.Phi3Config(**{**COMMON, "max_position_embeddings": 256},
+                                    num_key_value_heads=2, pad_token_id=0,
+                                    original_max_position_embeddings=128,
+                                    rope_scaling={"rope_type": "longrope",
+                                                  "long_factor": [1.0 + 0.1 * i for i in range(32)],
+                                                  "short_factor": [1.0 + 0.01 * i for i in range(32)]}),
+                      "float32", None),
         # A SentencePiece vocabulary (tokenizer.model beside its tokenizer.json), as
         # Llama 2, Mistral 7B v0.1 and Gemma have.
         "llama-spm": (tf.LlamaConfig(**COMMON, num_key_value_heads=2), "float16", None),
@@ -127,7 +135,8 @@ def make(name, out):
     if name in WITH_TOKENIZER:
         # Phi-3's vocabulary has SentencePiece's specials; llama.cpp looks them up by
         # name when it loads a model named phi3.
-        specials = ("<|endoftext|>", "<unk>", "<s>", "</s>") if name == "phi3" else ("<|endoftext|>",)
+        specials = (("<|endoftext|>", "<unk>", "<s>", "</s>") if name.startswith("phi3")
+                    else ("<|endoftext|>",))
         bpe_tokenizer(config.vocab_size, specials).save_pretrained(tmp)
     if name == "bert":
         wordpiece_tokenizer(config.vocab_size).save_pretrained(tmp)

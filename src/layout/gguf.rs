@@ -111,9 +111,14 @@ pub(super) fn build(
     for tv in tensors {
         infos.push((tv.gguf_name.clone(), served_ne(model, tv.index), tv.ty));
     }
+    // Tensors llama.cpp's converter makes from config values (Phi-3's LongRoPE factors).
+    let made = made_tensors(model)?;
+    for (name, vals) in &made {
+        infos.push((name.clone(), vec![vals.len() as u64], GgmlType::F32));
+    }
     let out = header(meta, infos, ALIGNMENT)
         .map_err(|e| LayoutError::Unsupported(format!("model.gguf header: {e}")))?;
-    if out.entries.len() != tensors.len() {
+    if out.entries.len() != tensors.len() + made.len() {
         return Err(LayoutError::Metadata(
             "GGUF header lists a different number of tensors than asked".into(),
         ));
@@ -157,6 +162,17 @@ pub(super) fn build(
             )));
         }
         pos = offset + len;
+    }
+    for ((name, vals), &(offset, n_bytes)) in made.iter().zip(&out.entries[tensors.len()..]) {
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        if offset < pos || n_bytes != bytes.len() as u64 {
+            return Err(LayoutError::Metadata(format!(
+                "GGUF header places tensor {name} at {offset}+{n_bytes}, not where it fits"
+            )));
+        }
+        b.zeros(offset - pos)?;
+        pos = offset + n_bytes;
+        b.bytes(bytes)?;
     }
     if out.data_size < pos {
         return Err(LayoutError::Metadata(
@@ -264,8 +280,8 @@ fn gemma2_meta(m: &mut Vec<(String, GgufValue)>, config: Option<&serde_json::Val
 
 /// Phi-3's keys beyond the llama ones (the original context length and the sliding
 /// window, 0 for none), as its converter writes them; returns the rotary dimension
-/// count (`partial_rotary_factor` of a head). LongRoPE models need two factor tensors
-/// the converter makes from config.json, which this view does not make: refused.
+/// count (`partial_rotary_factor` of a head). A LongRoPE model's attention factor too;
+/// its factor tensors are [`made_tensors`].
 fn phi3_meta(
     m: &mut Vec<(String, GgufValue)>,
     config: Option<&serde_json::Value>,
@@ -278,14 +294,15 @@ fn phi3_meta(
                 .or_else(|| c.get("rope_parameters")?.get(key))
         })
     };
-    if get("long_factor").is_some_and(|v| !v.is_null()) {
-        return Err(LayoutError::NoGguf(
-            "no model.gguf for this Phi-3: its LongRoPE factors (rope_scaling.long_factor) are not served as GGUF tensors yet".into(),
-        ));
-    }
     let orig = get("original_max_position_embeddings")
         .and_then(serde_json::Value::as_u64)
         .map_or(a.context_length, |v| v.min(u32::MAX as u64) as u32);
+    if let Some(attn) = phi3_long_rope(config, a)?.map(|l| l.attn_factor) {
+        m.push((
+            "phi3.rope.scaling.attn_factor".into(),
+            GgufValue::F32(attn as f32),
+        ));
+    }
     let window = get("sliding_window")
         .and_then(serde_json::Value::as_u64)
         .unwrap_or(0)
@@ -304,6 +321,106 @@ fn phi3_meta(
     Ok(((pct * a.hidden_size as f64) as u32)
         .checked_div(a.n_heads)
         .unwrap_or(a.head_dim))
+}
+
+/// A Phi-3 LongRoPE configuration (Phi-3.5, the 128k Phi-3s), as llama.cpp's
+/// converter turns it into GGUF: the long and short rotary factors become tensors
+/// `rope_factors_long`/`rope_factors_short`, and the attention factor a key.
+struct LongRope {
+    long: Vec<f32>,
+    short: Vec<f32>,
+    attn_factor: f64,
+}
+
+/// The LongRoPE parameters of a Phi-3 config, None without `long_factor`; a config
+/// the converter refuses (another scaling type, factor lists of the wrong length) means
+/// no GGUF view, said in one line.
+fn phi3_long_rope(
+    config: Option<&serde_json::Value>,
+    a: &crate::model::ArchConfig,
+) -> Result<Option<LongRope>, LayoutError> {
+    let get = |key: &str| {
+        config.and_then(|c| {
+            c.get(key)
+                .or_else(|| c.get("rope_scaling")?.get(key))
+                .or_else(|| c.get("rope_parameters")?.get(key))
+        })
+    };
+    let Some(long) = get("long_factor").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let no = |why: String| {
+        Err(LayoutError::NoGguf(format!(
+            "no model.gguf for this Phi-3: {why}"
+        )))
+    };
+    let factors = |v: Option<&serde_json::Value>| -> Option<Vec<f32>> {
+        v?.as_array()?
+            .iter()
+            .map(|x| x.as_f64().map(|f| f as f32))
+            .collect()
+    };
+    let (Some(long), Some(short)) = (factors(Some(long)), factors(get("short_factor"))) else {
+        return no("rope_scaling.long_factor and short_factor must be lists of numbers".into());
+    };
+    let pct = get("partial_rotary_factor")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(1.0);
+    let rope_dims = ((pct * a.hidden_size as f64) as u32)
+        .checked_div(a.n_heads)
+        .unwrap_or(0) as usize;
+    if long.len() != rope_dims / 2 || short.len() != rope_dims / 2 {
+        return no(format!(
+            "its LongRoPE factors have {} and {} values, not {} (half the rotary dimensions)",
+            long.len(),
+            short.len(),
+            rope_dims / 2
+        ));
+    }
+    let orig = get("original_max_position_embeddings")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(a.context_length as f64);
+    let scale = a.context_length as f64 / orig;
+    let kind = get("rope_type")
+        .or_else(|| get("type"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let attn_factor = match kind.as_str() {
+        _ if scale <= 1.0 => 1.0,
+        "su" | "longrope" => (1.0 + scale.ln() / orig.ln()).sqrt(),
+        "yarn" => 0.1 * scale.ln() + 1.0,
+        other => {
+            return no(format!(
+                "rope scaling type {other:?} is not one llama.cpp runs"
+            ))
+        }
+    };
+    Ok(Some(LongRope {
+        long,
+        short,
+        attn_factor,
+    }))
+}
+
+/// The tensors `model.gguf` makes from config values rather than from the archive:
+/// a Phi-3 LongRoPE model's two factor lists. (A GGUF source has them as tensors with
+/// no Hugging Face name, so such a file does not import: one line says which.)
+fn made_tensors(model: &ModelDesc) -> Result<Vec<(String, Vec<f32>)>, LayoutError> {
+    if !model.gguf_meta.is_empty() || model.arch.gguf_arch.as_deref() != Some("phi3") {
+        return Ok(Vec::new());
+    }
+    let config: Option<serde_json::Value> = model
+        .hf_files
+        .get("config.json")
+        .and_then(|b| serde_json::from_slice(b).ok());
+    Ok(match phi3_long_rope(config.as_ref(), &model.arch)? {
+        Some(l) => vec![
+            ("rope_factors_long.weight".into(), l.long),
+            ("rope_factors_short.weight".into(), l.short),
+        ],
+        None => Vec::new(),
+    })
 }
 
 /// Metadata of the LayerNorm architectures, BERT encoders and GPT-2, as llama.cpp's

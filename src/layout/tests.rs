@@ -1323,3 +1323,46 @@ fn gpt2_conv1d_weights_are_served_transposed_for_any_window() {
         }
     }
 }
+
+/// A LongRoPE Phi-3 whose factor lists do not fit its rotary dimensions gets no GGUF
+/// view, said in one line (llama.cpp's converter refuses it too); fitting ones become
+/// two F32 tensors at the end of the file.
+#[test]
+fn phi3_longrope_factors_are_checked_and_made_tensors() {
+    let mut model = k_model(SourceType::F16);
+    model.arch.model_type = "phi3".into();
+    model.arch.gguf_arch = Some("phi3".into());
+    let config = |n: usize| {
+        let f: Vec<f64> = (0..n).map(|i| 1.0 + i as f64 / 8.0).collect();
+        serde_json::to_vec(&serde_json::json!({
+            "max_position_embeddings": 2048, "original_max_position_embeddings": 512,
+            "rope_scaling": {"type": "longrope", "long_factor": f, "short_factor": f}}))
+        .unwrap()
+    };
+    // 4 heads of 64: 32 factors.
+    model.hf_files.insert("config.json".into(), config(31));
+    let plan = view::plan(&model, GgufView::Type(GgmlType::F16), &[]).unwrap();
+    let e = gguf_file(&model, &plan).unwrap_err();
+    assert!(matches!(e, LayoutError::NoGguf(_)), "{e:?}");
+    assert!(
+        e.to_string().contains("have 31 and 31 values, not 32"),
+        "{e}"
+    );
+    model.hf_files.insert("config.json".into(), config(32));
+    let f = gguf_file(&model, &plan).unwrap();
+    let mut bytes = vec![0u8; f.size as usize];
+    f.read_at(&Mock::new(&model, 1), 0, &mut bytes).unwrap();
+    let h = crate::gguf::reader::parse_header(&bytes).unwrap();
+    let t = h
+        .tensors
+        .iter()
+        .find(|t| t.name == "rope_factors_short.weight")
+        .unwrap();
+    assert_eq!((t.ne.clone(), t.ty), (vec![32], GgmlType::F32));
+    let at = (h.data_offset + t.offset) as usize;
+    let got: Vec<f32> = bytes[at..at + 128]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got[9], 1.0 + 9.0 / 8.0);
+}

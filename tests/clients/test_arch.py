@@ -14,9 +14,9 @@ from safetensors.torch import load, load_file
 
 from conftest import ROOT, TEXT, run, run_status
 
-ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm"]
+ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm", "phi3-long"]
 # The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
-GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm"]
+GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm", "phi3-long"]
 # The architectures whose GGUF files import.
 GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2", "llama-spm", "bert"]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
@@ -304,10 +304,21 @@ def llama_last_hidden(llama_bin, gguf, prompt, pooling="last"):
     return emb, json.loads(ids)
 
 
-def hf_last_hidden(model_dir, prompt):
+def hf_last_hidden(model_dir, prompt, long_rope=False):
+    """transformers' final hidden state of the prompt's last token, normalized, and its
+    ids. With `long_rope`, a LongRoPE model rotates by its long factors, as llama.cpp
+    does at a context beyond the original one (transformers does so only for sequences
+    that long)."""
     import transformers as tf
     ids = tf.AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
     model = tf.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if long_rope:
+        config = model.config
+        config.rope_parameters = {**config.rope_parameters,
+                                  "short_factor": config.rope_parameters["long_factor"]}
+        state = model.state_dict()
+        model = tf.AutoModel.from_config(config).eval()
+        model.load_state_dict(state)
     with torch.no_grad():
         h = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
     del model
@@ -324,13 +335,14 @@ def test_gguf_view_matches_transformers(cawsfs, converted, arch_models, llama_bi
     prompt = open(TEXT).read().split("\n")[5].strip()
     with mounted(cawsfs, converted[name, "exact"], work / "m", "--gguf-type", "f32") as (mp, _):
         emb, ids = llama_last_hidden(llama_bin, mp / "model.gguf", prompt)
-    ref, ref_ids = hf_last_hidden(arch_models[name], prompt)
+    long_rope = name == "phi3-long"
+    ref, ref_ids = hf_last_hidden(arch_models[name], prompt, long_rope)
     assert len(ids) > 5 and ids == ref_ids, (ids, ref_ids)
     print(f"{name}: exact archive, f32 view: cosine {(emb @ ref).item():.7f}")
     assert (emb @ ref).item() > 0.99999 and (emb - ref).abs().max() < 1e-3
     with mounted(cawsfs, converted[name, "default"], work / "d") as (mp, _):
         emb, ids = llama_last_hidden(llama_bin, mp / "model.gguf", prompt)
-        ref, ref_ids = hf_last_hidden(mp, prompt)
+        ref, ref_ids = hf_last_hidden(mp, prompt, long_rope)
     assert ids == ref_ids
     cos = (emb @ ref).item()
     print(f"{name}: default archive, auto view: cosine {cos:.6f}")
@@ -503,3 +515,24 @@ def test_sentence_transformers_loads_the_mount(cawsfs, converted, minilm, llama_
     run([cawsfs, "export", archive, "--format", "hf-dir", "-o", out])
     assert (out / "1_Pooling" / "config.json").read_bytes() == pooling
     assert torch.equal(embed(out), want)
+
+
+def test_phi3_longrope_factors_are_gguf_tensors(cawsfs, converted, arch_models, work):
+    """A LongRoPE Phi-3 (Phi-3.5's rotary scaling): model.gguf carries its long and short
+    factors as the F32 tensors llama.cpp's converter makes of them, and the attention
+    factor sqrt(1 + ln(scale) / ln(original context)) (the hidden states above check
+    that llama.cpp rotates with them as transformers does)."""
+    import gguf
+    import math
+    config = json.load(open(os.path.join(arch_models["phi3-long"], "config.json")))
+    rope = config["rope_parameters"]
+    with mounted(cawsfs, converted["phi3-long", "default"], work / "m") as (mp, _):
+        r = gguf.GGUFReader(mp / "model.gguf")
+        tensors = {t.name: t.data.tolist() for t in r.tensors if t.name.startswith("rope_")}
+        attn = r.fields["phi3.rope.scaling.attn_factor"].contents()
+        del r
+        gc.collect()
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).tolist()
+    assert tensors == {"rope_factors_long.weight": f32(rope["long_factor"]),
+                       "rope_factors_short.weight": f32(rope["short_factor"])}
+    assert attn == pytest.approx(math.sqrt(1 + math.log(256 / 128) / math.log(128)), rel=1e-6)
