@@ -796,6 +796,9 @@ impl Case<'_> {
         if s.latency_us.count != s.reads {
             bad.push("latency samples != reads");
         }
+        if idle && s.load_latency_us.count != s.loads {
+            bad.push("load latency samples != loads");
+        }
         for f in &s.files {
             let (r, b) = m.per_file.get(&f.file).copied().unwrap_or_default();
             if f.reads != r || f.bytes_served != b {

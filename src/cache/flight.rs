@@ -145,13 +145,17 @@ impl Shared {
                 format!("chunk {} of file {}: {len} bytes", key.index, key.file),
             )
         })?;
+        let t0 = std::time::Instant::now();
         // `repeat_n` is TrustedLen, so this allocates the Arc once, without a copy.
         let mut data: Arc<[u8]> = std::iter::repeat_n(0u8, len_usize).collect();
         let buf = Arc::get_mut(&mut data).expect("fresh Arc is unique");
         // A loader bug (a panic) fails this read with EIO instead of taking down the
         // mount's thread.
-        let n = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(key.index, buf)))
-            .map_err(|_| {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(key.index, buf)));
+        // Every load, failed ones too: `count` equals the `loads` counter.
+        self.load_latency
+            .record(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX));
+        let n = r.map_err(|_| {
             io_err(
                 std::io::ErrorKind::Other,
                 format!(

@@ -210,6 +210,8 @@ struct Shared {
     files: RwLock<HashMap<u32, Arc<FileState>>>,
     counters: Counters,
     latency: Histogram,
+    /// Time inside each chunk loader (flight.rs).
+    load_latency: Histogram,
     /// Demand loads running or waited on; prefetch workers start no load while it is
     /// non-zero, and `demand_cv` tells them when it drops to zero.
     demand_waiting: Mutex<u64>,
@@ -331,6 +333,7 @@ impl ChunkCache {
                 files: RwLock::new(HashMap::new()),
                 counters: Counters::default(),
                 latency: Histogram::default(),
+                load_latency: Histogram::default(),
                 demand_waiting: Mutex::new(0),
                 demand_cv: Condvar::new(),
                 queue: Mutex::new(Queue::default()),
@@ -653,6 +656,7 @@ impl ChunkCache {
             prefetch_dropped: c.prefetch_dropped.load(Relaxed),
             prefetch_errors: c.prefetch_errors.load(Relaxed),
             latency_us: sh.latency.snapshot(),
+            load_latency_us: sh.load_latency.snapshot(),
             files,
         }
     }

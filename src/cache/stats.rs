@@ -65,7 +65,7 @@ impl FileCounters {
 /// the last bucket also takes everything longer (2^38 µs is about three days).
 const BUCKETS: usize = 40;
 
-/// Read latency histogram, log2-bucketed in microseconds. Percentiles are reported as
+/// Latency histogram (reads, chunk loads), log2-bucketed in microseconds. Percentiles are reported as
 /// the upper edge of the bucket they fall in (so within a factor of two, never below
 /// the truth), capped by the exact maximum.
 pub(crate) struct Histogram {
@@ -212,5 +212,8 @@ pub struct CacheStats {
     pub prefetch_dropped: u64,
     pub prefetch_errors: u64,
     pub latency_us: LatencyStats,
+    /// Time each chunk load (reconstruction of one chunk, demand or prefetch) took.
+    #[serde(default)]
+    pub load_latency_us: LatencyStats,
     pub files: Vec<FileStats>,
 }

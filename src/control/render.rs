@@ -158,6 +158,19 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
         lat(l.p99),
         lat(l.max)
     );
+    // What producing one chunk takes (daemons before this field send none).
+    if let Some(l) = c.load_latency_us.as_ref().filter(|l| l.count > Some(0)) {
+        let _ = writeln!(
+            out,
+            "loads    mean {}  p50 {}  p90 {}  p99 {}  max {}  ({} chunks)",
+            or_dash(l.mean.map(human_latency_us)),
+            lat(l.p50),
+            lat(l.p90),
+            lat(l.p99),
+            lat(l.max),
+            count(l.count)
+        );
+    }
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
@@ -514,6 +527,19 @@ pub fn render_prometheus(stats: &StatReply) -> String {
         "Slowest read.",
         &max,
     );
+    if let Some(l) = &c.load_latency_us {
+        let quantiles: Vec<(String, String)> = [("0.5", l.p50), ("0.9", l.p90), ("0.99", l.p99)]
+            .into_iter()
+            .filter_map(|(q, us)| secs(us).map(|v| (format!("quantile=\"{q}\""), v)))
+            .collect();
+        family(
+            &mut out,
+            "cawsfs_chunk_load_latency_seconds",
+            "gauge",
+            "Chunk load (reconstruction) time quantiles.",
+            &quantiles,
+        );
+    }
 
     let per_file = |field: FileField| -> Vec<(String, String)> {
         stats
@@ -614,7 +640,8 @@ mod tests {
                 "hits": 1234, "prefetch_hits": 100, "misses": 56,
                 "bytes_served": 1288490188u64, "bytes_loaded": 838860800u64, "evictions": 12,
                 "bytes_used": 1610612736u64, "pinned_bytes": 104857600u64, "budget": 2147483648u64,
-                "latency_us": {"p50": 120, "p90": 480, "p99": 2100, "max": 15000}
+                "latency_us": {"p50": 120, "p90": 480, "p99": 2100, "max": 15000},
+                "load_latency_us": {"count": 900, "mean": 1500.5, "p50": 1023, "p90": 4095, "p99": 8191, "max": 9000}
             },
             "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
             "device": {"device": "cuda:0 (NVIDIA H100)", "gpu_batches": 340, "gpu_bytes": 1288490188u64,
@@ -653,6 +680,7 @@ mod tests {
             "pinned 100.0 MiB",
             "evictions 12",
             "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
+            "loads    mean 1.5 ms  p50 1.0 ms  p90 4.1 ms  p99 8.2 ms  max 9.0 ms  (900 chunks)\n",
             "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB\n",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
@@ -729,6 +757,7 @@ mod tests {
             "# TYPE cawsfs_device_resident_bytes gauge\ncawsfs_device_resident_bytes 12582912\n",
             "cawsfs_read_latency_seconds{quantile=\"0.99\"} 0.0021\n",
             "cawsfs_read_latency_max_seconds 0.015\n",
+            "cawsfs_chunk_load_latency_seconds{quantile=\"0.9\"} 0.004095\n",
             "cawsfs_file_hits_total{file=\"config.json\"} 3\n",
             "cawsfs_file_bytes_served_total{file=\"we\\\"ird\\\\na\\nme\"} 1200000000\n",
         ] {

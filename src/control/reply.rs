@@ -148,9 +148,14 @@ pub struct CacheStat {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tracing: Option<bool>,
     pub latency_us: LatencyStat,
+    /// Chunk loads (reconstruction of one chunk each): how long producing a chunk takes,
+    /// apart from how long reads waited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_latency_us: Option<LatencyStat>,
 }
 
-/// Read latency in microseconds (whole reads; percentiles are bucket upper edges).
+/// Latency in microseconds (whole reads, or chunk loads; percentiles are bucket upper
+/// edges).
 /// Integers except `mean`, as the daemon sends them: an `f64` field would print
 /// `120.0` where the wire has `120`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

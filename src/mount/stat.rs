@@ -29,7 +29,6 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
             }
         })
         .collect();
-    let l = &c.latency_us;
     StatReply {
         device: Some(crate::reconstruct::stats()),
         archive_kind: Some(fs.archive().kind().name().to_string()),
@@ -64,14 +63,8 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
             loads_in_flight: Some(c.loads_in_flight),
             route_hints: Some(cache.hint_count() as u64),
             tracing: Some(cache.tracing()),
-            latency_us: LatencyStat {
-                count: Some(l.count),
-                mean: Some(l.mean_us),
-                p50: Some(l.p50_us),
-                p90: Some(l.p90_us),
-                p99: Some(l.p99_us),
-                max: Some(l.max_us),
-            },
+            latency_us: latency(&c.latency_us),
+            load_latency_us: Some(latency(&c.load_latency_us)),
         },
         archive: ArchiveStat {
             blocks_read: Some(a.blocks),
@@ -112,5 +105,16 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 }),
             }
         }),
+    }
+}
+
+fn latency(l: &crate::cache::LatencyStats) -> LatencyStat {
+    LatencyStat {
+        count: Some(l.count),
+        mean: Some(l.mean_us),
+        p50: Some(l.p50_us),
+        p90: Some(l.p90_us),
+        p99: Some(l.p99_us),
+        max: Some(l.max_us),
     }
 }
