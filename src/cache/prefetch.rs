@@ -73,6 +73,27 @@ impl Shared {
     }
 
     fn worker(self: Arc<Self>) {
+        // Each worker decodes its chunks on its own thread: a pool of one made of this
+        // very thread, so the archive's parallel iterators run inline. Handing every
+        // chunk's few blocks to rayon's global pool and sleeping until they were done
+        // cost a wake-up per step, and on 16 cores the pool's threads spun between
+        // those small jobs; concurrent workers are the parallelism instead
+        // (docs/CUDA.md, "Cold reads"). `CAWSFS_PREFETCH_DECODE=pool` keeps the global
+        // pool, for comparison. Not under shuttle, whose threads share one OS thread.
+        #[cfg(not(feature = "shuttle"))]
+        if std::env::var_os("CAWSFS_PREFETCH_DECODE").is_none_or(|v| v != "pool") {
+            let own = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .use_current_thread()
+                .build();
+            if let Ok(pool) = own {
+                return pool.install(|| self.work());
+            }
+        }
+        self.work()
+    }
+
+    fn work(&self) {
         loop {
             let job = {
                 let mut q = lock(&self.queue);
@@ -132,7 +153,12 @@ impl ChunkCache {
     /// Queue the chunks after a sequential read that ended in chunk `last_chunk`.
     pub(super) fn readahead(&self, file: u32, size: u64, last_chunk: u64, f: &FileState) {
         let sh = &*self.shared;
-        let k = sh.cfg.readahead_chunks;
+        // A small cache keeps its other chunks: read-ahead past a quarter of the budget
+        // would evict what it loaded before the reader got there.
+        let k = sh
+            .cfg
+            .readahead_chunks
+            .min((sh.cfg.budget_bytes / sh.cfg.chunk_size / 4).max(1));
         if k == 0 || lock(&sh.queue).workers == 0 {
             return;
         }

@@ -354,7 +354,8 @@ fn prefetched_chunk_counts_as_prefetch_hit_once() {
 
 #[test]
 fn sequential_reads_trigger_read_ahead() {
-    let (cs, size) = (64, 64 * 20);
+    let n = crate::cache::DEFAULT_READAHEAD_CHUNKS;
+    let (cs, size) = (64, 64 * (n + 4));
     let c = ChunkCache::new(1 << 20, cs).unwrap();
     c.start_prefetcher(1);
     let bg = Arc::new(AtomicU64::new(0));
@@ -367,8 +368,7 @@ fn sequential_reads_trigger_read_ahead() {
     read_vec(&c, 4, size, 100, 10, &l);
     assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
     assert_eq!(bg.load(Relaxed), 0);
-    // Sequential: 0..32 then 32..64 → chunks 1..=N queued (N = 16 of the file's 20).
-    let n = crate::cache::DEFAULT_READAHEAD_CHUNKS;
+    // Sequential: 0..32 then 32..64 → chunks 1..=N queued (N of the file's N + 4).
     read_vec(&c, 4, size, 0, 32, &l);
     read_vec(&c, 4, size, 32, 32, &l);
     assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
@@ -390,12 +390,29 @@ fn sequential_reads_trigger_read_ahead() {
     }
     assert_eq!(demand.load(Relaxed), demand_before);
     let s = c.stats();
-    // Chunks 1 and 7 were demand-loaded by the first two reads; the other 17 after
+    // Chunks 1 and 7 were demand-loaded by the first two reads; the others after
     // chunk 0 came from read-ahead.
-    assert_eq!(s.prefetch_hits, 17);
+    assert_eq!(s.prefetch_hits, n + 4 - 3);
     // Each chunk was loaded exactly once: no duplicate read-ahead.
-    assert_eq!(s.loads, 20);
-    assert_eq!(bg.load(Relaxed), 17);
+    assert_eq!(s.loads, n + 4);
+    assert_eq!(bg.load(Relaxed), n + 4 - 3);
+}
+
+#[test]
+fn read_ahead_keeps_to_a_quarter_of_the_budget() {
+    // 32 chunks of budget: a sequential read queues 8, not the default depth.
+    let (cs, size) = (64, 64 * 100);
+    let c = ChunkCache::new(64 * 32, cs).unwrap();
+    c.start_prefetcher(1);
+    let bg = Arc::new(AtomicU64::new(0));
+    c.register_file(4, shared_loader(4, size, cs, bg.clone()));
+    let demand = AtomicU64::new(0);
+    let l = loader(4, size, cs, &demand);
+    read_vec(&c, 4, size, 0, 32, &l);
+    read_vec(&c, 4, size, 32, 32, &l);
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert_eq!(bg.load(Relaxed), 8);
+    assert!(c.contains(key(4, 8)) && !c.contains(key(4, 9)));
 }
 
 #[test]

@@ -320,7 +320,8 @@ pub struct MountArgs {
     /// Control socket path (default: derived from the mount point).
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Chunks queued after a sequential read (0: no read-ahead by cawsfs).
+    /// Chunks queued after a sequential read (0: no read-ahead by cawsfs; at most a
+    /// quarter of the cache budget).
     #[arg(long, default_value_t = cawsfs::cache::DEFAULT_READAHEAD_CHUNKS)]
     pub readahead_chunks: u64,
     /// Eviction policy of the chunk cache.
@@ -526,7 +527,8 @@ pub struct DeviceArgs {
 }
 
 /// Half the cores, 2 to 8: on a 16-core H200 machine a cold sequential read of a mounted
-/// 579 MB model.safetensors took 0.377 s with 8 and 0.404 s with 2 (docs/CUDA.md).
+/// 579 MB model.safetensors took 0.201 s with 8 and 0.211 s with 16, read-ahead 64
+/// chunks (docs/CUDA.md, 2026-11-28).
 fn default_prefetch_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     (cores / 2).clamp(2, 8)
