@@ -29,7 +29,8 @@ const ROWS: u32 = 8;
 const TILE: u32 = 128;
 const KT: u32 = 256;
 const THREADS_1D: u32 = 256;
-/// Concurrent batches (streams with their buffers).
+/// Concurrent batches (streams with their buffers), unless `CAWSFS_CUDA_STREAMS` (1-64)
+/// says otherwise: a tuning knob for the cold-read benchmark (docs/CUDA.md).
 const MAX_SLOTS: usize = 4;
 const ALIGN: usize = 256;
 /// Values per parallel piece when results are copied out of pinned memory.
@@ -85,6 +86,7 @@ struct Slot {
 struct Pool {
     idle: Vec<Slot>,
     made: usize,
+    max: usize,
 }
 
 struct ResidentEntry {
@@ -243,6 +245,11 @@ impl Cuda {
             pool: Mutex::new(Pool {
                 idle: Vec::new(),
                 made: 0,
+                max: std::env::var("CAWSFS_CUDA_STREAMS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .filter(|n| (1..=64).contains(n))
+                    .unwrap_or(MAX_SLOTS),
             }),
             pool_cv: Condvar::new(),
             resident: Mutex::new(Resident::default()),
@@ -286,7 +293,7 @@ impl Cuda {
             if let Some(s) = p.idle.pop() {
                 return Ok(s);
             }
-            if p.made < MAX_SLOTS {
+            if p.made < p.max {
                 p.made += 1;
                 drop(p);
                 return match self.ctx.new_stream() {
