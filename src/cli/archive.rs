@@ -23,7 +23,12 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         Err(layout::LayoutError::NoGguf(why)) => (None, Some(why)),
         Err(e) => return Err(e.into()),
     };
-    let served = |i: usize| plan.as_ref()?.tensors.iter().find(|tv| tv.index == i);
+    let served = |i: usize| {
+        plan.as_ref()?
+            .tensors
+            .iter()
+            .find(|tv| tv.parts.contains(&i))
+    };
     if json {
         let tensors: Vec<_> = m
             .tensors
@@ -142,15 +147,14 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
     let weights: u64 = plan
         .tensors
         .iter()
-        .map(|tv| m.tensors[tv.index].numel())
+        .flat_map(|tv| &tv.parts)
+        .map(|&i| m.tensors[i].numel())
         .sum();
     let bytes: u64 = plan
         .tensors
         .iter()
-        .map(|tv| {
-            let t = &m.tensors[tv.index];
-            tv.ty.row_bytes(t.cols()).unwrap_or(0) * t.rows()
-        })
+        .flat_map(|tv| tv.parts.iter().map(move |&i| (tv.ty, &m.tensors[i])))
+        .map(|(ty, t)| ty.row_bytes(t.cols()).unwrap_or(0) * t.rows())
         .sum();
     let parts: Vec<String> = layout::gguf_summary(m, &plan)
         .into_iter()

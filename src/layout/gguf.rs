@@ -44,30 +44,104 @@ pub(super) fn header_with_writer(
     })
 }
 
-/// Tensors that have a GGUF name, in llama.cpp's order: (model index, GGUF name).
-pub(super) fn gguf_order(model: &ModelDesc) -> Vec<(usize, String)> {
-    let mut v: Vec<(u32, u32, &str, usize, String)> = model
-        .tensors
-        .iter()
-        .enumerate()
-        .filter_map(|(i, t)| {
-            let g = names::hf_to_gguf_in(model.arch.gguf_arch.as_deref()?, &t.name)?;
-            // Embeddings (and their norm), the blocks, the output norm, the output.
-            let layer = g
-                .strip_prefix("blk.")
-                .and_then(|r| r.split_once('.'))
-                .and_then(|(l, _)| l.parse().ok());
-            let (group, layer) = match (g.as_str(), layer) {
-                (_, Some(l)) => (1, l),
-                (n, _) if n.starts_with("output_norm.") => (2, 0),
-                (n, _) if n.starts_with("output.") => (3, 0),
-                _ => (0, 0),
-            };
-            Some((group, layer, t.name.as_str(), i, g))
-        })
-        .collect();
+/// Tensors of `model.gguf`, in llama.cpp's order: (model indices, GGUF name). One index
+/// for a tensor of its own; a layer's experts (`blk.N.ffn_*_exps`) are one GGUF tensor
+/// stacking them in expert order, as llama.cpp's converter does.
+pub(super) fn gguf_order(model: &ModelDesc) -> Result<Vec<(Vec<usize>, String)>, LayoutError> {
+    let Some(arch) = model.arch.gguf_arch.as_deref() else {
+        return Ok(Vec::new());
+    };
+    // (group, layer, sort name, expert, index, GGUF name)
+    let mut v: Vec<(u32, u32, &str, u32, usize, String)> = Vec::new();
+    let mut first_expert: std::collections::HashMap<String, &str> = Default::default();
+    for (i, t) in model.tensors.iter().enumerate() {
+        let (g, expert) = match names::hf_to_gguf_in(arch, &t.name) {
+            Some(g) => (g, None),
+            None => match names::hf_expert_to_gguf_in(arch, &t.name) {
+                Some((g, e)) => (g, Some(e)),
+                None => continue,
+            },
+        };
+        // Embeddings (and their norm), the blocks, the output norm, the output.
+        let layer = g
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, _)| l.parse().ok());
+        let (group, layer) = match (g.as_str(), layer) {
+            (_, Some(l)) => (1, l),
+            (n, _) if n.starts_with("output_norm.") => (2, 0),
+            (n, _) if n.starts_with("output.") => (3, 0),
+            _ => (0, 0),
+        };
+        // A stack sorts where its first-named expert does.
+        let sort_name = match expert {
+            Some(_) => *first_expert
+                .entry(g.clone())
+                .and_modify(|n| *n = (*n).min(t.name.as_str()))
+                .or_insert(t.name.as_str()),
+            None => t.name.as_str(),
+        };
+        v.push((group, layer, sort_name, expert.unwrap_or(0), i, g));
+    }
+    for e in v.iter_mut() {
+        if let Some(n) = first_expert.get(&e.5) {
+            e.2 = n;
+        }
+    }
     v.sort();
-    v.into_iter().map(|(_, _, _, i, g)| (i, g)).collect()
+    let mut out: Vec<(Vec<usize>, String)> = Vec::new();
+    let mut experts: Vec<u32> = Vec::new();
+    for (_, _, _, e, i, g) in v {
+        match out.last_mut() {
+            Some((parts, name)) if *name == g => {
+                parts.push(i);
+                experts.push(e);
+            }
+            _ => {
+                check_stack(model, out.last(), &experts)?;
+                out.push((vec![i], g));
+                experts = vec![e];
+            }
+        }
+    }
+    check_stack(model, out.last(), &experts)?;
+    Ok(out)
+}
+
+/// A stack of experts must hold experts 0..n, each once, all of one shape.
+fn check_stack(
+    model: &ModelDesc,
+    last: Option<&(Vec<usize>, String)>,
+    experts: &[u32],
+) -> Result<(), LayoutError> {
+    let Some((parts, name)) = last else {
+        return Ok(());
+    };
+    if !name.contains("_exps.") {
+        return Ok(());
+    }
+    let shape = &model.tensors[parts[0]].shape;
+    let in_order = experts.iter().enumerate().all(|(k, &e)| e as usize == k);
+    let same = parts.iter().all(|&i| &model.tensors[i].shape == shape) && shape.len() == 2;
+    if in_order && same {
+        Ok(())
+    } else {
+        let held: Vec<String> = parts
+            .iter()
+            .zip(experts)
+            .map(|(&i, e)| format!("{e} {:?}", model.tensors[i].shape))
+            .collect();
+        Err(LayoutError::Unsupported(format!(
+            "model.gguf: {name} stacks experts 0, 1, 2 ... of one 2-D shape; the archive \
+             holds experts {}",
+            held.join(", ")
+        )))
+    }
+}
+
+/// Whether the GGUF tensor `name` stacks experts (3-D even with one expert).
+pub(super) fn is_stack(name: &str) -> bool {
+    name.contains("_exps.")
 }
 
 /// Whether `model.gguf` serves tensor `index` transposed (GPT-2's `Conv1D` weights).
@@ -87,6 +161,16 @@ pub(super) fn served_ne(model: &ModelDesc, index: usize) -> Vec<u64> {
     } else {
         shape.iter().rev().copied().collect()
     }
+}
+
+/// GGUF `ne` of the `model.gguf` tensor `name` made of `parts`: a stack of experts
+/// adds the expert count as the slowest dimension.
+pub(super) fn served_ne_of(model: &ModelDesc, parts: &[usize], name: &str) -> Vec<u64> {
+    let mut ne = served_ne(model, parts[0]);
+    if is_stack(name) {
+        ne.push(parts.len() as u64);
+    }
+    ne
 }
 
 pub(super) fn build(
@@ -109,7 +193,11 @@ pub(super) fn build(
     }
     let mut infos = Vec::new();
     for tv in tensors {
-        infos.push((tv.gguf_name.clone(), served_ne(model, tv.index), tv.ty));
+        infos.push((
+            tv.gguf_name.clone(),
+            served_ne_of(model, &tv.parts, &tv.gguf_name),
+            tv.ty,
+        ));
     }
     // Tensors llama.cpp's converter makes from config values (Phi-3's LongRoPE factors).
     let made = made_tensors(model)?;
@@ -128,37 +216,23 @@ pub(super) fn build(
     b.bytes(out.bytes)?;
     let mut pos = 0u64;
     for (tv, &(offset, n_bytes)) in tensors.iter().zip(&out.entries) {
-        let t = &model.tensors[tv.index];
-        let name = &t.name;
+        let name = &model.tensors[tv.index].name;
         if offset < pos {
             return Err(LayoutError::Metadata(format!(
                 "GGUF header places tensor {name} at {offset}, overlapping the previous one"
             )));
         }
         b.zeros(offset - pos)?;
-        let permute = names::rope_permute_heads(
-            model.arch.gguf_arch.as_deref(),
-            name,
-            model.arch.n_heads,
-            model.arch.n_kv_heads,
-        );
-        let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
-        // A GGUF source's values are llama.cpp's already.
-        let shift = match model.gguf_meta.is_empty() {
-            true => names::value_shift(arch, name),
-            false => 0.0,
-        };
-        let len = match shift {
-            _ if is_transposed(model, tv.index) => {
-                b.tensor_transposed(name, tv.index, (t.cols(), t.rows()), tv.ty)?
-            }
-            0.0 => b.tensor(name, tv.index, t.rows(), t.cols(), (tv.ty, tv.raw), permute)?,
-            // A shifted tensor is a norm: encoded from its values, never copied.
-            add => b.tensor_plus(name, tv.index, (t.rows(), t.cols()), tv.ty, add)?,
-        };
+        // A stack of experts is its experts' pieces back to back: whole rows each, so
+        // ggml blocks never straddle two experts.
+        let mut len = 0;
+        for &index in &tv.parts {
+            len += tensor_piece(&mut b, model, index, tv)?;
+        }
         if len != n_bytes {
             return Err(LayoutError::Metadata(format!(
-                "GGUF header gives tensor {name} {n_bytes} bytes, its shape needs {len}"
+                "GGUF header gives tensor {} {n_bytes} bytes, its shape needs {len}",
+                tv.gguf_name
             )));
         }
         pos = offset + len;
@@ -181,6 +255,37 @@ pub(super) fn build(
     }
     b.zeros(out.data_size - pos)?;
     Ok(b.finish("model.gguf"))
+}
+
+/// Model tensor `index` as (part of) `tv`, appended to `b`: its byte length.
+fn tensor_piece(
+    b: &mut Builder,
+    model: &ModelDesc,
+    index: usize,
+    tv: &view::TensorView,
+) -> Result<u64, LayoutError> {
+    let t = &model.tensors[index];
+    let name = &t.name;
+    let permute = names::rope_permute_heads(
+        model.arch.gguf_arch.as_deref(),
+        name,
+        model.arch.n_heads,
+        model.arch.n_kv_heads,
+    );
+    let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
+    // A GGUF source's values are llama.cpp's already.
+    let shift = match model.gguf_meta.is_empty() {
+        true => names::value_shift(arch, name),
+        false => 0.0,
+    };
+    match shift {
+        _ if is_transposed(model, index) => {
+            b.tensor_transposed(name, index, (t.cols(), t.rows()), tv.ty)
+        }
+        0.0 => b.tensor(name, index, t.rows(), t.cols(), (tv.ty, tv.raw), permute),
+        // A shifted tensor is a norm: encoded from its values, never copied.
+        add => b.tensor_plus(name, index, (t.rows(), t.cols()), tv.ty, add),
+    }
 }
 
 /// GGUF source metadata, verbatim but for the file type, the quantization version
@@ -246,6 +351,9 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
     }
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m.push((k("vocab_size"), GgufValue::U32(a.vocab_size)));
+    if let Some(c) = config.as_ref() {
+        expert_meta(&mut m, c, &arch)?;
+    }
     let mut rope_dims = a.head_dim;
     if arch == "phi3" {
         rope_dims = phi3_meta(&mut m, config.as_ref(), a)?;
@@ -256,6 +364,57 @@ fn derive_meta(model: &ModelDesc, file_type: u32) -> Result<Vec<(String, GgufVal
     m.push((k("rope.dimension_count"), GgufValue::U32(rope_dims)));
     m.extend(vocabulary(model, config.as_ref())?);
     Ok(m)
+}
+
+/// Mixture-of-experts keys, from config.json under the names llama.cpp's converter
+/// looks for: the expert count and how many a token uses; Qwen2-MoE's expert and
+/// shared-expert widths.
+fn expert_meta(
+    m: &mut Vec<(String, GgufValue)>,
+    config: &serde_json::Value,
+    arch: &str,
+) -> Result<(), LayoutError> {
+    let get = |keys: &[&str]| -> Result<Option<u32>, LayoutError> {
+        let found = keys
+            .iter()
+            .find_map(|k| Some((*k, config.get(*k).filter(|v| !v.is_null())?)));
+        let Some((key, v)) = found else {
+            return Ok(None);
+        };
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| LayoutError::Metadata(format!("config.json: {key} is {v}, not a count")))
+    };
+    let k = |suffix: &str| format!("{arch}.{suffix}");
+    let keys: [(&[&str], &str); 4] = [
+        (
+            &["num_local_experts", "num_experts", "n_routed_experts"],
+            "expert_count",
+        ),
+        (
+            &[
+                "num_experts_per_tok",
+                "num_experts_per_token",
+                "top_k_experts",
+            ],
+            "expert_used_count",
+        ),
+        (&["moe_intermediate_size"], "expert_feed_forward_length"),
+        (
+            &["shared_expert_intermediate_size"],
+            "expert_shared_feed_forward_length",
+        ),
+    ];
+    for (names, key) in keys {
+        if key.starts_with("expert_") && key.contains("feed_forward") && arch != "qwen2moe" {
+            continue;
+        }
+        if let Some(n) = get(names)? {
+            m.push((k(key), GgufValue::U32(n)));
+        }
+    }
+    Ok(())
 }
 
 /// Gemma 2's keys beyond the llama ones, from config.json as its converter reads them:

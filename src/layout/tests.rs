@@ -1366,3 +1366,84 @@ fn phi3_longrope_factors_are_checked_and_made_tensors() {
         .collect();
     assert_eq!(got[9], 1.0 + 9.0 / 8.0);
 }
+
+/// Mixtral: a layer's experts are one 3-D GGUF tensor, `ne = [cols, rows, n_expert]`,
+/// expert `e`'s rows at index `e`, in expert order whatever the archive's order; the
+/// router is F32 in a quantized view; a stack missing an expert is refused in one line.
+#[test]
+fn moe_experts_are_stacked_in_expert_order() {
+    let mut model = test_model(true);
+    model.arch.model_type = "mixtral".into();
+    model
+        .tensors
+        .retain(|t| !t.name.contains("mlp.") && !t.name.ends_with("rotary_emb.inv_freq"));
+    let bf = SourceType::BF16;
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.block_sparse_moe.");
+        model
+            .tensors
+            .push(td(&format!("{p}gate.weight"), &[3, 64], bf));
+        // Experts 2, 0, 1: the stack orders them.
+        for e in [2, 0, 1] {
+            model
+                .tensors
+                .push(td(&format!("{p}experts.{e}.w1.weight"), &[96, 64], bf));
+            model
+                .tensors
+                .push(td(&format!("{p}experts.{e}.w2.weight"), &[64, 96], bf));
+            model
+                .tensors
+                .push(td(&format!("{p}experts.{e}.w3.weight"), &[96, 64], bf));
+        }
+    }
+    let src = Mock::new(&model, 11);
+    let held = vec![Held::Exact(SourceType::F32); model.tensors.len()];
+    let plan = gguf_plan(&model, GgufView::Type(GgmlType::F32), &held).unwrap();
+    let f = gguf_file(&model, &plan).unwrap();
+    let bytes = materialize(&f, &src);
+    let r = crate::gguf::reader::parse_header(&bytes).unwrap();
+    assert!(!r.tensors.iter().any(|t| t.name.contains("ffn_gate.")));
+    for l in 0..2 {
+        for (w, g, ne) in [
+            ("w1", "ffn_gate_exps", [64, 96, 3]),
+            ("w2", "ffn_down_exps", [96, 64, 3]),
+            ("w3", "ffn_up_exps", [64, 96, 3]),
+        ] {
+            let t = r
+                .tensors
+                .iter()
+                .find(|t| t.name == format!("blk.{l}.{g}.weight"))
+                .unwrap();
+            assert_eq!(t.ne, ne, "{}", t.name);
+            let per = 96 * 64 * 4;
+            for e in 0..3 {
+                let hf = format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight");
+                let i = model.tensor_index(&hf).unwrap();
+                let at = (r.data_offset + t.offset) as usize + e * per;
+                let got: Vec<f32> = bytes[at..at + per]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(got, src.data[i].0, "{hf}");
+            }
+        }
+    }
+    random_reads(&f, &src, &bytes, 5);
+    // A quantized view keeps the router in F32 and quantizes the stacks as one tensor.
+    let plan = gguf_plan(&model, GgufView::Type(GgmlType::Q8_0), &held).unwrap();
+    let ty = |n: &str| plan.tensors.iter().find(|tv| tv.gguf_name == n).unwrap();
+    assert_eq!(ty("blk.0.ffn_gate_inp.weight").ty, GgmlType::F32);
+    let stack = ty("blk.1.ffn_down_exps.weight");
+    assert_eq!((stack.ty, stack.parts.len()), (GgmlType::Q8_0, 3));
+    // Without expert 1 of layer 0's w2, no GGUF view, in one line.
+    model
+        .tensors
+        .retain(|t| t.name != "model.layers.0.block_sparse_moe.experts.1.w2.weight");
+    let held = vec![Held::Exact(SourceType::F32); model.tensors.len()];
+    let e = gguf_plan(&model, GgufView::Type(GgmlType::F32), &held).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("blk.0.ffn_down_exps.weight") && !msg.contains('\n'),
+        "{msg}"
+    );
+}

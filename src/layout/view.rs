@@ -165,8 +165,11 @@ pub fn held_of(store: &dyn Store) -> Vec<Held> {
 /// One tensor of the GGUF view.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorView {
-    /// Index into the model's tensors.
+    /// Index into the model's tensors (the first expert of a stack).
     pub index: usize,
+    /// Every model tensor this GGUF tensor is made of, in order: `[index]`, or a
+    /// layer's experts stacked (`blk.N.ffn_*_exps`).
+    pub parts: Vec<usize>,
     pub gguf_name: String,
     /// The type served.
     pub ty: GgmlType,
@@ -211,6 +214,23 @@ fn auto_mix(err: Option<f64>) -> Option<usize> {
 /// The auto view's type for a 2-D tensor held as `held`, and whether it is served raw;
 /// `mixes[k]` is the type mix `k` of [`AUTO_MIXES`] gives this tensor (llama-quantize's
 /// per-tensor choice, fallbacks included).
+/// What the archive holds for a stack of experts, from what it holds for each: the
+/// same when they agree (their stored blocks can then be copied, or their grid found
+/// again), else lossy at the larger error.
+fn stacked(a: Held, b: Held) -> Held {
+    let err = |h: Held| match h {
+        Held::Exact(_) => Some(0.0),
+        Held::Lossy(e) | Held::Grid(_, e) => e,
+    };
+    match (a, b) {
+        _ if a == b => a,
+        (Held::Grid(ga, ea), Held::Grid(gb, eb)) if ga == gb => {
+            Held::Grid(ga, ea.zip(eb).map(|(x, y)| x.max(y)))
+        }
+        _ => Held::Lossy(err(a).zip(err(b)).map(|(x, y)| x.max(y))),
+    }
+}
+
 fn auto_type(held: Held, mixes: &[GgmlType]) -> (GgmlType, bool) {
     match held {
         Held::Exact(SourceType::Ggml(t)) => (t, true),
@@ -256,18 +276,24 @@ pub struct GgufPlan {
 /// The plan of `view` for `model`, whose tensors the archive holds as `held` (missing
 /// entries count as lossy with unknown error).
 pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan, LayoutError> {
-    let order = super::gguf::gguf_order(model);
+    let arch = super::gguf_arch(model)?;
+    let order = super::gguf::gguf_order(model)?;
     let ne: Vec<Vec<u64>> = order
         .iter()
-        .map(|(i, _)| super::gguf::served_ne(model, *i))
+        .map(|(parts, name)| super::gguf::served_ne_of(model, parts, name))
         .collect();
-    let arch = super::gguf_arch(model)?;
+    let n_expert = order
+        .iter()
+        .filter(|(_, name)| super::gguf::is_stack(name))
+        .map(|(parts, _)| parts.len() as u32)
+        .max()
+        .unwrap_or(0);
     let m = PresetModel {
         arch,
         n_layers: model.arch.n_layers,
         n_head: model.arch.n_heads,
         n_head_kv: model.arch.n_kv_heads,
-        n_expert: 0,
+        n_expert,
     };
     let ts: Vec<PresetTensor<'_>> = order
         .iter()
@@ -295,10 +321,14 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
         .into_iter()
         .zip(&ne)
         .enumerate()
-        .map(|(k, ((index, gguf_name), ne))| {
+        .map(|(k, ((parts, gguf_name), ne))| {
+            let index = parts[0];
             let t = &model.tensors[index];
             let cols = ne.first().copied().unwrap_or(1);
-            let mut h = held.get(index).copied().unwrap_or(Held::Lossy(None));
+            let held_of = |i: usize| held.get(i).copied().unwrap_or(Held::Lossy(None));
+            let mut h = parts[1..]
+                .iter()
+                .fold(held_of(index), |a, &i| stacked(a, held_of(i)));
             if super::gguf::is_transposed(model, index) {
                 // Served from values: a grid along stored rows runs down the served
                 // columns, and stored blocks cannot be copied across.
@@ -310,7 +340,12 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
             }
             // llama.cpp's converter writes these in F32 whatever the file type: ggml's
             // CPU backend cannot add an F16 position or token-type row to F32 values.
-            let one_d = t.shape.len() < 2 || ALWAYS_F32.contains(&gguf_name.as_str());
+            // So are MoE routers (and Qwen2-MoE's shared-expert gate): small, and what
+            // picks the experts.
+            let one_d = t.shape.len() < 2
+                || ALWAYS_F32.contains(&gguf_name.as_str())
+                || gguf_name.ends_with(".ffn_gate_inp.weight")
+                || gguf_name.ends_with(".ffn_gate_inp_shexp.weight");
             let quantizable = allows_quantization(
                 arch,
                 &PresetTensor {
@@ -326,6 +361,7 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
                     let (ty, raw) = auto_type(h, &mixes[k]);
                     return TensorView {
                         index,
+                        parts,
                         gguf_name,
                         ty,
                         raw,
@@ -343,6 +379,7 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
                     let (ty, wanted) = preset.as_ref().map_or((GgmlType::F32, None), |p| p[k]);
                     return TensorView {
                         index,
+                        parts,
                         gguf_name,
                         ty,
                         raw: false,
@@ -360,6 +397,7 @@ pub fn plan(model: &ModelDesc, view: GgufView, held: &[Held]) -> Result<GgufPlan
             let ty = if raw { want } else { fallback(want, cols) };
             TensorView {
                 index,
+                parts,
                 gguf_name,
                 ty,
                 raw,
@@ -378,7 +416,7 @@ pub fn file_type(plan: &GgufPlan, model: &ModelDesc) -> u32 {
     }
     let mut count: Vec<(GgmlType, u64)> = Vec::new();
     for tv in &plan.tensors {
-        let n = model.tensors[tv.index].numel();
+        let n = tv.parts.iter().map(|&i| model.tensors[i].numel()).sum();
         if model.tensors[tv.index].shape.len() < 2 {
             continue;
         }
@@ -448,7 +486,7 @@ pub fn notes(model: &ModelDesc, plan: &GgufPlan) -> Vec<String> {
 pub fn summary(model: &ModelDesc, plan: &GgufPlan) -> Vec<(GgmlType, bool, usize, u64)> {
     let mut v: Vec<(GgmlType, bool, usize, u64)> = Vec::new();
     for tv in &plan.tensors {
-        let n = model.tensors[tv.index].numel();
+        let n = tv.parts.iter().map(|&i| model.tensors[i].numel()).sum();
         match v.iter_mut().find(|e| e.0 == tv.ty && e.1 == tv.raw) {
             Some(e) => {
                 e.2 += 1;

@@ -7,9 +7,14 @@
 
 /// Hugging Face `model_type`s whose tensors this module can name for llama.cpp, and
 /// the GGUF `general.architecture` of each.
-pub const GGUF_ARCHS: [(&str, &str); 8] = [
+pub const GGUF_ARCHS: [(&str, &str); 11] = [
     ("llama", "llama"),
     ("mistral", "llama"),
+    // Mixture-of-experts: Mixtral is a llama with experts; Qwen2-MoE adds a shared
+    // expert; OLMoE normalizes Q and K over the whole projection.
+    ("mixtral", "llama"),
+    ("qwen2_moe", "qwen2moe"),
+    ("olmoe", "olmoe"),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("phi3", "phi3"),
@@ -39,9 +44,13 @@ struct Naming {
     layers: &'static [(&'static str, &'static str)],
     /// Tensors outside the layers: (Hugging Face, GGUF).
     globals: &'static [(&'static str, &'static str)],
+    /// Per-expert tensors of a layer, `*` standing for the expert number: (Hugging
+    /// Face, GGUF). llama.cpp stacks a layer's experts into one 3-D tensor.
+    experts: &'static [(&'static str, &'static str)],
 }
 
-/// llama, mistral, qwen2, qwen3.
+/// llama, mistral, qwen2, qwen3, and the mixtures of experts built on them (Mixtral,
+/// Qwen2-MoE, OLMoE): no name of one family occurs in another.
 const LLAMA: Naming = Naming {
     optional_prefix: "",
     layer_prefix: "model.layers.",
@@ -61,11 +70,39 @@ const LLAMA: Naming = Naming {
         ("mlp.gate_proj.weight", "ffn_gate.weight"),
         ("mlp.up_proj.weight", "ffn_up.weight"),
         ("mlp.down_proj.weight", "ffn_down.weight"),
+        // The routers (Mixtral's, then Qwen2-MoE's and OLMoE's), and Qwen2-MoE's shared
+        // expert with its gate.
+        ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
+        ("mlp.gate.weight", "ffn_gate_inp.weight"),
+        (
+            "mlp.shared_expert.gate_proj.weight",
+            "ffn_gate_shexp.weight",
+        ),
+        ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+        (
+            "mlp.shared_expert.down_proj.weight",
+            "ffn_down_shexp.weight",
+        ),
+        ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
     ],
     globals: &[
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.norm.weight", "output_norm.weight"),
         ("lm_head.weight", "output.weight"),
+    ],
+    experts: &[
+        (
+            "block_sparse_moe.experts.*.w1.weight",
+            "ffn_gate_exps.weight",
+        ),
+        (
+            "block_sparse_moe.experts.*.w2.weight",
+            "ffn_down_exps.weight",
+        ),
+        ("block_sparse_moe.experts.*.w3.weight", "ffn_up_exps.weight"),
+        ("mlp.experts.*.gate_proj.weight", "ffn_gate_exps.weight"),
+        ("mlp.experts.*.up_proj.weight", "ffn_up_exps.weight"),
+        ("mlp.experts.*.down_proj.weight", "ffn_down_exps.weight"),
     ],
 };
 
@@ -83,6 +120,7 @@ const PHI3: Naming = Naming {
         ("mlp.down_proj.weight", "ffn_down.weight"),
     ],
     globals: LLAMA.globals,
+    experts: &[],
 };
 
 /// Gemma 2: four norms per layer (around attention and around the MLP), the output
@@ -110,6 +148,7 @@ const GEMMA2: Naming = Naming {
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.norm.weight", "output_norm.weight"),
     ],
+    experts: &[],
 };
 
 /// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
@@ -150,6 +189,7 @@ const BERT: Naming = Naming {
         ("embeddings.LayerNorm.weight", "token_embd_norm.weight"),
         ("embeddings.LayerNorm.bias", "token_embd_norm.bias"),
     ],
+    experts: &[],
 };
 
 /// GPT-2: fused Q/K/V, LayerNorms with biases, learned positions, the output head
@@ -179,6 +219,7 @@ const GPT2: Naming = Naming {
         ("transformer.ln_f.bias", "output_norm.bias"),
         ("lm_head.weight", "output.weight"),
     ],
+    experts: &[],
 };
 
 const NAMINGS: [&Naming; 4] = [&LLAMA, &PHI3, &BERT, &GPT2];
@@ -186,7 +227,7 @@ const NAMINGS: [&Naming; 4] = [&LLAMA, &PHI3, &BERT, &GPT2];
 /// The naming of a GGUF architecture.
 fn naming(gguf_arch: &str) -> Option<&'static Naming> {
     match gguf_arch {
-        "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
+        "llama" | "qwen2" | "qwen3" | "qwen2moe" | "olmoe" => Some(&LLAMA),
         "bert" => Some(&BERT),
         "phi3" => Some(&PHI3),
         "gemma2" => Some(&GEMMA2),
@@ -211,6 +252,23 @@ impl Naming {
         Some(format!("blk.{layer}.{g}"))
     }
 
+    /// A per-expert tensor's GGUF name (of the stacked tensor) and expert number.
+    fn expert_to_gguf(&self, name: &str) -> Option<(String, u32)> {
+        let rest = name.strip_prefix(self.layer_prefix)?;
+        let (layer, suffix) = rest.split_once('.')?;
+        let layer: u32 = layer.parse().ok()?;
+        self.experts.iter().find_map(|(h, g)| {
+            let (before, after) = h.split_once('*')?;
+            let (e, tail) = suffix.strip_prefix(before)?.split_once('.')?;
+            // Digits only: `u32::from_str` would take a leading `+`.
+            let e = e
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+                .then(|| e.parse::<u32>().ok())??;
+            (tail == &after[1..]).then(|| (format!("blk.{layer}.{g}"), e))
+        })
+    }
+
     fn to_hf(&self, name: &str) -> Option<String> {
         if let Some((h, _)) = self.globals.iter().find(|(_, g)| *g == name) {
             return Some(h.to_string());
@@ -233,6 +291,13 @@ pub fn hf_to_gguf(name: &str) -> Option<String> {
 /// Hugging Face name → llama.cpp name in the naming of GGUF architecture `gguf_arch`.
 pub fn hf_to_gguf_in(gguf_arch: &str, name: &str) -> Option<String> {
     naming(gguf_arch)?.to_gguf(name)
+}
+
+/// A per-expert Hugging Face tensor (`model.layers.3.mlp.experts.5.up_proj.weight`) →
+/// the llama.cpp name of its layer's stacked experts (`blk.3.ffn_up_exps.weight`) and
+/// its expert number; None for any other tensor.
+pub fn hf_expert_to_gguf_in(gguf_arch: &str, name: &str) -> Option<(String, u32)> {
+    naming(gguf_arch)?.expert_to_gguf(name)
 }
 
 /// What llama.cpp's converter adds to the values of this tensor: 1 for Gemma's RMS
@@ -386,6 +451,65 @@ mod tests {
         assert_eq!(
             gguf_to_hf("llama", "blk.0.ffn_up.weight").unwrap(),
             "model.layers.0.mlp.up_proj.weight"
+        );
+        // Experts: Mixtral's and Qwen2-MoE's / OLMoE's names, stacked per layer.
+        for (arch, n, g, e) in [
+            (
+                "llama",
+                "model.layers.3.block_sparse_moe.experts.5.w2.weight",
+                "blk.3.ffn_down_exps.weight",
+                5,
+            ),
+            (
+                "llama",
+                "model.layers.0.block_sparse_moe.experts.12.w1.weight",
+                "blk.0.ffn_gate_exps.weight",
+                12,
+            ),
+            (
+                "qwen2moe",
+                "model.layers.1.mlp.experts.0.up_proj.weight",
+                "blk.1.ffn_up_exps.weight",
+                0,
+            ),
+            (
+                "olmoe",
+                "model.layers.15.mlp.experts.63.down_proj.weight",
+                "blk.15.ffn_down_exps.weight",
+                63,
+            ),
+        ] {
+            assert_eq!(
+                hf_expert_to_gguf_in(arch, n),
+                Some((g.to_string(), e)),
+                "{n}"
+            );
+            assert_eq!(hf_to_gguf_in(arch, n), None, "{n}");
+            assert_eq!(
+                layer_of(n),
+                n.split('.').nth(2).and_then(|l| l.parse().ok())
+            );
+        }
+        for n in [
+            "model.layers.1.mlp.experts.x.up_proj.weight",
+            "model.layers.1.mlp.experts.+1.up_proj.weight",
+            "model.layers.1.mlp.experts.1.up_proj.bias",
+            "model.layers.1.mlp.experts.1.w1.weight",
+            "model.layers.1.mlp.shared_expert.up_proj.weight",
+        ] {
+            assert_eq!(hf_expert_to_gguf_in("qwen2moe", n), None, "{n}");
+        }
+        assert_eq!(
+            hf_expert_to_gguf_in("gpt2", "model.layers.1.mlp.experts.1.up_proj.weight"),
+            None
+        );
+        assert_eq!(
+            hf_to_gguf_in("qwen2moe", "model.layers.2.mlp.shared_expert_gate.weight").unwrap(),
+            "blk.2.ffn_gate_inp_shexp.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_in("llama", "model.layers.2.block_sparse_moe.gate.weight").unwrap(),
+            "blk.2.ffn_gate_inp.weight"
         );
     }
 
