@@ -21,7 +21,8 @@ VERSION = 6
 TEXT = "/usr/share/common-licenses/GPL-3"
 # The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
 # BERT gets a WordPiece one trained on the same text.
-WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2", "phi3-long")
+WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2", "phi3-long", "mixtral", "qwen2moe",
+                  "olmoe")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -57,6 +58,17 @@ def recipes():
         # Llama 2, Mistral 7B v0.1 and Gemma have.
         "llama-spm": (tf.LlamaConfig(**COMMON, num_key_value_heads=2), "float16", None),
         # An architecture llama.cpp does not run: no GGUF view.
+        # Mixtures of experts: 4 experts, 2 per token. Mixtral is a llama with experts;
+        # Qwen2-MoE adds a shared expert behind a gate; OLMoE normalizes Q and K whole
+        # (llama.cpp sizes its K norm by the hidden size: no grouped-query attention).
+        "mixtral": (tf.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2), "bfloat16", None),
+        "qwen2moe": (tf.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=128,
+                                       shared_expert_intermediate_size=256), "float16", None),
+        "olmoe": (tf.OlmoeConfig(**COMMON, num_key_value_heads=4, num_experts=4,
+                                 num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=None), "float32", None),
         "opt": (tf.OPTConfig(vocab_size=1024, hidden_size=256, ffn_dim=512, num_hidden_layers=2,
                              num_attention_heads=4, max_position_embeddings=256,
                              word_embed_proj_dim=256), "float16", None),

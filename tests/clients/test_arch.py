@@ -12,11 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from conftest import ROOT, TEXT, run, run_status
+from conftest import PROMPT, ROOT, TEXT, run, run_status
 
-ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm", "phi3-long"]
+ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm", "phi3-long",
+         "mixtral", "qwen2moe", "olmoe"]
+# Mixtures of experts: model.gguf stacks each layer's experts into one 3-D tensor.
+MOE_ARCHS = ["mixtral", "qwen2moe", "olmoe"]
 # The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
-GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm", "phi3-long"]
+GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm", "phi3-long", *MOE_ARCHS]
 # The architectures whose GGUF files import.
 GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2", "llama-spm", "bert"]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
@@ -536,3 +539,65 @@ def test_phi3_longrope_factors_are_gguf_tensors(cawsfs, converted, arch_models, 
     assert tensors == {"rope_factors_long.weight": f32(rope["long_factor"]),
                        "rope_factors_short.weight": f32(rope["short_factor"])}
     assert attn == pytest.approx(math.sqrt(1 + math.log(256 / 128) / math.log(128)), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", MOE_ARCHS)
+def test_moe_experts_stack_in_every_archive_kind(cawsfs, converted, arch_models, llama_bin,
+                                                  work, name):
+    """model.gguf of a mixture of experts holds each layer's experts as one 3-D tensor
+    (llama.cpp's converter's [hidden, ff, experts] for gate/up, [ff, hidden, experts]
+    for down), expert k's values at index k; the router in F32; the expert keys. In
+    every archive kind the mounted file is the export's bytes, and llama.cpp generates
+    the same tokens from both."""
+    import gguf
+    src = arch_models[name]
+    config = json.load(open(os.path.join(src, "config.json")))
+    n_expert = config.get("num_local_experts") or config["num_experts"]
+    ff = config.get("moe_intermediate_size") or config["intermediate_size"]
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    # The exact archive's f32 view: the stacks hold the source's experts in order.
+    source = load_file(os.path.join(src, "model.safetensors"))
+
+    def expert(l, e, w):
+        if name == "mixtral":
+            w = {"gate": "w1", "down": "w2", "up": "w3"}[w]
+            return source[f"model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"]
+        return source[f"model.layers.{l}.mlp.experts.{e}.{w}_proj.weight"]
+    with mounted(cawsfs, converted[name, "exact"], work / "x", "--gguf-type", "f32") as (mp, _):
+        r = gguf.GGUFReader(mp / "model.gguf")
+        arch = r.fields["general.architecture"].contents()
+        assert r.fields[f"{arch}.expert_count"].contents() == n_expert
+        assert r.fields[f"{arch}.expert_used_count"].contents() == config["num_experts_per_tok"]
+        t = {x.name: x for x in r.tensors}
+        assert not [n for n in t if "experts" in n or ".ffn_gate." in n], sorted(t)
+        for l in range(layers):
+            for w, ne in (("gate", [hidden, ff]), ("up", [hidden, ff]), ("down", [ff, hidden])):
+                x = t[f"blk.{l}.ffn_{w}_exps.weight"]
+                assert list(x.shape) == ne + [n_expert], (l, w, x.shape)
+                for e in range(n_expert):
+                    got = torch.from_numpy(x.data[e].copy())
+                    assert torch.equal(got, expert(l, e, w).float()), (l, w, e)
+            router = t[f"blk.{l}.ffn_gate_inp.weight"]
+            assert list(router.shape) == [hidden, n_expert]
+            assert router.tensor_type == gguf.GGMLQuantizationType.F32
+        del r, t, x, router
+        gc.collect()
+    archives = {"cawsf": converted[name, "default"]}
+    for kind in ("delta", "npy-dir"):
+        archives[kind] = work / f"{name}.{kind}"
+        run([cawsfs, "convert", src, "-o", archives[kind], "--to", kind])
+    for kind, archive in archives.items():
+        export = work / f"{kind}.gguf"
+        run([cawsfs, "export", archive, "--format", "gguf", "-o", export])
+        with mounted(cawsfs, archive, work / f"m-{kind}") as (mp, _):
+            assert (mp / "model.gguf").read_bytes() == export.read_bytes(), kind
+            got = greedy(llama_bin, mp / "model.gguf")
+        want = greedy(llama_bin, export)
+        assert got == want and len(got) > len(PROMPT) + 20, (kind, got, want)
+
+
+def greedy(llama_bin, gguf):
+    """llama-simple's greedy continuation of PROMPT, as bytes: a random model's tokens
+    need not be whole UTF-8 characters, and llama-simple prints each with printf (where
+    llama-completion's logger thread may drop the last ones at exit)."""
+    return run([llama_bin / "llama-simple", "-m", gguf, "-n", 24, PROMPT], text=False).stdout
