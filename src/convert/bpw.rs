@@ -12,11 +12,16 @@
 //! every tensor at its cheapest setting and keep taking the step that removes the most
 //! error per added bit while the budget allows. Deterministic: the sample, the fits
 //! and the order of ties (tensor index) are fixed.
+//!
+//! The experts of a mixture-of-experts layer that llama.cpp stacks into one tensor
+//! (`blk.N.ffn_up_exps` …) are planned as one: each setting priced and scored summed
+//! over them, one choice for all, so the GGUF view finds one grid in the whole stack
+//! and serves it as that grid's type instead of re-quantizing (docs/MOE.md).
 
 use crate::archive::container::rows_per_block;
 use crate::codec::{self, SqParams};
 use crate::import::SourceModel;
-use crate::model::TensorDesc;
+use crate::model::{names, TensorDesc};
 
 use super::{is_passthrough, ConvertError, ConvertOptions, Patterns};
 
@@ -145,7 +150,7 @@ fn sensitivity(name: &str, tied: bool) -> f64 {
     }
 }
 
-/// Tensor `i`'s settings, cheapest first, on the lower convex hull of (bits, error).
+/// Tensor `i`'s settings: its source bytes, then each scalar-R fit.
 fn options_of(
     src: &dyn SourceModel,
     i: usize,
@@ -202,7 +207,36 @@ fn options_of(
             err: err * scale,
         });
     }
-    Ok(lower_hull(all))
+    Ok(all)
+}
+
+/// The tensors planned as one: each alone, but a stack of experts together when all
+/// of them were priced for the same settings (same shape; none kept exact for
+/// non-finite values). In tensor order of each unit's first member.
+fn units(src: &dyn SourceModel, options: &[Vec<Setting>]) -> Vec<Vec<usize>> {
+    let desc = src.desc();
+    let arch = desc.arch.gguf_arch.as_deref().unwrap_or_default();
+    let mut stacks: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, t) in desc.tensors.iter().enumerate() {
+        match names::hf_expert_to_gguf_in(arch, &t.name) {
+            Some((stack, _)) => stacks.entry(stack).or_default().push(i),
+            None => out.push(vec![i]),
+        }
+    }
+    let same = |a: &[Setting], b: &[Setting]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.choice == y.choice)
+    };
+    for members in stacks.into_values() {
+        let first = &options[members[0]];
+        if members.iter().all(|&i| same(&options[i], first)) {
+            out.push(members);
+        } else {
+            out.extend(members.into_iter().map(|i| vec![i]));
+        }
+    }
+    out.sort_by_key(|u| u[0]);
+    out
 }
 
 /// The options on the lower convex hull of (bits, error), cheapest first: each step
@@ -245,7 +279,7 @@ pub fn plan(
     let desc = src.desc();
     let n = desc.tensors.len();
     let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
-    let mut hulls: Vec<Vec<Setting>> = Vec::with_capacity(n);
+    let mut options: Vec<Vec<Setting>> = Vec::with_capacity(n);
     super::in_windows(
         n,
         opts.window,
@@ -263,11 +297,26 @@ pub fn plan(
             }
         },
         |i, h| {
-            hulls.push(h);
+            options.push(h);
             progress(i + 1, n, &desc.tensors[i].name);
             Ok(())
         },
     )?;
+    let units = units(src, &options);
+    let hulls: Vec<Vec<Setting>> = units
+        .iter()
+        .map(|members| {
+            let mut sum = options[members[0]].clone();
+            for &m in &members[1..] {
+                for (s, o) in sum.iter_mut().zip(&options[m]) {
+                    s.bits += o.bits;
+                    s.err += o.err;
+                }
+            }
+            lower_hull(sum)
+        })
+        .collect();
+    let n = units.len();
     let mut budget = target * total_weights as f64 - reserved as f64 * 8.0;
     let mut at = vec![0usize; n];
     let mut used: f64 = hulls.iter().map(|h| h[0].bits).sum();
@@ -304,8 +353,14 @@ pub fn plan(
             heap.push((Worth(worth(h, k + 1)), std::cmp::Reverse(i)));
         }
     }
+    let mut choices = vec![Choice::Source; desc.tensors.len()];
+    for ((members, h), &k) in units.iter().zip(&hulls).zip(&at) {
+        for &m in members {
+            choices[m] = h[k].choice;
+        }
+    }
     Ok(Plan {
-        choices: hulls.iter().zip(&at).map(|(h, &k)| h[k].choice).collect(),
+        choices,
         planned_bpw: (used + reserved as f64 * 8.0) / total_weights.max(1) as f64,
         target_bpw: target,
         at_floor,
