@@ -582,6 +582,13 @@ def test_moe_experts_stack_in_every_archive_kind(cawsfs, converted, arch_models,
             assert router.tensor_type == gguf.GGMLQuantizationType.F32
         del r, t, x, router
         gc.collect()
+    # The default codec plans a stack's experts as one: one setting for all of them.
+    info = json.loads(run([cawsfs, "inspect", converted[name, "default"], "--json"]).stdout)
+    codecs = {}
+    for t in info["tensors"]:
+        if t["gguf"] and "_exps." in t["gguf"]["name"]:
+            codecs.setdefault(t["gguf"]["name"], set()).add(t["codec"])
+    assert len(codecs) == 3 * layers and all(len(c) == 1 for c in codecs.values()), codecs
     archives = {"cawsf": converted[name, "default"]}
     for kind in ("delta", "npy-dir"):
         archives[kind] = work / f"{name}.{kind}"
