@@ -1,9 +1,11 @@
-//! GGUF importer: a llama.cpp GGUF file (architectures `llama`, `qwen2`, `qwen3`,
-//! `phi3`, `gemma2`, `gpt2` and `bert`) seen as a [`ModelDesc`] in Hugging Face
-//! conventions.
+//! GGUF importer: a llama.cpp GGUF file (architectures `llama` (Mixtral too),
+//! `qwen2`, `qwen3`, `qwen2moe`, `olmoe`, `phi3`, `gemma2`, `gpt2` and `bert`) seen as
+//! a [`ModelDesc`] in Hugging Face conventions.
 //!
 //! - Architecture hyper-parameters come from the `{arch}.*` metadata keys.
-//! - Tensor names map to Hugging Face names; shapes are `ne` reversed.
+//! - Tensor names map to Hugging Face names; shapes are `ne` reversed. A stack of
+//!   experts (`blk.N.ffn_*_exps`, 3-D) becomes one tensor per expert, each a byte range
+//!   of the stack (docs/MOE.md).
 //! - Q/K projections of `llama` models are stored permuted by llama.cpp's converter;
 //!   [`SourceModel::raw`] and [`SourceModel::f32`] return them in HF row order. Rows
 //!   of a ggml tensor are independent byte runs (a row is a whole number of blocks),
@@ -43,6 +45,9 @@ struct TensorPlan {
     unit_elems: u64,
     /// Heads of the rotary row permutation to undo, if any.
     permute: Option<u32>,
+    /// Where this tensor's bytes lie in the file tensor's: all of them, or one
+    /// expert's of a stack.
+    bytes: std::ops::Range<usize>,
 }
 
 /// Read typed metadata with one-line errors naming the key.
@@ -90,7 +95,11 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
     let m = Meta { meta: &file.meta };
     let arch = m.str("general.architecture")?.to_string();
     let model_type = match arch.as_str() {
+        // Mixtral is written as a llama with experts.
+        "llama" if m.u32_opt("llama.expert_count")?.unwrap_or(0) > 0 => "mixtral",
         "llama" => "llama",
+        "qwen2moe" => "qwen2_moe",
+        "olmoe" => "olmoe",
         "qwen2" => "qwen2",
         "qwen3" => "qwen3",
         "phi3" => "phi3",
@@ -99,7 +108,7 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         "bert" => "bert",
         other => {
             return Err(format!(
-                "unsupported architecture {other} (llama, qwen2, qwen3, phi3, gemma2, gpt2 and bert import)"
+                "unsupported architecture {other} (llama, qwen2, qwen3, qwen2moe, olmoe, phi3, gemma2, gpt2 and bert import)"
             ))
         }
     };
@@ -174,8 +183,15 @@ fn plan_tensors(
 ) -> Result<(Vec<TensorDesc>, Vec<TensorPlan>), String> {
     let mut descs = Vec::with_capacity(file.tensors.len());
     let mut plans = Vec::with_capacity(file.tensors.len());
+    let gguf_arch = arch.gguf_arch.as_deref().unwrap_or_default();
     for (gi, t) in file.tensors.iter().enumerate() {
-        let name = names::gguf_to_hf(arch.gguf_arch.as_deref().unwrap_or_default(), &t.name)
+        if t.ne.len() == 3 && t.name.contains("_exps.") {
+            let (descs_e, plans_e) = split_experts(gi, t, gguf_arch)?;
+            descs.extend(descs_e);
+            plans.extend(plans_e);
+            continue;
+        }
+        let name = names::gguf_to_hf(gguf_arch, &t.name)
             .ok_or_else(|| format!("tensor {} has no Hugging Face name", t.name))?;
         if !quant::is_supported(t.ty) {
             return Err(format!(
@@ -231,6 +247,61 @@ fn plan_tensors(
             unit_bytes,
             unit_elems,
             permute,
+            bytes: 0..usize::try_from(t.n_bytes)
+                .map_err(|_| format!("tensor {} is too large", t.name))?,
+        });
+    }
+    Ok((descs, plans))
+}
+
+/// A stack of experts (`ne = [cols, rows, n_expert]`) as one 2-D tensor per expert,
+/// under the Hugging Face names of the architecture, each its own rows' bytes.
+fn split_experts(
+    gi: usize,
+    t: &crate::gguf::GgufTensorInfo,
+    gguf_arch: &str,
+) -> Result<(Vec<TensorDesc>, Vec<TensorPlan>), String> {
+    if !quant::is_supported(t.ty) {
+        return Err(format!(
+            "tensor {}: ggml type {:?} is not supported",
+            t.name, t.ty
+        ));
+    }
+    let (cols, rows, n) = (t.ne[0], t.ne[1], t.ne[2]);
+    let per_expert = t.n_bytes.checked_div(n).unwrap_or(0);
+    let row_bytes = per_expert.checked_div(rows).unwrap_or(0);
+    if n == 0 || per_expert * n != t.n_bytes || row_bytes * rows != per_expert {
+        return Err(format!(
+            "tensor {}: {} bytes are not {n} experts of {rows} rows",
+            t.name, t.n_bytes
+        ));
+    }
+    let source = match t.ty {
+        GgmlType::F32 => SourceType::F32,
+        GgmlType::F16 => SourceType::F16,
+        GgmlType::BF16 => SourceType::BF16,
+        q => SourceType::Ggml(q),
+    };
+    let mut descs = Vec::new();
+    let mut plans = Vec::new();
+    for e in 0..n {
+        let name = names::gguf_expert_to_hf(gguf_arch, &t.name, e)
+            .ok_or_else(|| format!("tensor {} has no Hugging Face name", t.name))?;
+        let start = usize::try_from(e * per_expert)
+            .map_err(|_| format!("tensor {} is too large", t.name))?;
+        descs.push(TensorDesc {
+            name,
+            shape: vec![rows, cols],
+            source,
+        });
+        plans.push(TensorPlan {
+            gguf: gi,
+            ty: t.ty,
+            units: rows,
+            unit_bytes: row_bytes,
+            unit_elems: cols,
+            permute: None,
+            bytes: start..start + per_expert as usize,
         });
     }
     Ok((descs, plans))
@@ -283,7 +354,7 @@ impl SourceModel for GgufSource {
 
     fn raw(&self, i: usize) -> Result<Vec<u8>, ImportError> {
         let p = self.plan(i)?;
-        let data = self.file.tensor_data(p.gguf);
+        let data = &self.file.tensor_data(p.gguf)[p.bytes.clone()];
         // Empty tensors (a zero dimension) have nothing to reorder.
         let out = if p.permute.is_none() || data.is_empty() {
             data.to_vec()
@@ -302,7 +373,7 @@ impl SourceModel for GgufSource {
 
     fn f32(&self, i: usize) -> Result<Vec<f32>, ImportError> {
         let p = self.plan(i)?;
-        let data = self.file.tensor_data(p.gguf);
+        let data = &self.file.tensor_data(p.gguf)[p.bytes.clone()];
         let n = p
             .units
             .checked_mul(p.unit_elems)
@@ -376,6 +447,76 @@ mod tests {
         let p = dir.join("m.gguf");
         std::fs::write(&p, b).unwrap();
         p
+    }
+
+    /// A Qwen2-MoE stack of 3 experts (Q8_0, 8 rows of 32 each) becomes three tensors
+    /// under their Hugging Face names, each its own rows' bytes; a Mixtral is a llama
+    /// with `expert_count`.
+    #[test]
+    fn expert_stacks_split_into_experts() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut meta = llama_meta("qwen2moe");
+        meta.push(("qwen2moe.expert_count".into(), GgufValue::U32(3)));
+        let p = write(
+            dir.path(),
+            meta,
+            vec![
+                (
+                    "blk.0.ffn_up_exps.weight".into(),
+                    vec![32, 8, 3],
+                    GgmlType::Q8_0,
+                ),
+                (
+                    "blk.0.ffn_gate_inp.weight".into(),
+                    vec![64, 3],
+                    GgmlType::F32,
+                ),
+            ],
+            |i, b| {
+                if i == 0 {
+                    // Each byte: its expert's number.
+                    for (j, x) in b.iter_mut().enumerate() {
+                        *x = (j / (8 * 34)) as u8;
+                    }
+                }
+            },
+        );
+        let s = GgufSource::open(&p).unwrap();
+        let d = s.desc();
+        assert_eq!(d.arch.model_type, "qwen2_moe");
+        let names: Vec<&str> = d.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.mlp.experts.0.up_proj.weight",
+                "model.layers.0.mlp.experts.1.up_proj.weight",
+                "model.layers.0.mlp.experts.2.up_proj.weight",
+                "model.layers.0.mlp.gate.weight",
+            ]
+        );
+        for e in 0..3 {
+            assert_eq!(d.tensors[e].shape, [8, 32]);
+            assert_eq!(d.tensors[e].source, SourceType::Ggml(GgmlType::Q8_0));
+            assert_eq!(s.raw(e).unwrap(), vec![e as u8; 8 * 34]);
+        }
+        let mut meta = llama_meta("llama");
+        meta.push(("llama.expert_count".into(), GgufValue::U32(2)));
+        let p = write(
+            dir.path(),
+            meta,
+            vec![(
+                "blk.0.ffn_down_exps.weight".into(),
+                vec![32, 4, 2],
+                GgmlType::F16,
+            )],
+            |_, _| {},
+        );
+        let s = GgufSource::open(&p).unwrap();
+        assert_eq!(s.desc().arch.model_type, "mixtral");
+        assert_eq!(
+            s.desc().tensors[1].name,
+            "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+        );
     }
 
     #[test]

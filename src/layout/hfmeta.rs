@@ -121,17 +121,21 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
         "qwen3" => ("Qwen3ForCausalLM", false),
         "phi3" => ("Phi3ForCausalLM", false),
         "gemma2" => ("Gemma2ForCausalLM", false),
+        "mixtral" => ("MixtralForCausalLM", false),
+        "qwen2_moe" => ("Qwen2MoeForCausalLM", true),
+        "olmoe" => ("OlmoeForCausalLM", false),
         "gpt2" => return Ok(gpt2_config(model)),
         "bert" => return Ok(bert_config(model)),
         other => {
             return Err(LayoutError::Unsupported(format!(
-                "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2 and gpt2 are supported"
+                "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2, gpt2, bert, mixtral, qwen2_moe and olmoe are supported"
             )))
         }
     };
     let mut c = serde_json::Map::new();
     c.insert("architectures".into(), json!([arch_class]));
-    if a.model_type != "qwen2" {
+    // Qwen2's and Qwen2-MoE's Q/K/V biases are not a config key.
+    if a.model_type != "qwen2" && a.model_type != "qwen2_moe" {
         c.insert("attention_bias".into(), json!(bias));
     }
     c.insert("attention_dropout".into(), json!(0.0));
@@ -190,12 +194,54 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
     c.insert("rope_theta".into(), f32_json(a.rope_theta));
     c.insert("tie_word_embeddings".into(), json!(a.tie_word_embeddings));
     c.insert("torch_dtype".into(), json!(torch_dtype(model)));
-    if a.model_type == "qwen2" {
+    if a.model_type == "qwen2" || a.model_type == "qwen2_moe" {
         c.insert("use_sliding_window".into(), json!(false));
     }
+    moe_config(model, &mut c)?;
     c.insert("use_cache".into(), json!(true));
     c.insert("vocab_size".into(), json!(a.vocab_size));
     Ok(Value::Object(c))
+}
+
+/// A mixture of experts' keys, from the GGUF expert keys under transformers' names;
+/// routing as llama.cpp runs it (Mixtral renormalizes the chosen experts' weights,
+/// Qwen2-MoE and OLMoE do not).
+fn moe_config(
+    model: &ModelDesc,
+    c: &mut serde_json::Map<String, Value>,
+) -> Result<(), LayoutError> {
+    let a = &model.arch;
+    let count = |key: &str| -> Result<u64, LayoutError> {
+        gguf_key(model, key)
+            .and_then(GgufValue::as_u64)
+            .ok_or_else(|| {
+                LayoutError::Metadata(format!("config.json: no {key} in the GGUF source"))
+            })
+    };
+    let experts = match a.model_type.as_str() {
+        "mixtral" => "num_local_experts",
+        "qwen2_moe" | "olmoe" => "num_experts",
+        _ => return Ok(()),
+    };
+    c.insert(experts.into(), json!(count("expert_count")?));
+    c.insert(
+        "num_experts_per_tok".into(),
+        json!(count("expert_used_count")?),
+    );
+    if a.model_type == "qwen2_moe" {
+        let ff = count("expert_feed_forward_length")?;
+        c.insert("moe_intermediate_size".into(), json!(ff));
+        let shared = gguf_key(model, "expert_shared_feed_forward_length")
+            .and_then(GgufValue::as_u64)
+            .unwrap_or(0);
+        c.insert("shared_expert_intermediate_size".into(), json!(shared));
+        c.insert("decoder_sparse_step".into(), json!(1));
+        c.insert("mlp_only_layers".into(), json!([]));
+    }
+    if a.model_type != "mixtral" {
+        c.insert("norm_topk_prob".into(), json!(false));
+    }
+    Ok(())
 }
 
 pub(super) fn build(model: &ModelDesc) -> Result<Vec<(String, Vec<u8>)>, LayoutError> {

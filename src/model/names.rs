@@ -49,8 +49,7 @@ struct Naming {
     experts: &'static [(&'static str, &'static str)],
 }
 
-/// llama, mistral, qwen2, qwen3, and the mixtures of experts built on them (Mixtral,
-/// Qwen2-MoE, OLMoE): no name of one family occurs in another.
+/// llama, mistral, qwen2, qwen3, and Mixtral (a llama with experts).
 const LLAMA: Naming = Naming {
     optional_prefix: "",
     layer_prefix: "model.layers.",
@@ -70,20 +69,8 @@ const LLAMA: Naming = Naming {
         ("mlp.gate_proj.weight", "ffn_gate.weight"),
         ("mlp.up_proj.weight", "ffn_up.weight"),
         ("mlp.down_proj.weight", "ffn_down.weight"),
-        // The routers (Mixtral's, then Qwen2-MoE's and OLMoE's), and Qwen2-MoE's shared
-        // expert with its gate.
+        // Mixtral's router.
         ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
-        ("mlp.gate.weight", "ffn_gate_inp.weight"),
-        (
-            "mlp.shared_expert.gate_proj.weight",
-            "ffn_gate_shexp.weight",
-        ),
-        ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
-        (
-            "mlp.shared_expert.down_proj.weight",
-            "ffn_down_shexp.weight",
-        ),
-        ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
     ],
     globals: &[
         ("model.embed_tokens.weight", "token_embd.weight"),
@@ -100,6 +87,44 @@ const LLAMA: Naming = Naming {
             "ffn_down_exps.weight",
         ),
         ("block_sparse_moe.experts.*.w3.weight", "ffn_up_exps.weight"),
+    ],
+};
+
+/// Qwen2-MoE and OLMoE: the llama layout (OLMoE's Q and K norms span the whole
+/// projections) with a router, experts, and Qwen2-MoE's shared expert behind its gate.
+const QWEN_MOE: Naming = Naming {
+    optional_prefix: "",
+    layer_prefix: "model.layers.",
+    layers: &[
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.k_proj.bias", "attn_k.bias"),
+        ("self_attn.v_proj.bias", "attn_v.bias"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        // Dense layers (Qwen2-MoE's `mlp_only_layers`).
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+        ("mlp.gate.weight", "ffn_gate_inp.weight"),
+        (
+            "mlp.shared_expert.gate_proj.weight",
+            "ffn_gate_shexp.weight",
+        ),
+        ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+        (
+            "mlp.shared_expert.down_proj.weight",
+            "ffn_down_shexp.weight",
+        ),
+        ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+    ],
+    globals: LLAMA.globals,
+    experts: &[
         ("mlp.experts.*.gate_proj.weight", "ffn_gate_exps.weight"),
         ("mlp.experts.*.up_proj.weight", "ffn_up_exps.weight"),
         ("mlp.experts.*.down_proj.weight", "ffn_down_exps.weight"),
@@ -222,12 +247,13 @@ const GPT2: Naming = Naming {
     experts: &[],
 };
 
-const NAMINGS: [&Naming; 4] = [&LLAMA, &PHI3, &BERT, &GPT2];
+const NAMINGS: [&Naming; 5] = [&LLAMA, &PHI3, &BERT, &GPT2, &QWEN_MOE];
 
 /// The naming of a GGUF architecture.
 fn naming(gguf_arch: &str) -> Option<&'static Naming> {
     match gguf_arch {
-        "llama" | "qwen2" | "qwen3" | "qwen2moe" | "olmoe" => Some(&LLAMA),
+        "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
+        "qwen2moe" | "olmoe" => Some(&QWEN_MOE),
         "bert" => Some(&BERT),
         "phi3" => Some(&PHI3),
         "gemma2" => Some(&GEMMA2),
@@ -269,6 +295,18 @@ impl Naming {
         })
     }
 
+    /// Expert `e` of the stacked GGUF tensor `name` (`blk.L.ffn_up_exps.weight`).
+    fn expert_to_hf(&self, name: &str, e: u64) -> Option<String> {
+        let (layer, suffix) = name.strip_prefix("blk.")?.split_once('.')?;
+        let layer: u32 = layer.parse().ok()?;
+        let (h, _) = self.experts.iter().find(|(_, g)| *g == suffix)?;
+        Some(format!(
+            "{}{layer}.{}",
+            self.layer_prefix,
+            h.replacen('*', &e.to_string(), 1)
+        ))
+    }
+
     fn to_hf(&self, name: &str) -> Option<String> {
         if let Some((h, _)) = self.globals.iter().find(|(_, g)| *g == name) {
             return Some(h.to_string());
@@ -298,6 +336,12 @@ pub fn hf_to_gguf_in(gguf_arch: &str, name: &str) -> Option<String> {
 /// its expert number; None for any other tensor.
 pub fn hf_expert_to_gguf_in(gguf_arch: &str, name: &str) -> Option<(String, u32)> {
     naming(gguf_arch)?.expert_to_gguf(name)
+}
+
+/// The Hugging Face name of expert `e` of the stacked llama.cpp tensor `name`
+/// (`blk.3.ffn_up_exps.weight` → `model.layers.3.mlp.experts.5.up_proj.weight`).
+pub fn gguf_expert_to_hf(gguf_arch: &str, name: &str, e: u64) -> Option<String> {
+    naming(gguf_arch)?.expert_to_hf(name, e)
 }
 
 /// What llama.cpp's converter adds to the values of this tensor: 1 for Gemma's RMS
@@ -502,6 +546,28 @@ mod tests {
         assert_eq!(
             hf_expert_to_gguf_in("gpt2", "model.layers.1.mlp.experts.1.up_proj.weight"),
             None
+        );
+        assert_eq!(
+            hf_expert_to_gguf_in("llama", "model.layers.1.mlp.experts.1.up_proj.weight"),
+            None
+        );
+        // And back, per architecture: the router is Mixtral's or Qwen2-MoE's.
+        assert_eq!(
+            gguf_expert_to_hf("olmoe", "blk.15.ffn_down_exps.weight", 63).unwrap(),
+            "model.layers.15.mlp.experts.63.down_proj.weight"
+        );
+        assert_eq!(
+            gguf_expert_to_hf("llama", "blk.0.ffn_gate_exps.weight", 2).unwrap(),
+            "model.layers.0.block_sparse_moe.experts.2.w1.weight"
+        );
+        assert_eq!(gguf_expert_to_hf("llama", "blk.0.ffn_gate.weight", 2), None);
+        assert_eq!(
+            gguf_to_hf("qwen2moe", "blk.1.ffn_gate_inp.weight").unwrap(),
+            "model.layers.1.mlp.gate.weight"
+        );
+        assert_eq!(
+            gguf_to_hf("llama", "blk.1.ffn_gate_inp.weight").unwrap(),
+            "model.layers.1.block_sparse_moe.gate.weight"
         );
         assert_eq!(
             hf_to_gguf_in("qwen2moe", "model.layers.2.mlp.shared_expert_gate.weight").unwrap(),

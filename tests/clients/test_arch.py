@@ -21,7 +21,7 @@ MOE_ARCHS = ["mixtral", "qwen2moe", "olmoe"]
 # The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
 GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm", "phi3-long", *MOE_ARCHS]
 # The architectures whose GGUF files import.
-GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2", "llama-spm", "bert"]
+GGUF_IMPORT_ARCHS = ["qwen3", "phi3", "gemma2", "gpt2", "llama-spm", "bert", *MOE_ARCHS]
 # The default codec (about 5 bits per weight) may add at most this multiple of the
 # output error that plain 4-bit round-to-nearest (groups of 32, like Q4_0) adds to the
 # same matrices. Measured 0.80-1.07 on these models: random Gaussian weights are the
