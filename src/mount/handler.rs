@@ -114,7 +114,9 @@ impl ControlHandler {
 
     /// Pin infrastructure in model.gguf: 1-D tensors, the first `layers` layers and,
     /// given a prompt, the embedding blocks that hold its tokens (every block the router
-    /// scores above 0). All or nothing; returns the bytes reserved.
+    /// scores above 0); in a mixture of experts, everything but the experts (attention,
+    /// norms, routers, shared experts, embeddings, output), so that only experts compete
+    /// for the cache. All or nothing; returns the bytes reserved.
     pub(super) fn pin_infra(&self, layers: u32, prompt: Option<&str>) -> Result<u64, String> {
         let cache = self.fs.cache();
         let model = self.fs.archive().model();
@@ -131,9 +133,14 @@ impl ControlHandler {
                 spans.push(self.rows_chunks(ROUTE_FILE, s.tensor as usize, s.row0, s.row1)?);
             }
         }
+        use crate::model::names;
+        let arch = model.arch.gguf_arch.as_deref().unwrap_or_default();
+        let expert = |name: &str| names::hf_expert_to_gguf_in(arch, name).is_some();
+        let moe = model.tensors.iter().any(|t| expert(&t.name));
         for (i, t) in model.tensors.iter().enumerate() {
-            let early = crate::model::names::layer_of(&t.name).is_some_and(|l| l < layers);
-            if t.shape.len() <= 1 || early {
+            let early = names::layer_of(&t.name).is_some_and(|l| l < layers);
+            let infra = moe && !expert(&t.name) && names::hf_to_gguf_in(arch, &t.name).is_some();
+            if t.shape.len() <= 1 || early || infra {
                 spans.push(self.rows_chunks(ROUTE_FILE, i, 0, t.rows())?);
             }
         }

@@ -608,3 +608,26 @@ def greedy(llama_bin, gguf):
     need not be whole UTF-8 characters, and llama-simple prints each with printf (where
     llama-completion's logger thread may drop the last ones at exit)."""
     return run([llama_bin / "llama-simple", "-m", gguf, "-n", 24, PROMPT], text=False).stdout
+
+
+def test_moe_pin_infra_pins_all_but_the_experts(cawsfs, converted, work):
+    """--pin-infra on a mixture of experts pins every chunk of model.gguf that holds
+    attention, norms, routers, the embedding or the output, and no chunk that holds
+    experts only: those are left to compete for the cache."""
+    import gguf
+    archive = converted["mixtral", "default"]
+    with mounted(cawsfs, archive, work / "m", "--pin-infra", "--pin-infra-layers", "0") as (mp, _):
+        r = gguf.GGUFReader(mp / "model.gguf")
+        size = os.path.getsize(mp / "model.gguf")
+        stat = json.loads(run([cawsfs, "stat", mp, "--json"]).stdout)
+        spans = [(r.data_offset + t.data_offset, r.data_offset + t.data_offset + t.n_bytes,
+                  "_exps." in t.name) for t in r.tensors]
+        del r
+        gc.collect()
+    cs = stat["cache"]["chunk_size"]
+    infra = {c for a, b, exp in spans if not exp for c in range(a // cs, (b + cs - 1) // cs)}
+    experts_only = {c for a, b, exp in spans if exp
+                    for c in range(a // cs, (b + cs - 1) // cs)} - infra
+    assert infra and experts_only, (infra, experts_only)
+    want = sum(min(cs, size - c * cs) for c in infra)
+    assert stat["cache"]["pinned_bytes"] == want, (stat["cache"]["pinned_bytes"], want)
