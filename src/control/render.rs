@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use super::reply::{FileStat, StatReply};
+use super::reply::{FileStat, LatencyStat, StatReply};
 
 /// `1536` → `1.50 KiB`; bytes below 1 KiB are exact.
 pub fn human_bytes(n: u64) -> String {
@@ -504,17 +504,19 @@ pub fn render_prometheus(stats: &StatReply) -> String {
         family(&mut out, name, kind, help, &samples);
     }
     let secs = |us: Option<u64>| us.map(|us| (us as f64 / 1e6).to_string());
+    let quantiles = |l: &LatencyStat| -> Vec<(String, String)> {
+        [("0.5", l.p50), ("0.9", l.p90), ("0.99", l.p99)]
+            .into_iter()
+            .filter_map(|(q, us)| secs(us).map(|v| (format!("quantile=\"{q}\""), v)))
+            .collect()
+    };
     let l = &c.latency_us;
-    let quantiles: Vec<(String, String)> = [("0.5", l.p50), ("0.9", l.p90), ("0.99", l.p99)]
-        .into_iter()
-        .filter_map(|(q, us)| secs(us).map(|v| (format!("quantile=\"{q}\""), v)))
-        .collect();
     family(
         &mut out,
         "cawsfs_read_latency_seconds",
         "gauge",
         "Read latency quantiles.",
-        &quantiles,
+        &quantiles(l),
     );
     let max: Vec<_> = secs(l.max)
         .map(|v| (String::new(), v))
@@ -528,16 +530,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
         &max,
     );
     if let Some(l) = &c.load_latency_us {
-        let quantiles: Vec<(String, String)> = [("0.5", l.p50), ("0.9", l.p90), ("0.99", l.p99)]
-            .into_iter()
-            .filter_map(|(q, us)| secs(us).map(|v| (format!("quantile=\"{q}\""), v)))
-            .collect();
         family(
             &mut out,
             "cawsfs_chunk_load_latency_seconds",
             "gauge",
             "Chunk load (reconstruction) time quantiles.",
-            &quantiles,
+            &quantiles(l),
         );
     }
 

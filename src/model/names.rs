@@ -42,6 +42,8 @@ struct Naming {
     layer_prefix: &'static str,
     /// Per-layer suffixes: (Hugging Face, GGUF).
     layers: &'static [(&'static str, &'static str)],
+    /// A naming whose per-layer suffixes also apply, after these.
+    base: Option<&'static Naming>,
     /// Tensors outside the layers: (Hugging Face, GGUF).
     globals: &'static [(&'static str, &'static str)],
     /// Per-expert tensors of a layer, `*` standing for the expert number: (Hugging
@@ -51,6 +53,7 @@ struct Naming {
 
 /// llama, mistral, qwen2, qwen3, and Mixtral (a llama with experts).
 const LLAMA: Naming = Naming {
+    base: None,
     optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
@@ -96,21 +99,6 @@ const QWEN_MOE: Naming = Naming {
     optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
-        ("input_layernorm.weight", "attn_norm.weight"),
-        ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        ("self_attn.q_proj.weight", "attn_q.weight"),
-        ("self_attn.k_proj.weight", "attn_k.weight"),
-        ("self_attn.v_proj.weight", "attn_v.weight"),
-        ("self_attn.o_proj.weight", "attn_output.weight"),
-        ("self_attn.q_proj.bias", "attn_q.bias"),
-        ("self_attn.k_proj.bias", "attn_k.bias"),
-        ("self_attn.v_proj.bias", "attn_v.bias"),
-        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-        // Dense layers (Qwen2-MoE's `mlp_only_layers`).
-        ("mlp.gate_proj.weight", "ffn_gate.weight"),
-        ("mlp.up_proj.weight", "ffn_up.weight"),
-        ("mlp.down_proj.weight", "ffn_down.weight"),
         ("mlp.gate.weight", "ffn_gate_inp.weight"),
         (
             "mlp.shared_expert.gate_proj.weight",
@@ -123,6 +111,9 @@ const QWEN_MOE: Naming = Naming {
         ),
         ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
     ],
+    // Attention and dense layers (Qwen2-MoE's `mlp_only_layers`) as llama's; these
+    // come first, so their router is `mlp.gate`.
+    base: Some(&LLAMA),
     globals: LLAMA.globals,
     experts: &[
         ("mlp.experts.*.gate_proj.weight", "ffn_gate_exps.weight"),
@@ -134,6 +125,7 @@ const QWEN_MOE: Naming = Naming {
 /// Phi-3: the llama layout with fused Q/K/V and gate/up projections (`ffn_up` holds
 /// gate then up, which llama.cpp's SwiGLU splits in halves).
 const PHI3: Naming = Naming {
+    base: None,
     optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
@@ -151,6 +143,7 @@ const PHI3: Naming = Naming {
 /// Gemma 2: four norms per layer (around attention and around the MLP), the output
 /// head tied to the embedding.
 const GEMMA2: Naming = Naming {
+    base: None,
     optional_prefix: "",
     layer_prefix: "model.layers.",
     layers: &[
@@ -178,6 +171,7 @@ const GEMMA2: Naming = Naming {
 
 /// BERT encoders (llama.cpp's `bert`; `position_ids` and the pooler have no GGUF name).
 const BERT: Naming = Naming {
+    base: None,
     optional_prefix: "",
     layer_prefix: "encoder.layer.",
     layers: &[
@@ -221,6 +215,7 @@ const BERT: Naming = Naming {
 /// tied to the embedding. Its four projection matrices are `Conv1D`s, stored
 /// `[in, out]`: llama.cpp's converter transposes them ([`transposed`]).
 const GPT2: Naming = Naming {
+    base: None,
     optional_prefix: "transformer.",
     layer_prefix: "transformer.h.",
     layers: &[
@@ -263,6 +258,11 @@ fn naming(gguf_arch: &str) -> Option<&'static Naming> {
 }
 
 impl Naming {
+    fn layer_pairs(&self) -> impl Iterator<Item = &(&'static str, &'static str)> {
+        let base = self.base.map_or(&[][..], |b| b.layers);
+        self.layers.iter().chain(base)
+    }
+
     fn to_gguf(&self, name: &str) -> Option<String> {
         let p = self.optional_prefix;
         if !p.is_empty() && !name.starts_with(p) && name != "lm_head.weight" {
@@ -274,7 +274,7 @@ impl Naming {
         let rest = name.strip_prefix(self.layer_prefix)?;
         let (layer, suffix) = rest.split_once('.')?;
         let layer: u32 = layer.parse().ok()?;
-        let (_, g) = self.layers.iter().find(|(h, _)| *h == suffix)?;
+        let (_, g) = self.layer_pairs().find(|(h, _)| *h == suffix)?;
         Some(format!("blk.{layer}.{g}"))
     }
 
@@ -314,7 +314,7 @@ impl Naming {
         let rest = name.strip_prefix("blk.")?;
         let (layer, suffix) = rest.split_once('.')?;
         let layer: u32 = layer.parse().ok()?;
-        let (h, _) = self.layers.iter().find(|(_, g)| *g == suffix)?;
+        let (h, _) = self.layer_pairs().find(|(_, g)| *g == suffix)?;
         Some(format!("{}{layer}.{h}", self.layer_prefix))
     }
 }
