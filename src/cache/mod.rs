@@ -106,7 +106,7 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 256 * 1024;
 /// Default read-ahead depth in chunks for sequential readers: 16 MiB of 256 KiB chunks.
 /// On a 16-core machine a cold sequential pass ran at 0.46 x the FUSE ceiling with 16
 /// and 0.80 x with 64 (decoding on the prefetch workers' own threads; docs/CUDA.md).
-/// Never more than a quarter of the budget's chunks (`ChunkCache::readahead`).
+/// Never more than a sixteenth of the budget (`ChunkCache::readahead`).
 pub const DEFAULT_READAHEAD_CHUNKS: u64 = 64;
 /// Default bound on queued prefetch jobs; requests beyond it are dropped (counted).
 pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;

@@ -153,12 +153,14 @@ impl ChunkCache {
     /// Queue the chunks after a sequential read that ended in chunk `last_chunk`.
     pub(super) fn readahead(&self, file: u32, size: u64, last_chunk: u64, f: &FileState) {
         let sh = &*self.shared;
-        // A small cache keeps its other chunks: read-ahead past a quarter of the budget
-        // would evict what it loaded before the reader got there.
+        // A small cache keeps its other chunks (read-ahead past a share of the budget
+        // would evict what it loaded before the reader got there), and the disk tier's
+        // queue, a sixteenth of the budget, takes a read-ahead's copies without
+        // dropping them.
         let k = sh
             .cfg
             .readahead_chunks
-            .min((sh.cfg.budget_bytes / sh.cfg.chunk_size / 4).max(1));
+            .min((sh.cfg.budget_bytes / sh.cfg.chunk_size / 16).max(1));
         if k == 0 || lock(&sh.queue).workers == 0 {
             return;
         }

@@ -399,10 +399,10 @@ fn sequential_reads_trigger_read_ahead() {
 }
 
 #[test]
-fn read_ahead_keeps_to_a_quarter_of_the_budget() {
-    // 32 chunks of budget: a sequential read queues 8, not the default depth.
+fn read_ahead_keeps_to_a_sixteenth_of_the_budget() {
+    // 128 chunks of budget: a sequential read queues 8, not the default depth.
     let (cs, size) = (64, 64 * 100);
-    let c = ChunkCache::new(64 * 32, cs).unwrap();
+    let c = ChunkCache::new(64 * 128, cs).unwrap();
     c.start_prefetcher(1);
     let bg = Arc::new(AtomicU64::new(0));
     c.register_file(4, shared_loader(4, size, cs, bg.clone()));

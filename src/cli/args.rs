@@ -321,7 +321,7 @@ pub struct MountArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Chunks queued after a sequential read (0: no read-ahead by cawsfs; at most a
-    /// quarter of the cache budget).
+    /// sixteenth of the cache budget).
     #[arg(long, default_value_t = cawsfs::cache::DEFAULT_READAHEAD_CHUNKS)]
     pub readahead_chunks: u64,
     /// Eviction policy of the chunk cache.

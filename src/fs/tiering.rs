@@ -37,6 +37,8 @@ enum NotQueued {
     Read(String),
     /// The size bound is reached, or the writer is closing.
     Full,
+    /// Not in the cache, and not to be reconstructed.
+    NotResident,
 }
 
 impl std::fmt::Display for NotQueued {
@@ -44,6 +46,7 @@ impl std::fmt::Display for NotQueued {
         match self {
             NotQueued::Read(why) => f.write_str(why),
             NotQueued::Full => f.write_str("the disk tier's size bound was reached"),
+            NotQueued::NotResident => f.write_str("no longer in the chunk cache"),
         }
     }
 }
@@ -153,9 +156,12 @@ impl MountFs {
     }
 
     /// Before the daemon exits: stop the refill (waiting for the extent it is making),
-    /// then write and publish what is queued. Exiting with the refill or the writer in
-    /// the middle of an extent kept the tier files open (and locked) after the main
-    /// thread had exited, so `cawsfs umount` returned while they were still in use.
+    /// write and publish what is queued, then the dropped copies whose chunks the cache
+    /// still holds (a copy each, no decode), so that a file read whole before the
+    /// unmount is whole in the tier even when read-ahead outran the writer's queue.
+    /// Exiting with the refill or the writer in the middle of an extent kept the tier
+    /// files open (and locked) after the main thread had exited, so `cawsfs umount`
+    /// returned while they were still in use.
     pub fn stop_tier(&self) {
         let Some(t) = &self.tier else { return };
         t.stopping.store(true, Ordering::Relaxed);
@@ -165,6 +171,9 @@ impl MountFs {
             let _ = h.join();
         }
         t.writer.flush();
+        let done = self.refill(false);
+        t.refilled_extents.fetch_add(done, Ordering::Relaxed);
+        t.writer.flush();
     }
 
     /// Make again the extents whose copies the tier's writer dropped (its queue was
@@ -172,11 +181,20 @@ impl MountFs {
     /// tier and its next open is a passthrough one. Returns how many were written.
     pub fn refill_tier(&self) -> u64 {
         let Some(t) = &self.tier else { return 0 };
+        let done = self.refill(true);
+        t.refilled_extents.fetch_add(done, Ordering::Relaxed);
+        done
+    }
+
+    /// The refill's work: every dropped extent (`decode`: reconstructed when the cache
+    /// no longer holds it; else skipped), until the tier stops (when decoding).
+    fn refill(&self, decode: bool) -> u64 {
+        let Some(t) = &self.tier else { return 0 };
         let dropped = t.writer.take_dropped_when_idle();
         let mut buf = Vec::new();
         let mut done = 0;
         for (te, x) in dropped {
-            if t.stopping.load(Ordering::Relaxed) {
+            if decode && t.stopping.load(Ordering::Relaxed) {
                 break;
             }
             let Some(e) = self
@@ -191,14 +209,13 @@ impl MountFs {
                 continue;
             };
             buf.resize(len, 0);
-            match self.extent_to_tier(e, &te, x, &mut buf) {
+            match self.extent_to_tier(e, &te, x, &mut buf, decode) {
                 Ok(()) => done += 1,
                 Err(NotQueued::Full) => break,
                 // The read path has logged what went wrong; the extent stays missing.
-                Err(NotQueued::Read(_)) => continue,
+                Err(NotQueued::Read(_)) | Err(NotQueued::NotResident) => continue,
             }
         }
-        t.refilled_extents.fetch_add(done, Ordering::Relaxed);
         done
     }
 
@@ -212,6 +229,7 @@ impl MountFs {
         te: &Arc<tier::Entry>,
         x: u64,
         buf: &mut [u8],
+        decode: bool,
     ) -> Result<(), NotQueued> {
         let t = self.tier.as_ref().expect("called with a tier entry");
         let len = buf.len();
@@ -225,6 +243,9 @@ impl MountFs {
             } else {
                 Err(NotQueued::Full)
             };
+        }
+        if !decode {
+            return Err(NotQueued::NotResident);
         }
         match e
             .file
@@ -412,7 +433,7 @@ impl MountFs {
                         let len = te.extent_len(x).unwrap_or(0);
                         // A read may have filled it meanwhile.
                         if !te.has(x) {
-                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len]) {
+                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len], true) {
                                 job.fail(why.to_string());
                                 break;
                             }
