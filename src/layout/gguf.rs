@@ -73,16 +73,15 @@ pub(super) fn gguf_order(model: &ModelDesc) -> Result<Vec<(Vec<usize>, String)>,
             (n, _) if n.starts_with("output.") => (3, 0),
             _ => (0, 0),
         };
-        // A stack sorts where its first-named expert does.
-        let sort_name = match expert {
-            Some(_) => *first_expert
+        if expert.is_some() {
+            first_expert
                 .entry(g.clone())
                 .and_modify(|n| *n = (*n).min(t.name.as_str()))
-                .or_insert(t.name.as_str()),
-            None => t.name.as_str(),
-        };
-        v.push((group, layer, sort_name, expert.unwrap_or(0), i, g));
+                .or_insert(t.name.as_str());
+        }
+        v.push((group, layer, t.name.as_str(), expert.unwrap_or(0), i, g));
     }
+    // A stack sorts where its first-named expert does.
     for e in v.iter_mut() {
         if let Some(n) = first_expert.get(&e.5) {
             e.2 = n;
@@ -117,7 +116,7 @@ fn check_stack(
     let Some((parts, name)) = last else {
         return Ok(());
     };
-    if !name.contains("_exps.") {
+    if !is_stack(name) {
         return Ok(());
     }
     let shape = &model.tensors[parts[0]].shape;
