@@ -43,6 +43,13 @@ def entry_of(tier, size):
     return found[0]
 
 
+def assert_same_bytes(path, ref):
+    """`path` holds `ref`'s bytes. Compared apart from the assert: pytest's diff of two
+    100 MB byte strings takes longer than a test's time limit."""
+    whole = path.read_bytes() == ref.read_bytes()
+    assert whole, f"{path} differs from {ref}"
+
+
 @pytest.fixture()
 def tier(work, request):
     d = work / f"tier-{request.node.name}"
@@ -61,10 +68,7 @@ def test_restart_serves_from_the_tier_without_decoding(cawsfs, archives, work, e
     finally:
         m.close()
     data = entry_of(tier, ref.stat().st_size)
-    # Compared apart from the assert: pytest's diff of two 100 MB byte strings takes
-    # longer than the test's time limit.
-    whole = data.read_bytes() == ref.read_bytes()
-    assert whole, f"the tier's {data.name} differs from {ref}"
+    assert_same_bytes(data, ref)
 
     m = mount(cawsfs, path, work / "mnt-tier", tier)
     try:
@@ -111,7 +115,7 @@ def test_a_flipped_byte_in_the_tier_is_never_served(cawsfs, archives, work, expo
     finally:
         m.close()
     # The rewritten extent is whole again on disk.
-    assert data.read_bytes() == ref.read_bytes()
+    assert_same_bytes(data, ref)
 
 
 def test_a_damaged_index_is_dropped_and_rebuilt(cawsfs, archives, work, exported, tier):  # noqa: F811
@@ -152,7 +156,7 @@ def test_extents_a_full_queue_dropped_are_made_again(cawsfs, archives, work, exp
         assert "refilled" in run([cawsfs, "stat", m.mp]).stdout
     finally:
         m.close()
-    assert entry_of(tier, ref.stat().st_size).read_bytes() == ref.read_bytes()
+    assert_same_bytes(entry_of(tier, ref.stat().st_size), ref)
 
 
 def test_umount_during_a_refill_returns_with_the_tier_released(cawsfs, archives, work, exported, tier):  # noqa: F811
