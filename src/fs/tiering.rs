@@ -31,14 +31,15 @@ pub struct FsTier {
     refill_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
+/// How long an unmount may spend writing the copies the disk tier's writer dropped.
+const STOP_REFILL: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Why an extent was not queued for the tier.
 enum NotQueued {
     /// Reconstructing it failed (one line).
     Read(String),
     /// The size bound is reached, or the writer is closing.
     Full,
-    /// Not in the cache, and not to be reconstructed.
-    NotResident,
 }
 
 impl std::fmt::Display for NotQueued {
@@ -46,7 +47,6 @@ impl std::fmt::Display for NotQueued {
         match self {
             NotQueued::Read(why) => f.write_str(why),
             NotQueued::Full => f.write_str("the disk tier's size bound was reached"),
-            NotQueued::NotResident => f.write_str("no longer in the chunk cache"),
         }
     }
 }
@@ -156,9 +156,10 @@ impl MountFs {
     }
 
     /// Before the daemon exits: stop the refill (waiting for the extent it is making),
-    /// write and publish what is queued, then the dropped copies whose chunks the cache
-    /// still holds (a copy each, no decode), so that a file read whole before the
-    /// unmount is whole in the tier even when read-ahead outran the writer's queue.
+    /// write and publish what is queued, then the copies the writer dropped (from the
+    /// cache, else reconstructed; for at most [`STOP_REFILL`]), so that a file read
+    /// whole before the unmount is whole in the tier even when the reads outran the
+    /// writer and the refill had no idle moment to catch up.
     /// Exiting with the refill or the writer in the middle of an extent kept the tier
     /// files open (and locked) after the main thread had exited, so `cawsfs umount`
     /// returned while they were still in use.
@@ -171,9 +172,18 @@ impl MountFs {
             let _ = h.join();
         }
         t.writer.flush();
-        let done = self.refill(false);
+        let deadline = std::time::Instant::now() + STOP_REFILL;
+        let done = self.refill(Some(deadline));
         t.refilled_extents.fetch_add(done, Ordering::Relaxed);
         t.writer.flush();
+        let left = t.writer.take_dropped_when_idle().len();
+        if left > 0 {
+            tracing::info!(
+                "disk tier: {left} dropped extents not written in {} s at unmount; \
+                 the next mount reconstructs them",
+                STOP_REFILL.as_secs()
+            );
+        }
     }
 
     /// Make again the extents whose copies the tier's writer dropped (its queue was
@@ -181,20 +191,24 @@ impl MountFs {
     /// tier and its next open is a passthrough one. Returns how many were written.
     pub fn refill_tier(&self) -> u64 {
         let Some(t) = &self.tier else { return 0 };
-        let done = self.refill(true);
+        let done = self.refill(None);
         t.refilled_extents.fetch_add(done, Ordering::Relaxed);
         done
     }
 
-    /// The refill's work: every dropped extent (`decode`: reconstructed when the cache
-    /// no longer holds it; else skipped), until the tier stops (when decoding).
-    fn refill(&self, decode: bool) -> u64 {
+    /// The refill's work: every dropped extent, until the tier stops (`None`: the
+    /// background refill) or the deadline passes (at unmount).
+    fn refill(&self, deadline: Option<std::time::Instant>) -> u64 {
         let Some(t) = &self.tier else { return 0 };
         let dropped = t.writer.take_dropped_when_idle();
         let mut buf = Vec::new();
         let mut done = 0;
         for (te, x) in dropped {
-            if decode && t.stopping.load(Ordering::Relaxed) {
+            let over = match deadline {
+                None => t.stopping.load(Ordering::Relaxed),
+                Some(d) => std::time::Instant::now() > d,
+            };
+            if over {
                 break;
             }
             let Some(e) = self
@@ -209,11 +223,11 @@ impl MountFs {
                 continue;
             };
             buf.resize(len, 0);
-            match self.extent_to_tier(e, &te, x, &mut buf, decode) {
+            match self.extent_to_tier(e, &te, x, &mut buf) {
                 Ok(()) => done += 1,
                 Err(NotQueued::Full) => break,
                 // The read path has logged what went wrong; the extent stays missing.
-                Err(NotQueued::Read(_)) | Err(NotQueued::NotResident) => continue,
+                Err(NotQueued::Read(_)) => continue,
             }
         }
         done
@@ -229,7 +243,6 @@ impl MountFs {
         te: &Arc<tier::Entry>,
         x: u64,
         buf: &mut [u8],
-        decode: bool,
     ) -> Result<(), NotQueued> {
         let t = self.tier.as_ref().expect("called with a tier entry");
         let len = buf.len();
@@ -243,9 +256,6 @@ impl MountFs {
             } else {
                 Err(NotQueued::Full)
             };
-        }
-        if !decode {
-            return Err(NotQueued::NotResident);
         }
         match e
             .file
@@ -433,7 +443,7 @@ impl MountFs {
                         let len = te.extent_len(x).unwrap_or(0);
                         // A read may have filled it meanwhile.
                         if !te.has(x) {
-                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len], true) {
+                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len]) {
                                 job.fail(why.to_string());
                                 break;
                             }
