@@ -185,6 +185,12 @@ fn plan_tensors(
     let mut plans = Vec::with_capacity(file.tensors.len());
     let gguf_arch = arch.gguf_arch.as_deref().unwrap_or_default();
     for (gi, t) in file.tensors.iter().enumerate() {
+        if !quant::is_supported(t.ty) {
+            return Err(format!(
+                "tensor {}: ggml type {:?} is not supported",
+                t.name, t.ty
+            ));
+        }
         if t.ne.len() == 3 && t.name.contains("_exps.") {
             let (descs_e, plans_e) = split_experts(gi, t, gguf_arch)?;
             descs.extend(descs_e);
@@ -193,18 +199,7 @@ fn plan_tensors(
         }
         let name = names::gguf_to_hf(gguf_arch, &t.name)
             .ok_or_else(|| format!("tensor {} has no Hugging Face name", t.name))?;
-        if !quant::is_supported(t.ty) {
-            return Err(format!(
-                "tensor {}: ggml type {:?} is not supported",
-                t.name, t.ty
-            ));
-        }
-        let source = match t.ty {
-            GgmlType::F32 => SourceType::F32,
-            GgmlType::F16 => SourceType::F16,
-            GgmlType::BF16 => SourceType::BF16,
-            q => SourceType::Ggml(q),
-        };
+        let source = source_type(t.ty);
         let shape: Vec<u64> = t.ne.iter().rev().copied().collect();
         let (be, bb) = t.ty.block();
         let (units, unit_bytes, unit_elems) = if shape.len() <= 1 {
@@ -254,6 +249,16 @@ fn plan_tensors(
     Ok((descs, plans))
 }
 
+/// How the model describes a tensor stored as `ty`.
+fn source_type(ty: GgmlType) -> SourceType {
+    match ty {
+        GgmlType::F32 => SourceType::F32,
+        GgmlType::F16 => SourceType::F16,
+        GgmlType::BF16 => SourceType::BF16,
+        q => SourceType::Ggml(q),
+    }
+}
+
 /// A stack of experts (`ne = [cols, rows, n_expert]`) as one 2-D tensor per expert,
 /// under the Hugging Face names of the architecture, each its own rows' bytes.
 fn split_experts(
@@ -261,12 +266,6 @@ fn split_experts(
     t: &crate::gguf::GgufTensorInfo,
     gguf_arch: &str,
 ) -> Result<(Vec<TensorDesc>, Vec<TensorPlan>), String> {
-    if !quant::is_supported(t.ty) {
-        return Err(format!(
-            "tensor {}: ggml type {:?} is not supported",
-            t.name, t.ty
-        ));
-    }
     let (cols, rows, n) = (t.ne[0], t.ne[1], t.ne[2]);
     let per_expert = t.n_bytes.checked_div(n).unwrap_or(0);
     let row_bytes = per_expert.checked_div(rows).unwrap_or(0);
@@ -276,12 +275,7 @@ fn split_experts(
             t.name, t.n_bytes
         ));
     }
-    let source = match t.ty {
-        GgmlType::F32 => SourceType::F32,
-        GgmlType::F16 => SourceType::F16,
-        GgmlType::BF16 => SourceType::BF16,
-        q => SourceType::Ggml(q),
-    };
+    let source = source_type(t.ty);
     let mut descs = Vec::new();
     let mut plans = Vec::new();
     for e in 0..n {
