@@ -897,6 +897,7 @@ fn run_case(kind: Kind, setup: &Setup, ops: &[Op], tally: &Tally) -> Result<(), 
         prefetch_threads: setup.threads,
         router_eviction: setup.router_eviction,
         tier: None,
+        experts: FsOptions::default().experts,
     };
     let tier_dir = setup.tier.then(|| tempfile::tempdir().unwrap());
     let opts = FsOptions {

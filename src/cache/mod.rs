@@ -71,6 +71,7 @@
 //!
 //! This file holds the public types, the shared state and the demand read path.
 
+mod experts;
 mod flight;
 mod lru;
 mod prefetch;
@@ -85,6 +86,7 @@ mod shuttle_tests;
 #[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
+pub use experts::{ExpertMap, ExpertMode, ExpertStats};
 pub use stats::{CacheStats, FileStats, LatencyStats};
 pub use trace::{TraceEvent, TraceOutcome};
 
@@ -202,7 +204,11 @@ struct FileState {
     last_end: AtomicU64,
     /// First chunk not yet queued for read-ahead in the current sequential run.
     readahead_next: AtomicU64,
+    /// Where the current sequential run began.
+    run_start: AtomicU64,
     loader: Mutex<Option<ChunkLoader>>,
+    /// The file's expert predictor, for a mixture of experts (experts.rs).
+    experts: std::sync::OnceLock<experts::Predictor>,
 }
 
 /// Everything the cache shares with its prefetch workers (they hold an `Arc` of it).
@@ -445,10 +451,14 @@ impl ChunkCache {
             let prev = fstate.last_end.swap(offset + n, Relaxed);
             if n > 0 {
                 if prev == offset {
-                    self.readahead(file, file_size, (end - 1) / sh.cfg.chunk_size, &fstate);
+                    self.readahead(file, file_size, end, &fstate);
                 } else {
                     // A new run: forget what the previous run queued.
                     fstate.readahead_next.store(0, Relaxed);
+                    fstate.run_start.store(offset, Relaxed);
+                }
+                if let Some(p) = fstate.experts.get() {
+                    self.queue_experts(p, file, file_size, offset, n, &fstate);
                 }
             }
             Ok(reply(&parts))
@@ -499,6 +509,15 @@ impl ChunkCache {
                 }
             }
         }
+        if missing.is_empty() {
+            return Ok(Covering {
+                chunks: chunks.into_iter().flatten().collect(),
+                first,
+                end,
+            });
+        }
+        // The read waits for reconstruction: a stall (docs/MOE.md).
+        let t_stall = Instant::now();
         let fetch_one = |index: u64| -> Result<Arc<[u8]>, ReadError> {
             let len = sh
                 .chunk_len(file_size, index)
@@ -532,6 +551,12 @@ impl ChunkCache {
         } else {
             missing.iter().map(|&i| fetch_one(i)).collect()
         };
+        bump(&sh.counters.stalls);
+        bump(&fstate.counters.stalls);
+        add(
+            &sh.counters.stall_us,
+            u64::try_from(t_stall.elapsed().as_micros()).unwrap_or(u64::MAX),
+        );
         for (index, r) in missing.iter().zip(loaded) {
             chunks[(index - first) as usize] = Some(r?);
         }
@@ -661,6 +686,81 @@ impl ChunkCache {
             latency_us: sh.latency.snapshot(),
             load_latency_us: sh.load_latency.snapshot(),
             files,
+            stalls: c.stalls.load(Relaxed),
+            stall_us: c.stall_us.load(Relaxed),
+            experts: self.expert_stats(),
         }
+    }
+
+    fn expert_stats(&self) -> ExpertStats {
+        let mut s = ExpertStats::default();
+        for f in self
+            .shared
+            .files
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            if let Some(p) = f.experts.get() {
+                p.add_stats(&mut s);
+            }
+        }
+        s.finish();
+        s
+    }
+
+    /// Give file `file` an expert predictor over `map` (docs/MOE.md, "One step
+    /// ahead"); false if it has one already.
+    pub fn set_experts(&self, file: u32, map: ExpertMap, mode: ExpertMode) -> bool {
+        self.shared
+            .file_state(file)
+            .experts
+            .set(experts::Predictor::new(map, mode))
+            .is_ok()
+    }
+
+    /// What file `file`'s predictor learned, to keep under `key` (docs/MOE.md,
+    /// "Learned transitions"); None without a predictor or when nothing changed since
+    /// the last save or load.
+    pub fn save_experts(&self, file: u32, key: u128) -> Option<Vec<u8>> {
+        self.shared.file_state(file).experts.get()?.save(key)
+    }
+
+    /// Take back what [`save_experts`](Self::save_experts) returned; an error says why
+    /// the bytes do not fit this file (nothing is taken then).
+    pub fn load_experts(&self, file: u32, key: u128, bytes: &[u8]) -> Result<(), String> {
+        match self.shared.file_state(file).experts.get() {
+            Some(p) => p.load(key, bytes),
+            None => Err(format!("file {file} has no expert predictor")),
+        }
+    }
+
+    /// Tell `p` of a demand read and queue the experts it predicts.
+    fn queue_experts(
+        &self,
+        p: &experts::Predictor,
+        file: u32,
+        size: u64,
+        offset: u64,
+        n: u64,
+        f: &FileState,
+    ) {
+        let ranges = p.observe(f.run_start.load(Relaxed), offset, n);
+        if ranges.is_empty() || lock(&self.shared.queue).workers == 0 {
+            return;
+        }
+        let Some(loader) = lock(&f.loader).clone() else {
+            return;
+        };
+        let cs = self.shared.cfg.chunk_size;
+        let mut queued = 0;
+        for r in ranges {
+            // Beside demand loads, as read-ahead: the next layer's experts are needed
+            // within the time this layer's take.
+            queued +=
+                self.shared
+                    .enqueue(file, size, r.start / cs..r.end.div_ceil(cs), &loader, true);
+        }
+        p.queued(queued as u64);
     }
 }

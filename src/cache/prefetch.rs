@@ -32,7 +32,7 @@ pub(super) struct Queue {
 }
 
 impl Shared {
-    fn enqueue(
+    pub(super) fn enqueue(
         &self,
         file: u32,
         size: u64,
@@ -150,9 +150,10 @@ impl Shared {
 }
 
 impl ChunkCache {
-    /// Queue the chunks after a sequential read that ended in chunk `last_chunk`.
-    pub(super) fn readahead(&self, file: u32, size: u64, last_chunk: u64, f: &FileState) {
+    /// Queue the chunks after a sequential read that ended at byte `end`.
+    pub(super) fn readahead(&self, file: u32, size: u64, end: u64, f: &FileState) {
         let sh = &*self.shared;
+        let last_chunk = (end - 1) / sh.cfg.chunk_size;
         // A small cache keeps its other chunks (read-ahead past a share of the budget
         // would evict what it loaded before the reader got there), and the disk tier's
         // queue, a sixteenth of the budget, takes a read-ahead's copies without
@@ -168,10 +169,17 @@ impl ChunkCache {
             return;
         };
         let from = (last_chunk + 1).max(f.readahead_next.load(Relaxed));
-        let to = last_chunk
+        let mut to = last_chunk
             .saturating_add(1)
             .saturating_add(k)
             .min(sh.chunk_count(size));
+        // In a mixture of experts, a run inside an expert does not read ahead, and
+        // one before the experts stops at the first (experts.rs, `fence`).
+        if let Some(p) = f.experts.get() {
+            if let Some(fence) = p.map().fence(f.run_start.load(Relaxed), end) {
+                to = to.min(fence.div_ceil(sh.cfg.chunk_size));
+            }
+        }
         if from >= to {
             return;
         }

@@ -28,6 +28,8 @@ pub(crate) struct Counters {
     pub prefetch_skipped: AtomicU64,
     pub prefetch_dropped: AtomicU64,
     pub prefetch_errors: AtomicU64,
+    pub stalls: AtomicU64,
+    pub stall_us: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -46,6 +48,7 @@ pub(crate) struct FileCounters {
     pub prefetch_hits: AtomicU64,
     pub misses: AtomicU64,
     pub bytes_served: AtomicU64,
+    pub stalls: AtomicU64,
 }
 
 impl FileCounters {
@@ -57,6 +60,7 @@ impl FileCounters {
             prefetch_hits: self.prefetch_hits.load(Relaxed),
             misses: self.misses.load(Relaxed),
             bytes_served: self.bytes_served.load(Relaxed),
+            stalls: self.stalls.load(Relaxed),
         }
     }
 }
@@ -150,6 +154,9 @@ pub struct FileStats {
     pub prefetch_hits: u64,
     pub misses: u64,
     pub bytes_served: u64,
+    /// Reads that waited for at least one chunk to be reconstructed.
+    #[serde(default)]
+    pub stalls: u64,
 }
 
 /// A snapshot of the cache's state and counters.
@@ -216,4 +223,13 @@ pub struct CacheStats {
     #[serde(default)]
     pub load_latency_us: LatencyStats,
     pub files: Vec<FileStats>,
+    /// Reads that waited for at least one chunk to be reconstructed (or to finish
+    /// loading), and the time they waited in all.
+    #[serde(default)]
+    pub stalls: u64,
+    #[serde(default)]
+    pub stall_us: u64,
+    /// The expert predictors' counters (docs/MOE.md), zero without one.
+    #[serde(default)]
+    pub experts: super::ExpertStats,
 }

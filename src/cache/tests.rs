@@ -947,3 +947,81 @@ fn read_with_hands_out_one_part_per_chunk_touched() {
     // The bytes served count what the parts held, not what was asked for.
     assert_eq!(c.stats().bytes_served, 10 + 16 + 30 + 10);
 }
+
+#[test]
+fn expert_predictor_queues_the_next_layers_expert_and_read_ahead_stays_in_one() {
+    // 3 layers of 4 experts, each expert 4 chunks, one after another.
+    let (cs, per, layers, experts) = (64u64, 4u64, 3u32, 4u32);
+    let size = cs * per * u64::from(layers * experts);
+    let ext = |l: u32, e: u32| {
+        let a = u64::from(l * experts + e) * per * cs;
+        a..a + per * cs
+    };
+    let map = || {
+        let all = (0..layers).flat_map(|l| (0..experts).map(move |e| (l, e, ext(l, e))));
+        ExpertMap::new(experts, 1, all).unwrap()
+    };
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    c.start_prefetcher(1);
+    c.register_file(5, shared_loader(5, size, cs, Arc::new(AtomicU64::new(0))));
+    assert!(c.set_experts(5, map(), ExpertMode::Prefetch));
+    assert!(
+        !c.set_experts(5, map(), ExpertMode::Prefetch),
+        "one per file"
+    );
+    let demand = AtomicU64::new(0);
+    let l = loader(5, size, cs, &demand);
+    let r = reference(5, size);
+    // A sequential run inside expert 1 of layer 0 does not read ahead ...
+    let (x, y) = (ext(0, 1), ext(0, 2));
+    let at = x.start as usize;
+    assert_eq!(read_vec(&c, 5, size, x.start, 32, &l), r[at..at + 32]);
+    assert_eq!(
+        read_vec(&c, 5, size, x.start + 32, 32, &l),
+        r[at + 32..at + 64]
+    );
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert!(
+        !c.contains(key(5, x.start / cs + 1)),
+        "read ahead inside an expert"
+    );
+    // ... until the run has read more whole experts than a token uses (one here: it
+    // reads experts 1 and 2 whole): a reader of the whole file.
+    let len = (y.end - x.start) as usize;
+    assert_eq!(
+        read_vec(&c, 5, size, x.start + 64, len, &l),
+        r[at + 64..at + 64 + len]
+    );
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    assert!(
+        c.contains(key(5, y.end / cs + 1)),
+        "no read-ahead for a whole-file reader"
+    );
+    // Tokens route layer l to expert (t + l) % 4, one read in each expert they use.
+    for t in 0..40 {
+        for layer in 0..layers {
+            let e = (t + layer) % experts;
+            let off = ext(layer, e).start + cs + 8;
+            let got = read_vec(&c, 5, size, off, 16, &l);
+            assert_eq!(got, r[off as usize..off as usize + 16]);
+        }
+        assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    }
+    let s = c.stats();
+    let x = &s.experts;
+    assert_eq!((x.files, x.prefetch), (1, true));
+    assert!(x.precision > 0.9 && x.recall > 0.5, "{x:?}");
+    assert!(x.queued_chunks >= x.predicted * per, "{x:?}");
+    assert!(s.prefetch_hits > 0, "{s:?}");
+    assert!(s.stalls > 0 && s.stalls <= s.misses, "{s:?}");
+    assert!(s.stall_us > 0);
+    // What it learned, taken back by another cache of the same file only.
+    let saved = c.save_experts(5, 7).expect("learned");
+    let c2 = ChunkCache::new(1 << 20, cs).unwrap();
+    assert!(c2.load_experts(5, 7, &saved).is_err(), "no predictor yet");
+    c2.set_experts(5, map(), ExpertMode::Learn);
+    assert!(c2.load_experts(5, 8, &saved).is_err());
+    c2.load_experts(5, 7, &saved).unwrap();
+    assert!(c2.stats().experts.loaded_steps > 0);
+    assert!(!c2.stats().experts.prefetch);
+}

@@ -271,6 +271,17 @@ pub enum Eviction {
     Lru,
 }
 
+/// What a mixture of experts' predictor does (docs/MOE.md, "One step ahead").
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+pub enum ExpertPrefetch {
+    /// Learn which experts follow which and queue the next layer's.
+    On,
+    /// Learn and report precision and recall, queue nothing.
+    Learn,
+    /// No predictor.
+    Off,
+}
+
 #[derive(clap::Args)]
 pub struct MountArgs {
     pub archive: PathBuf,
@@ -327,6 +338,12 @@ pub struct MountArgs {
     /// Eviction policy of the chunk cache.
     #[arg(long, value_enum, default_value_t = Eviction::Router)]
     pub eviction: Eviction,
+    /// In a mixture of experts, learn which experts of the next layer follow the ones
+    /// being read (kept between mounts; precision and recall in stat), and with `on`
+    /// queue them. Learning only by default: on a 2-core machine queueing cost 3 to 7 %
+    /// of tokens/s (docs/MOE.md).
+    #[arg(long, value_enum, default_value_t = ExpertPrefetch::Learn)]
+    pub expert_prefetch: ExpertPrefetch,
     /// Pin infrastructure in model.gguf: norms and other 1-D tensors, and the first
     /// --pin-infra-layers layers. The mount fails if they do not fit the cache budget.
     #[arg(long)]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use procfs::process::Process;
 
-use super::args::{float_of, Eviction, MountArgs};
+use super::args::{float_of, Eviction, ExpertPrefetch, MountArgs};
 
 pub fn cmd_mount(a: MountArgs) -> Result<()> {
     if a.foreground {
@@ -52,6 +52,7 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
                     required: a.disk_cache.is_some(),
                     dir,
                 }),
+            experts: expert_options(a),
             ..Default::default()
         },
         threads: a.threads,
@@ -61,6 +62,21 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
         pin_prompt: a.pin_prompt.clone(),
         passthrough: !a.no_passthrough,
     }
+}
+
+/// The expert predictor's mode, and where it keeps what it learned: `experts/` in the
+/// disk tier's directory when one is given, else in the user's cawsfs cache.
+fn expert_options(a: &MountArgs) -> Option<cawsfs::fs::ExpertOptions> {
+    let mode = match a.expert_prefetch {
+        ExpertPrefetch::On => cawsfs::cache::ExpertMode::Prefetch,
+        ExpertPrefetch::Learn => cawsfs::cache::ExpertMode::Learn,
+        ExpertPrefetch::Off => return None,
+    };
+    let dir = match &a.disk_cache {
+        Some(d) => Some(d.join("experts")),
+        None => cawsfs::mount::default_cache_root().map(|d| d.join("experts")),
+    };
+    Some(cawsfs::fs::ExpertOptions { mode, dir })
 }
 
 /// Re-run this command line with `--foreground` as a session leader logging to a file

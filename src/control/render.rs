@@ -171,6 +171,36 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             count(l.count)
         );
     }
+    if let Some(n) = c.stalls.filter(|&n| n > 0) {
+        let waited = c.stall_us.unwrap_or(0) as f64;
+        let _ = writeln!(
+            out,
+            "stalls   {n} reads waited for reconstruction, {} in all (mean {})",
+            human_latency_us(waited),
+            human_latency_us(waited / n as f64)
+        );
+    }
+    if let Some(x) = &s.experts {
+        let pct = |r: f64| format!("{:.1}%", 100.0 * r);
+        let _ = writeln!(
+            out,
+            "experts  {} steps, {} after the layer before  predicted {}  read {} ({})  precision {}  recall {}  queued {} chunks{}{}",
+            x.steps,
+            x.transitions,
+            x.predicted,
+            x.read,
+            human_bytes(x.read_bytes),
+            pct(x.precision),
+            pct(x.recall),
+            x.queued_chunks,
+            if x.prefetch { "" } else { "  (learning only)" },
+            if x.loaded_steps > 0 {
+                format!("  (learned before: {} steps)", x.loaded_steps)
+            } else {
+                String::new()
+            },
+        );
+    }
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
@@ -332,7 +362,8 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let (c, a) = (&stats.cache, &stats.archive);
     let t = stats.tier.clone().unwrap_or_default();
     let d = stats.device.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 27] = [
+    let x = stats.experts.as_ref();
+    let simple: [(&str, &str, &str, Option<u64>); 33] = [
         (
             "cawsfs_cache_hits_total",
             "counter",
@@ -350,6 +381,42 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Reads that reconstructed at least one chunk.",
             c.misses,
+        ),
+        (
+            "cawsfs_read_stalls_total",
+            "counter",
+            "Reads that waited for reconstruction.",
+            c.stalls,
+        ),
+        (
+            "cawsfs_read_stall_microseconds_total",
+            "counter",
+            "Time reads waited for reconstruction.",
+            c.stall_us,
+        ),
+        (
+            "cawsfs_expert_steps_total",
+            "counter",
+            "Runs of reads in one layer's experts.",
+            x.map(|x| x.steps),
+        ),
+        (
+            "cawsfs_expert_predicted_total",
+            "counter",
+            "Experts the predictor chose for the next layer.",
+            x.map(|x| x.predicted),
+        ),
+        (
+            "cawsfs_expert_predicted_read_total",
+            "counter",
+            "Predicted experts that the next layer's reads then touched.",
+            x.map(|x| x.predicted_read),
+        ),
+        (
+            "cawsfs_expert_read_total",
+            "counter",
+            "Experts read in layers that followed the layer before (recall's denominator).",
+            x.map(|x| x.read),
         ),
         (
             "cawsfs_bytes_served_total",
@@ -639,8 +706,13 @@ mod tests {
                 "bytes_served": 1288490188u64, "bytes_loaded": 838860800u64, "evictions": 12,
                 "bytes_used": 1610612736u64, "pinned_bytes": 104857600u64, "budget": 2147483648u64,
                 "latency_us": {"p50": 120, "p90": 480, "p99": 2100, "max": 15000},
-                "load_latency_us": {"count": 900, "mean": 1500.5, "p50": 1023, "p90": 4095, "p99": 8191, "max": 9000}
+                "load_latency_us": {"count": 900, "mean": 1500.5, "p50": 1023, "p90": 4095, "p99": 8191, "max": 9000},
+                "stalls": 40, "stall_us": 120000
             },
+            "experts": {"files": 1, "prefetch": true, "steps": 900, "transitions": 700,
+                        "predicted": 600, "predicted_read": 450, "read": 750,
+                        "read_bytes": 3221225472u64, "precision": 0.75, "recall": 0.6,
+                        "queued_chunks": 2400, "loaded_steps": 0},
             "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
             "device": {"device": "cuda:0 (NVIDIA H100)", "gpu_batches": 340, "gpu_bytes": 1288490188u64,
                        "gpu_nanos": 250000000u64, "fallbacks": 2, "cpu_bytes": 4096,
@@ -679,6 +751,8 @@ mod tests {
             "evictions 12",
             "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
             "loads    mean 1.5 ms  p50 1.0 ms  p90 4.1 ms  p99 8.2 ms  max 9.0 ms  (900 chunks)\n",
+            "stalls   40 reads waited for reconstruction, 120.0 ms in all (mean 3.0 ms)\n",
+            "experts  900 steps, 700 after the layer before  predicted 600  read 750 (3.00 GiB)  precision 75.0%  recall 60.0%  queued 2400 chunks\n",
             "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB\n",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
@@ -756,6 +830,10 @@ mod tests {
             "cawsfs_read_latency_seconds{quantile=\"0.99\"} 0.0021\n",
             "cawsfs_read_latency_max_seconds 0.015\n",
             "cawsfs_chunk_load_latency_seconds{quantile=\"0.9\"} 0.004095\n",
+            "cawsfs_read_stalls_total 40\n",
+            "cawsfs_read_stall_microseconds_total 120000\n",
+            "cawsfs_expert_predicted_total 600\n",
+            "cawsfs_expert_predicted_read_total 450\n",
             "cawsfs_file_hits_total{file=\"config.json\"} 3\n",
             "cawsfs_file_bytes_served_total{file=\"we\\\"ird\\\\na\\nme\"} 1200000000\n",
         ] {

@@ -40,6 +40,9 @@ pub struct StatReply {
     /// Where reconstruction runs (`--device`) and what it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<crate::reconstruct::DeviceStats>,
+    /// The expert predictor of a mixture of experts (docs/MOE.md), when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<crate::cache::ExpertStats>,
 }
 
 /// `stat`'s `tier` section (docs/TIER.md): counters since mount and the entries' state.
@@ -152,6 +155,11 @@ pub struct CacheStat {
     /// apart from how long reads waited.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load_latency_us: Option<LatencyStat>,
+    /// Reads that waited for reconstruction, and how long they waited in all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stalls: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall_us: Option<u64>,
 }
 
 /// Latency in microseconds (whole reads, or chunk loads; percentiles are bucket upper

@@ -25,7 +25,9 @@ use crate::layout::{self, GgufView, LayoutError, VirtualFile};
 use crate::model::{FloatType, ReadError};
 use crate::tier;
 
+mod experts;
 mod tiering;
+pub use experts::ExpertOptions;
 use tiering::open_tier;
 pub use tiering::{FsTier, MaterializeError, Materializing, Passthrough};
 
@@ -46,6 +48,8 @@ pub struct FsOptions {
     pub router_eviction: bool,
     /// Keep reconstructed bytes on disk (docs/TIER.md); None: no disk tier.
     pub tier: Option<TierOptions>,
+    /// Predict and queue the next layer's experts (docs/MOE.md); None: off.
+    pub experts: Option<ExpertOptions>,
 }
 
 #[derive(Clone, Debug)]
@@ -70,6 +74,10 @@ impl Default for FsOptions {
             prefetch_threads: 2,
             router_eviction: true,
             tier: None,
+            experts: Some(ExpertOptions {
+                mode: crate::cache::ExpertMode::Learn,
+                dir: None,
+            }),
         }
     }
 }
@@ -143,6 +151,9 @@ pub struct MountFs {
     metadata: OnceLock<Metadata>,
     cache: Arc<ChunkCache>,
     tier: Option<Arc<FsTier>>,
+    experts: Vec<experts::Learned>,
+    /// The kernel read-ahead for this mount's files, KiB.
+    readahead_kb: u32,
     mtime: SystemTime,
     started: Instant,
 }
@@ -224,6 +235,11 @@ impl MountFs {
             };
             cache.register_file(file_id(e.ino), Arc::new(move |idx, buf| l.load(idx, buf)));
         }
+        let experts = match &opts.experts {
+            Some(x) => experts::start(archive.model(), archive.identity(), &entries, &cache, x),
+            None => Vec::new(),
+        };
+        let readahead_kb = experts::kernel_readahead_kb(archive.model(), &entries);
         if opts.prefetch_threads > 0 {
             cache.start_prefetcher(opts.prefetch_threads);
         }
@@ -236,6 +252,8 @@ impl MountFs {
             metadata: OnceLock::new(),
             cache,
             tier,
+            experts,
+            readahead_kb,
             mtime,
             started: Instant::now(),
         })

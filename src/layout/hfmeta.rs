@@ -52,6 +52,27 @@ fn gguf_key<'a>(model: &'a ModelDesc, key: &str) -> Option<&'a GgufValue> {
     meta_get(&model.gguf_meta, &format!("{arch}.{key}"))
 }
 
+/// How many experts a token uses: `num_experts_per_tok` (or its other names) of a
+/// Hugging Face source's config.json, `{arch}.expert_used_count` of a GGUF source.
+pub(super) fn experts_per_token(model: &ModelDesc) -> Option<u32> {
+    let from_config = model
+        .hf_files
+        .get("config.json")
+        .and_then(|b| serde_json::from_slice::<Value>(b).ok())
+        .and_then(|c| {
+            [
+                "num_experts_per_tok",
+                "num_experts_per_token",
+                "top_k_experts",
+            ]
+            .iter()
+            .find_map(|k| c.get(*k)?.as_u64())
+        });
+    from_config
+        .or_else(|| gguf_key(model, "expert_used_count")?.as_u64())
+        .and_then(|n| u32::try_from(n).ok())
+}
+
 /// GPT-2's config.json, in its own key names.
 fn gpt2_config(model: &ModelDesc) -> Value {
     let a = &model.arch;

@@ -44,6 +44,8 @@ pub struct MountOptions {
 
 /// How often the daemon returns freed heap pages to the system.
 const TRIM_EVERY: Duration = Duration::from_millis(200);
+/// How often learned expert transitions are written out while mounted.
+const SAVE_EXPERTS_EVERY: Duration = Duration::from_secs(30);
 
 /// Return the allocator's free pages to the system (glibc keeps them otherwise).
 fn trim_heap() {
@@ -147,6 +149,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     // the tokenizer's intermediate forms): hand those pages back before serving.
     trim_heap();
     let mut last_trim = std::time::Instant::now();
+    let mut last_save = last_trim;
     tracing::info!(
         "serving {} at {} (control socket {}; set up in {:?})",
         archive_path.display(),
@@ -160,6 +163,12 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         if last_trim.elapsed() >= TRIM_EVERY {
             trim_heap();
             last_trim = std::time::Instant::now();
+        }
+        // What the expert predictors learned goes to disk now and then, so that a
+        // crash loses at most that much of it.
+        if last_save.elapsed() >= SAVE_EXPERTS_EVERY {
+            fs.save_experts();
+            last_save = std::time::Instant::now();
         }
         if let Some(sig) = sigs.wait(Duration::from_millis(200)) {
             tracing::info!("signal {sig}: unmounting {}", mountpoint.display());
@@ -182,6 +191,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     finish(session, &canon, unmounted);
     // What the disk tier still has queued is written and published before exit.
     fs.stop_tier();
+    fs.save_experts();
     Ok(())
 }
 
@@ -189,17 +199,23 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
 /// `tier/` under `$CAWSFS_CACHE`, `$XDG_CACHE_HOME/cawsfs` or `~/.cache/cawsfs` (the
 /// first that is set); None when none is.
 pub fn default_tier_dir() -> Option<PathBuf> {
+    std::env::var_os("CAWSFS_TIER_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| default_cache_root().map(|d| d.join("tier")))
+}
+
+/// The user's cawsfs cache: `$CAWSFS_CACHE`, `$XDG_CACHE_HOME/cawsfs` or
+/// `~/.cache/cawsfs`.
+pub fn default_cache_root() -> Option<PathBuf> {
     let var = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    var("CAWSFS_TIER_DIR").or_else(|| {
-        var("CAWSFS_CACHE")
-            .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("cawsfs")))
-            .or_else(|| var("HOME").map(|d| d.join(".cache/cawsfs")))
-            .map(|d| d.join("tier"))
-    })
+    var("CAWSFS_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("cawsfs")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/cawsfs")))
 }
 
 /// The disk tier's default bound: a fifth of the free space where `dir` is (or would

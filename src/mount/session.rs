@@ -38,20 +38,22 @@ pub(super) fn mount(
     };
     config.n_threads = Some(opts.threads.max(1));
     config.clone_fd = true;
+    let kb = fs.kernel_readahead_kb();
     let session = fuser::spawn_mount(FuseAdapter::new(fs, opts.passthrough), mountpoint, &config)?;
-    raise_readahead(mountpoint);
+    raise_readahead(mountpoint, kb);
     Ok(session)
 }
 
-/// Raise the kernel read-ahead of this mount to 1 MiB through its bdi (root only; the
-/// FUSE init handshake caps it at 128 KiB). Failure only costs speed.
-fn raise_readahead(mountpoint: &Path) {
+/// Raise the kernel read-ahead of this mount to `kb` KiB (1 MiB, less for small experts:
+/// [`MountFs::kernel_readahead_kb`]) through its bdi (root only; the FUSE init handshake
+/// caps it at 128 KiB). Failure only costs speed.
+fn raise_readahead(mountpoint: &Path, kb: u32) {
     let Some(dev) = mount_device(mountpoint) else {
         tracing::debug!("no mountinfo entry for {}", mountpoint.display());
         return;
     };
     let p = format!("/sys/class/bdi/{dev}/read_ahead_kb");
-    if let Err(e) = std::fs::write(&p, "1024") {
+    if let Err(e) = std::fs::write(&p, kb.to_string()) {
         tracing::debug!("could not raise read-ahead via {p}: {e}");
     }
 }

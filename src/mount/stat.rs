@@ -65,6 +65,8 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
             tracing: Some(cache.tracing()),
             latency_us: latency(&c.latency_us),
             load_latency_us: Some(latency(&c.load_latency_us)),
+            stalls: Some(c.stalls),
+            stall_us: Some(c.stall_us),
         },
         archive: ArchiveStat {
             blocks_read: Some(a.blocks),
@@ -78,6 +80,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
         },
         files,
         mountpoint: Some(mountpoint.display().to_string()),
+        experts: (c.experts.files > 0).then(|| c.experts.clone()),
         tier: fs.tier().map(|t| {
             let w = t.writer_stats();
             let tiered = fs.tensor_files().iter().filter_map(|e| e.tier.as_ref());

@@ -631,3 +631,76 @@ def test_moe_pin_infra_pins_all_but_the_experts(cawsfs, converted, work):
     assert infra and experts_only, (infra, experts_only)
     want = sum(min(cs, size - c * cs) for c in infra)
     assert stat["cache"]["pinned_bytes"] == want, (stat["cache"]["pinned_bytes"], want)
+
+
+def test_moe_expert_predictor_learns_the_routing_and_keeps_it(cawsfs, converted, work):
+    """Reads of model.gguf that route each token's two experts of layer 0 to fixed
+    successors in layer 1 teach the mount's predictor, which then queues layer 1's
+    experts when layer 0's are read (precision, recall and prefetch hits in stat);
+    what it learned is written at unmount, taken back by the next mount, and a
+    corrupted file is refused in one log line."""
+    import gguf
+    archive = converted["mixtral", "default"]
+    tier = work / "tier"
+    # A cache of a few chunks, so that a token's experts are gone by the time they are
+    # used again and prefetches show.
+    args = ("--disk-cache", str(tier), "--no-passthrough", "--cache-size", "2MiB",
+            "--expert-prefetch", "on")
+
+    def experts_of(mp):
+        r = gguf.GGUFReader(mp / "model.gguf")
+        n = int(r.fields["llama.expert_count"].parts[-1][0])
+        out = {}
+        for t in r.tensors:
+            m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", t.name)
+            if m:
+                at, per = r.data_offset + t.data_offset, t.n_bytes // n
+                for e in range(n):
+                    out.setdefault((int(m.group(1)), e), []).append((at + e * per, per))
+        del r
+        gc.collect()
+        return n, out
+
+    def route(mp, tokens):
+        """Token t uses experts t, t+1 of layer 0 and t+1, t+2 of layer 1 (mod n): one
+        page in the middle of each of their gate, up and down matrices, read past the
+        page cache."""
+        n, ext = experts_of(mp)
+        fd = os.open(mp / "model.gguf", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for t in range(tokens):
+                for layer in (0, 1):
+                    for e in ((t + layer) % n, (t + layer + 1) % n):
+                        for at, per in ext[layer, e]:
+                            assert len(os.pread(fd, 4096, at + per // 2 - 2048)) == 4096
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return json.loads(run([cawsfs, "stat", mp, "--json"]).stdout)
+
+    with mounted(cawsfs, archive, work / "m", *args) as (mp, _):
+        s = route(mp, 80)
+    x = s["experts"]
+    assert x["prefetch"] and x["files"] >= 1, x
+    # Recall counts the first tokens too, before an expert has the 4 steps that make
+    # its transitions trusted (about 9 of the 80).
+    assert x["precision"] >= 0.9 and x["recall"] >= 0.85, x
+    assert x["queued_chunks"] > 0 and s["cache"]["prefetch_hits"] > 0, (x, s["cache"])
+    saved = list((tier / "experts").glob("*.xpred"))
+    assert len(saved) == 1, saved
+    with mounted(cawsfs, archive, work / "m", *args) as (mp, log):
+        s = route(mp, 2)
+        assert s["experts"]["loaded_steps"] > 0, s["experts"]
+        # Learned before: the first token's layer 1 experts were queued (its step,
+        # ended by the second token's first read, is scored).
+        assert s["experts"]["predicted_read"] == 2, s["experts"]
+        assert "learned before loaded" in open(log).read()
+    b = bytearray(saved[0].read_bytes())
+    b[40] ^= 1
+    saved[0].write_bytes(bytes(b))
+    with mounted(cawsfs, archive, work / "m", *args) as (mp, log):
+        s = route(mp, 1)
+        assert s["experts"]["loaded_steps"] == 0, s["experts"]
+        lines = [l for l in open(log) if ".xpred" in l]
+        assert len(lines) == 1 and "checksum mismatch" in lines[0], lines
