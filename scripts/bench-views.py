@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from memcg import Cgroup, drop_caches
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target/release/cawsfs")
 CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
@@ -67,45 +69,6 @@ class Mount:
 
 
 MOUNT_ARGS = []
-
-
-class Cgroup:
-    """A memory cgroup with a limit; v1 (memory controller) or v2, whichever is mounted."""
-
-    def __init__(self, limit):
-        v1 = "/sys/fs/cgroup/memory"
-        if os.path.isdir(v1):
-            self.dir = os.path.join(v1, "cawsfs-bench-views")
-            os.makedirs(self.dir, exist_ok=True)
-            self._write("memory.limit_in_bytes", limit)
-            self.peak_file = "memory.max_usage_in_bytes"
-        else:
-            self.dir = "/sys/fs/cgroup/cawsfs-bench-views"
-            os.makedirs(self.dir, exist_ok=True)
-            self._write("memory.max", limit)
-            self.peak_file = "memory.peak"
-        self.kind = "v1" if self.dir.startswith(v1) else "v2"
-
-    def _write(self, name, value):
-        with open(os.path.join(self.dir, name), "w") as f:
-            f.write(str(value))
-
-    def enter_cmd(self, argv):
-        """argv run by a shell that first moves itself into the cgroup."""
-        procs = os.path.join(self.dir, "cgroup.procs")
-        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
-
-    def close(self):
-        try:
-            os.rmdir(self.dir)
-        except OSError:
-            pass
-
-
-def drop_caches():
-    subprocess.run(["sync"])
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def run_child(argv):
@@ -191,7 +154,7 @@ def main():
             rows.append((label, view, sizes[path] / MiB, med[0], med[0] / base[0], med[1], med[1] / base[1]))
 
         limit = a.limit_mib * MiB
-        cg = Cgroup(limit)
+        cg = Cgroup("cawsfs-bench-views", limit)
         res = {c[2]: [] for c in cases}
         for _ in range(a.runs):
             for _, _, path in cases:
