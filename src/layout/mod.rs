@@ -17,6 +17,7 @@ use crate::gguf::quantize::{can_quantize, quantize};
 use crate::gguf::GgmlType;
 use crate::model::{FloatType, ModelDesc, PlainType, ReadError, RowSource};
 
+mod experts;
 mod gguf;
 mod hfmeta;
 mod packed;
@@ -29,6 +30,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
+pub use self::experts::{expert_extents, ExpertExtents};
 pub use self::gguf::gguf_pre_tokenizer_name;
 pub use self::preset::{fallback, preset_types, Preset, PresetModel, PresetTensor};
 pub use self::view::{
@@ -763,28 +765,6 @@ pub fn gguf_arch(model: &ModelDesc) -> Result<&str, LayoutError> {
             crate::model::names::GGUF_ARCHS.map(|(m, _)| m).join(", ")
         ))
     })
-}
-
-/// Where `file`'s experts lie, for the mount's expert predictor: `(layer, expert,
-/// byte range)` of every expert tensor it holds, and how many experts a token uses
-/// (None when the source does not say). Empty for a dense model.
-pub type ExpertExtents = (Vec<(u32, u32, std::ops::Range<u64>)>, Option<u32>);
-
-pub fn expert_extents(model: &ModelDesc, file: &VirtualFile) -> ExpertExtents {
-    use crate::model::names;
-    let Some(arch) = model.arch.gguf_arch.as_deref() else {
-        return (Vec::new(), None);
-    };
-    let extents = file
-        .tensor_ranges()
-        .into_iter()
-        .filter_map(|(i, a, b)| {
-            let name = &model.tensors.get(i)?.name;
-            let (_, e) = names::hf_expert_to_gguf_in(arch, name)?;
-            Some((names::layer_of(name)?, e, a..b))
-        })
-        .collect();
-    (extents, hfmeta::experts_per_token(model))
 }
 
 /// `model.gguf`: GGUF v3, llama.cpp names and metadata, data aligned to
