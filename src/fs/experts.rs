@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::xxh3_128;
 
 use super::{file_id, Entry, MountFs};
+use crate::archive::Store;
 use crate::cache::{ChunkCache, ExpertMap, ExpertMode};
 use crate::layout;
 use crate::model::ModelDesc;
@@ -36,12 +37,12 @@ pub(super) struct Learned {
 /// Give every tensor file that holds experts a predictor; load what an earlier mount
 /// of the same archive and view learned.
 pub(super) fn start(
-    model: &ModelDesc,
-    identity: u128,
+    archive: &dyn Store,
     entries: &[Entry],
     cache: &ChunkCache,
     opts: &ExpertOptions,
 ) -> Vec<Learned> {
+    let model = archive.model();
     let mut out = Vec::new();
     for e in entries.iter().filter(|e| e.cached) {
         let (extents, used) = layout::expert_extents(model, &e.file);
@@ -60,7 +61,8 @@ pub(super) fn start(
         cache.set_experts(file, map, opts.mode);
         let key = xxh3_128(
             format!(
-                "cawsfs-experts 1\narchive {identity:032x}\nfile {}\nlayout {:016x}\n",
+                "cawsfs-experts 1\narchive {:032x}\nfile {}\nlayout {:016x}\n",
+                archive.identity(),
                 e.name,
                 e.file.fingerprint()
             )

@@ -236,7 +236,7 @@ impl MountFs {
             cache.register_file(file_id(e.ino), Arc::new(move |idx, buf| l.load(idx, buf)));
         }
         let experts = match &opts.experts {
-            Some(x) => experts::start(archive.model(), archive.identity(), &entries, &cache, x),
+            Some(x) => experts::start(&*archive, &entries, &cache, x),
             None => Vec::new(),
         };
         let readahead_kb = experts::kernel_readahead_kb(archive.model(), &entries);
