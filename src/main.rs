@@ -12,8 +12,19 @@ use cli::{Cli, Cmd};
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CAWSFS_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+            // object_store logs each retry at info: one line per failure is ours to
+            // write (docs/REMOTE.md); CAWSFS_LOG=object_store=info shows them.
+            std::env::var("CAWSFS_LOG")
+                .ok()
+                .and_then(|v| {
+                    let v = if v.contains("object_store") {
+                        v
+                    } else {
+                        format!("{v},object_store=warn")
+                    };
+                    tracing_subscriber::EnvFilter::try_new(v).ok()
+                })
+                .unwrap_or_else(|| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

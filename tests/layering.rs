@@ -35,13 +35,15 @@ const LAYERS: &[&str] = &[
 /// Inside `archive`: rank of each part. Parts of equal rank may not name each other.
 const ARCHIVE: &[(&str, u32)] = &[
     ("error", 0),
-    ("file", 1),
-    ("store", 1),
-    ("container", 2),
-    ("cawsf", 3),
-    ("delta", 3),
-    ("npydir", 3),
-    ("open", 4),
+    ("aws_profile", 0),
+    ("remote", 1),
+    ("file", 2),
+    ("store", 2),
+    ("container", 3),
+    ("cawsf", 4),
+    ("delta", 4),
+    ("npydir", 4),
+    ("open", 5),
 ];
 
 fn rs_files(dir: &Path, out: &mut Vec<PathBuf>) {

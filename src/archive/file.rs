@@ -9,12 +9,16 @@
 //! byte. The copy costs little beside checksumming and decoding the block (docs/
 //! RELIABILITY.md has the measurement). A file replaced by rename keeps being read
 //! through the opened descriptor: the old archive, whole and consistent.
+//!
+//! A path that is a URL (`s3://`, `http(s)://`) opens the object instead
+//! ([`super::remote`]): the same reads, by byte range, with the object pinned the same way.
 
 use std::fs::{File, Metadata};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::remote::{self, RemoteObject};
 use crate::archive::ArchiveError;
 use crate::error::FileError;
 use crate::model::ReadError;
@@ -36,18 +40,32 @@ impl Stamp {
     }
 }
 
-/// An opened regular file of an archive.
+/// Where an archive file's bytes come from.
+enum Source {
+    Local { file: File, stamp: Stamp },
+    Remote(RemoteObject),
+}
+
+/// An opened regular file (or object) of an archive.
 pub struct ArchiveFile {
-    file: File,
+    source: Source,
     path: PathBuf,
-    stamp: Stamp,
     /// Set once the change has been logged, so a dead archive logs one line.
     reported: AtomicBool,
 }
 
 impl ArchiveFile {
-    /// Opens `path`, which must be a regular file (a FIFO would block every read).
+    /// Opens `path`, which must be a regular file (a FIFO would block every read), or
+    /// the object a URL names.
     pub fn open(path: &Path) -> Result<ArchiveFile, ArchiveError> {
+        if remote::is_url(path) {
+            let obj = RemoteObject::open(path)?;
+            return Ok(ArchiveFile {
+                path: PathBuf::from(obj.display()),
+                source: Source::Remote(obj),
+                reported: AtomicBool::new(false),
+            });
+        }
         let io = |e| FileError::io(path, e);
         let file = File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
@@ -55,20 +73,33 @@ impl ArchiveFile {
             return Err(FileError::invalid(path, "not a regular file"));
         }
         Ok(ArchiveFile {
-            file,
+            source: Source::Local {
+                file,
+                stamp: Stamp::of(&meta),
+            },
             path: path.to_path_buf(),
-            stamp: Stamp::of(&meta),
             reported: AtomicBool::new(false),
         })
     }
 
     /// The file's length when it was opened.
     pub fn len(&self) -> u64 {
-        self.stamp.len
+        match &self.source {
+            Source::Local { stamp, .. } => stamp.len,
+            Source::Remote(o) => o.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.stamp.len == 0
+        self.len() == 0
+    }
+
+    /// The object, when the archive is in object storage (for its fetch counters).
+    pub fn remote(&self) -> Option<&RemoteObject> {
+        match &self.source {
+            Source::Remote(o) => Some(o),
+            Source::Local { .. } => None,
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -104,7 +135,16 @@ impl ArchiveFile {
     }
 
     fn read_raw(&self, offset: u64, buf: &mut [u8]) -> Result<(), Fault> {
-        let read = self.file.read_exact_at(buf, offset);
+        let file = match &self.source {
+            Source::Local { file, .. } => file,
+            Source::Remote(o) => {
+                return o.read_into(offset, buf).map_err(|f| match f {
+                    remote::Failure::Changed(m) => Fault::Changed(m),
+                    remote::Failure::Fetch(m) => Fault::Io(std::io::Error::other(m)),
+                })
+            }
+        };
+        let read = file.read_exact_at(buf, offset);
         // Checked after the read: bytes read before an unchanged stamp are the opened
         // file's (any write since open would have moved mtime).
         self.check().map_err(Fault::Changed)?;
@@ -119,12 +159,16 @@ impl ArchiveFile {
 
     /// Err(why, without the path) if the file is no longer what was opened (logged,
     /// with the path, the first time).
+    /// (An object is checked by every request instead: see [`super::remote`].)
     pub fn check(&self) -> Result<(), String> {
-        let now = self.file.metadata().map(|m| Stamp::of(&m));
+        let Source::Local { file, stamp } = &self.source else {
+            return Ok(());
+        };
+        let now = file.metadata().map(|m| Stamp::of(&m));
         let what = match now {
-            Ok(s) if s == self.stamp => return Ok(()),
-            Ok(s) if s.len != self.stamp.len => {
-                format!("its size went from {} to {} bytes", self.stamp.len, s.len)
+            Ok(s) if s == *stamp => return Ok(()),
+            Ok(s) if s.len != stamp.len => {
+                format!("its size went from {} to {} bytes", stamp.len, s.len)
             }
             Ok(_) => "it was modified in place".to_string(),
             Err(e) => format!("fstat failed: {e}"),

@@ -2,6 +2,8 @@
 //!
 //! From the bottom up (a file imports only what is listed before it):
 //! - [`error`]: [`ArchiveError`], the one error every kind opens and reads with.
+//! - [`remote`] (with [`aws_profile`]): an archive file in object storage (`s3://`,
+//!   `http(s)://`), read by byte range, pinned at open.
 //! - [`file`]: [`file::ArchiveFile`], one file of an archive read with `pread` and
 //!   checked to be unchanged since open (a truncated or rewritten archive gives EIO,
 //!   never SIGBUS or mixed bytes).
@@ -16,6 +18,7 @@
 //! Turning a source model into an archive (choosing codecs, reports) is `convert`'s job;
 //! this layer only reads and writes the bytes.
 
+mod aws_profile;
 pub mod cawsf;
 pub mod container;
 pub mod delta;
@@ -23,6 +26,7 @@ pub mod error;
 pub mod file;
 pub mod npydir;
 mod open;
+pub mod remote;
 pub mod store;
 
 pub use container::routing::{encode_routing, parse_routing, Routing, Shard, ShardKind};

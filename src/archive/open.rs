@@ -9,7 +9,15 @@ use super::npydir::NpyDir;
 use super::{ArchiveError, Store};
 
 /// Open an archive of any kind: a directory is an npy-dir, a file is told by its magic.
+/// A URL (`s3://`, `http(s)://`) names a `.cawsf` or delta object (docs/REMOTE.md).
 pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
+    if super::remote::is_url(path) {
+        let f = super::file::ArchiveFile::open(path)?;
+        if f.len() >= 8 && super::delta::is_magic(&f.read_head(0, 8)?) {
+            return Ok(Arc::new(DeltaArchive::open_file(f)?));
+        }
+        return Ok(Arc::new(CawsfArchive::open_file(f)?));
+    }
     let meta = std::fs::metadata(path).map_err(|source| ArchiveError::Io {
         path: path.display().to_string(),
         source,

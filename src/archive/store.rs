@@ -108,6 +108,10 @@ pub trait Store: RowSource {
         false
     }
     fn read_counters(&self) -> ReadCounterSnapshot;
+    /// The requests made so far, when the archive is an object in storage.
+    fn fetch_stats(&self) -> Option<super::remote::FetchSnapshot> {
+        None
+    }
     /// Conversion report and other free-form metadata (JSON null when none).
     fn extra(&self) -> serde_json::Value {
         serde_json::Value::Null

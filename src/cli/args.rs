@@ -18,6 +18,10 @@ use cawsfs::reconstruct::DeviceChoice;
 pub struct Cli {
     #[command(subcommand)]
     pub cmd: Cmd,
+    /// The S3 endpoint for s3:// archives (an S3-compatible server, path-style); by
+    /// default AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS itself (docs/REMOTE.md).
+    #[arg(long, global = true, value_name = "URL")]
+    pub endpoint: Option<String>,
 }
 
 #[derive(Subcommand)]

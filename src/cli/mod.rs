@@ -30,6 +30,10 @@ pub fn init_device(d: &args::DeviceArgs, quiet: bool) -> Result<()> {
 
 /// Run one parsed command.
 pub fn run(cli: Cli) -> Result<()> {
+    if let Some(e) = &cli.endpoint {
+        // Read where the store is built (archive::remote); set before any thread starts.
+        std::env::set_var("CAWSFS_S3_ENDPOINT", e);
+    }
     match cli.cmd {
         Cmd::Convert(a) => convert::cmd_convert(a),
         Cmd::Inspect {

@@ -201,6 +201,22 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             },
         );
     }
+    if let Some(f) = &s.fetch {
+        let _ = writeln!(
+            out,
+            "fetch    {}  {} requests  {} fetched ({} read ahead)  {} failed  latency p50 {} p90 {} p99 {}  parts {} hit {} missed",
+            f.url,
+            f.requests,
+            human_bytes(f.bytes_fetched),
+            human_bytes(f.readahead_bytes),
+            f.failed_requests,
+            human_latency_us(f.latency_p50_us as f64),
+            human_latency_us(f.latency_p90_us as f64),
+            human_latency_us(f.latency_p99_us as f64),
+            f.part_hits,
+            f.part_misses,
+        );
+    }
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
@@ -363,7 +379,56 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let t = stats.tier.clone().unwrap_or_default();
     let d = stats.device.as_ref();
     let x = stats.experts.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 33] = [
+    let f = stats.fetch.as_ref();
+    let simple: [(&str, &str, &str, Option<u64>); 41] = [
+        (
+            "cawsfs_fetch_requests_total",
+            "counter",
+            "Range requests to the archive's object store.",
+            f.map(|f| f.requests),
+        ),
+        (
+            "cawsfs_fetch_bytes_total",
+            "counter",
+            "Bytes fetched from the archive's object store.",
+            f.map(|f| f.bytes_fetched),
+        ),
+        (
+            "cawsfs_fetch_readahead_bytes_total",
+            "counter",
+            "Bytes fetched ahead of sequential reads.",
+            f.map(|f| f.readahead_bytes),
+        ),
+        (
+            "cawsfs_fetch_failed_requests_total",
+            "counter",
+            "Requests that failed after their retries.",
+            f.map(|f| f.failed_requests),
+        ),
+        (
+            "cawsfs_fetch_part_hits_total",
+            "counter",
+            "Archive parts found in memory, already fetched.",
+            f.map(|f| f.part_hits),
+        ),
+        (
+            "cawsfs_fetch_latency_p50_microseconds",
+            "gauge",
+            "Median request latency (upper bound of its power-of-two bucket).",
+            f.map(|f| f.latency_p50_us),
+        ),
+        (
+            "cawsfs_fetch_latency_p90_microseconds",
+            "gauge",
+            "90th percentile request latency (bucket upper bound).",
+            f.map(|f| f.latency_p90_us),
+        ),
+        (
+            "cawsfs_fetch_latency_p99_microseconds",
+            "gauge",
+            "99th percentile request latency (bucket upper bound).",
+            f.map(|f| f.latency_p99_us),
+        ),
         (
             "cawsfs_cache_hits_total",
             "counter",

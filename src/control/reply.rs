@@ -43,6 +43,9 @@ pub struct StatReply {
     /// The expert predictor of a mixture of experts (docs/MOE.md), when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts: Option<crate::cache::ExpertStats>,
+    /// Requests to object storage, when the archive is an object there (docs/REMOTE.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetch: Option<crate::archive::remote::FetchSnapshot>,
 }
 
 /// `stat`'s `tier` section (docs/TIER.md): counters since mount and the entries' state.

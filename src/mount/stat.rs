@@ -81,6 +81,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
         files,
         mountpoint: Some(mountpoint.display().to_string()),
         experts: (c.experts.files > 0).then(|| c.experts.clone()),
+        fetch: fs.archive().fetch_stats(),
         tier: fs.tier().map(|t| {
             let w = t.writer_stats();
             let tiered = fs.tensor_files().iter().filter_map(|e| e.tier.as_ref());

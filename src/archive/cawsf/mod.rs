@@ -77,9 +77,14 @@ pub struct CawsfArchive {
 
 impl CawsfArchive {
     pub fn open(path: &Path) -> Result<CawsfArchive, ArchiveError> {
+        Self::open_file(ArchiveFile::open(path)?)
+    }
+
+    /// [`CawsfArchive::open`] of a file (or object) already opened.
+    pub fn open_file(file: ArchiveFile) -> Result<CawsfArchive, ArchiveError> {
         let Opened {
             container: c, meta, ..
-        } = Container::open::<CawsfContainer>(path)?;
+        } = Container::open_file::<CawsfContainer>(file)?;
         let cb_rec = c.required(SEC_CODEBOOKS)?;
         let bank_rec = c.required(SEC_SHARD_BANK)?;
 
@@ -690,6 +695,9 @@ impl Store for CawsfArchive {
     }
     fn read_counters(&self) -> ReadCounterSnapshot {
         CawsfArchive::read_counters(self)
+    }
+    fn fetch_stats(&self) -> Option<crate::archive::remote::FetchSnapshot> {
+        self.file.remote().map(|o| o.snapshot())
     }
     fn extra(&self) -> serde_json::Value {
         CawsfArchive::extra(self).clone()

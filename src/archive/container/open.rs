@@ -85,8 +85,13 @@ pub fn u64_at(data: &[u8], at: usize) -> Option<u64> {
 impl Container {
     /// Open `path` as a container of kind `K` and read its META.
     pub fn open<K: ContainerKind>(path: &Path) -> Result<Opened<K>, ArchiveError> {
+        Self::open_file(ArchiveFile::open(path)?)
+    }
+
+    /// [`Container::open`] of a file already opened (an object whose magic was read).
+    pub fn open_file<K: ContainerKind>(file: ArchiveFile) -> Result<Opened<K>, ArchiveError> {
+        let path = &file.path().to_path_buf();
         let bad = |r: String| invalid(path, r);
-        let file = ArchiveFile::open(path)?;
         let len = file.len();
         let min_len = K::HEADER_FIXED + 8;
         if len < min_len as u64 {

@@ -14,5 +14,5 @@ mod reader;
 mod tests;
 mod writer;
 
-pub use reader::{has_magic, DeltaArchive};
+pub use reader::{has_magic, is_magic, DeltaArchive};
 pub use writer::DeltaWriter;

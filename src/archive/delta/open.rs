@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use super::format::*;
 use super::reader::{BaseEntry, DeltaArchive, SharedCache, TensorEntry, TensorKind};
+use crate::archive::file::ArchiveFile;
 use crate::archive::{ArchiveError, ReadCounters};
 use crate::codec;
 use crate::model::TensorDesc;
@@ -21,11 +22,16 @@ fn blob_usize_ok(csize: u32, usize: u32) -> bool {
 
 impl DeltaArchive {
     pub fn open(path: &Path) -> Result<DeltaArchive, ArchiveError> {
+        Self::open_file(ArchiveFile::open(path)?)
+    }
+
+    /// [`DeltaArchive::open`] of a file (or object) already opened.
+    pub fn open_file(file: ArchiveFile) -> Result<DeltaArchive, ArchiveError> {
         let Opened {
             container: c,
             header,
             meta,
-        } = Container::open::<DeltaContainer>(path)?;
+        } = Container::open_file::<DeltaContainer>(file)?;
         let data_rec = c.required(SEC_DATA)?;
         let index = blob_index(&c, data_rec.size)?;
         let routing = c.load_optional(SEC_ROUTING)?;

@@ -94,7 +94,12 @@ pub fn has_magic(path: &Path) -> bool {
     let mut m = [0u8; 8];
     File::open(path)
         .and_then(|mut f| f.read_exact(&mut m))
-        .is_ok_and(|_| m == MAGIC)
+        .is_ok_and(|_| is_magic(&m))
+}
+
+/// Whether a file's first bytes are a delta archive's magic.
+pub fn is_magic(head: &[u8]) -> bool {
+    head.starts_with(&MAGIC)
 }
 
 impl DeltaArchive {
@@ -463,6 +468,9 @@ impl Store for DeltaArchive {
     }
     fn read_counters(&self) -> ReadCounterSnapshot {
         self.counters.snapshot()
+    }
+    fn fetch_stats(&self) -> Option<crate::archive::remote::FetchSnapshot> {
+        self.file.remote().map(|o| o.snapshot())
     }
     fn extra(&self) -> serde_json::Value {
         self.extra.clone()

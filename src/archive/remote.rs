@@ -1,0 +1,711 @@
+//! An archive file in object storage: `s3://BUCKET/KEY`, `https://HOST/PATH` or
+//! `http://…`, read by byte range through `object_store` (docs/REMOTE.md).
+//!
+//! The object is pinned at open: its size and ETag (or, without one, its modification
+//! time) from a HEAD request. Every GET carries `If-Match` and its answer is checked
+//! against the pin, so a replaced object fails reads (EIO and one log line) instead of
+//! serving a mix of two archives; the block checksums above catch the rest.
+//!
+//! Bytes are fetched in aligned parts of [`PART`] bytes, adjacent missing parts of one
+//! read coalesced into one request of at most [`MAX_REQUEST`]. Fetched parts stay in a
+//! small LRU in memory ([`MEMORY`]) with single-flight: a part being fetched is waited
+//! for, never fetched twice. A reader that continues where one of the last few streams
+//! of reads ended gets read-ahead, a window that doubles from [`READAHEAD_MIN`] to
+//! [`READAHEAD_MAX`] each time the stream continues, fetched in the background.
+//!
+//! `object_store` is async: one small tokio runtime of this module runs every request;
+//! readers (FUSE threads, `export`'s workers) block on a condition variable until the
+//! parts they need arrive. Requests time out and are retried with exponential backoff
+//! and jitter by `object_store` itself ([`retry_config`]); when the attempts are spent
+//! that read fails with EIO, and the next read tries again.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use object_store::{GetOptions, GetRange, ObjectStore};
+
+use crate::archive::ArchiveError;
+
+/// The unit of fetching and of the in-memory part cache.
+pub const PART: u64 = 256 << 10;
+/// The longest single GET: adjacent missing parts coalesce up to this.
+pub const MAX_REQUEST: u64 = 8 << 20;
+/// Fetched parts kept in memory (read-ahead lands here until it is read).
+pub const MEMORY: u64 = 64 << 20;
+/// The first read-ahead window of a stream, and the most it grows to.
+pub const READAHEAD_MIN: u64 = 1 << 20;
+pub const READAHEAD_MAX: u64 = 32 << 20;
+/// Requests in flight per object at most, for reads waiting and for read-ahead each
+/// (so a reader never queues behind read-ahead); more wait their turn before they
+/// start, so a queue never counts against a request's timeout.
+const IN_FLIGHT: usize = 4;
+/// Streams of sequential reads followed at once (FUSE threads and prefetch workers
+/// each read their own run of the archive).
+const STREAMS: usize = 8;
+/// A reader never waits longer than this for a part (the requests' own timeouts and
+/// retries end well before; this only guards against a lost wake-up).
+const WAIT_LIMIT: Duration = Duration::from_secs(600);
+
+/// Whether an archive argument names an object rather than a local path.
+pub fn is_url(path: &Path) -> bool {
+    path.to_str().is_some_and(|s| {
+        ["s3://", "http://", "https://"]
+            .iter()
+            .any(|p| s.len() > p.len() && s[..p.len()].eq_ignore_ascii_case(p))
+    })
+}
+
+/// The runtime every request runs on: two workers are plenty for I/O-bound tasks.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("cawsfs-fetch")
+            .enable_all()
+            .build()
+            .expect("starting the fetch runtime")
+    })
+}
+
+/// Timeouts and retries for every request (object_store backs off exponentially with
+/// jitter on 5xx, throttling and connection errors).
+fn retry_config() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        backoff: object_store::BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            base: 2.0,
+        },
+        max_retries: env_u64("CAWSFS_FETCH_RETRIES", 6) as usize,
+        retry_timeout: Duration::from_secs(env_u64("CAWSFS_FETCH_RETRY_TIMEOUT_S", 60)),
+    }
+}
+
+fn client_options() -> object_store::ClientOptions {
+    object_store::ClientOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(env_u64("CAWSFS_FETCH_TIMEOUT_S", 30)))
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `url` without credentials or query: what logs, errors and `stat` show.
+fn redact(url: &url::Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    u.set_query(None);
+    u.set_fragment(None);
+    u.to_string()
+}
+
+/// One line of an object_store error (its sources joined, newlines folded).
+fn one_line(e: &object_store::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(x) = src {
+        let t = x.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = x.source();
+    }
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The store and the object's path in it, from a URL.
+fn store_for(url: &url::Url) -> Result<(Arc<dyn ObjectStore>, object_store::path::Path), String> {
+    let key = url.path().trim_start_matches('/');
+    if key.is_empty() || key.ends_with('/') {
+        return Err("names no object (a key is needed after the bucket or host)".into());
+    }
+    let location =
+        object_store::path::Path::parse(key).map_err(|e| format!("bad object path: {e}"))?;
+    let store: Arc<dyn ObjectStore> = match url.scheme() {
+        "s3" => {
+            let bucket = url.host_str().ok_or("no bucket in the URL")?;
+            // The standard environment (AWS_ACCESS_KEY_ID, AWS_REGION, AWS_ENDPOINT_URL,
+            // AWS_PROFILE's files, instance and container credentials).
+            let mut b = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry_config())
+                .with_client_options(client_options());
+            for (k, v) in super::aws_profile::settings() {
+                b = b.with_config(k, v);
+            }
+            if let Some(e) = endpoint() {
+                // An endpoint given as http:// is meant to be used (a local server).
+                b = b.with_allow_http(e.starts_with("http://")).with_endpoint(e);
+            }
+            Arc::new(b.build().map_err(|e| one_line(&e))?)
+        }
+        "http" | "https" => {
+            let base = format!(
+                "{}://{}",
+                url.scheme(),
+                &url[url::Position::BeforeHost..url::Position::AfterPort]
+            );
+            let b = object_store::http::HttpBuilder::new()
+                .with_url(base)
+                .with_retry(retry_config())
+                .with_client_options(client_options().with_allow_http(true));
+            Arc::new(b.build().map_err(|e| one_line(&e))?)
+        }
+        s => return Err(format!("unsupported scheme {s}:// (s3, http, https)")),
+    };
+    Ok((store, location))
+}
+
+/// `--endpoint` (set by the CLI in CAWSFS_S3_ENDPOINT) or the standard variables.
+fn endpoint() -> Option<String> {
+    [
+        "CAWSFS_S3_ENDPOINT",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ENDPOINT_URL",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+}
+
+/// Counters of one object's requests, for `stat`.
+#[derive(Default)]
+pub struct FetchStats {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    failed: AtomicU64,
+    part_hits: AtomicU64,
+    part_misses: AtomicU64,
+    readahead_bytes: AtomicU64,
+    /// Request latencies in power-of-two buckets of microseconds.
+    latency: [AtomicU64; 32],
+}
+
+/// What [`FetchStats`] held at one moment (`stat`'s `fetch` section).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct FetchSnapshot {
+    pub url: String,
+    pub object_bytes: u64,
+    pub requests: u64,
+    pub bytes_fetched: u64,
+    pub failed_requests: u64,
+    pub part_hits: u64,
+    pub part_misses: u64,
+    pub readahead_bytes: u64,
+    /// Latency percentiles (upper bounds of their buckets), microseconds.
+    pub latency_p50_us: u64,
+    pub latency_p90_us: u64,
+    pub latency_p99_us: u64,
+}
+
+impl FetchStats {
+    fn record(&self, bytes: u64, took: Duration, ok: bool) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if ok {
+            self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        let us = took.as_micros().max(1) as u64;
+        let b = (63 - us.leading_zeros() as usize).min(31);
+        self.latency[b].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn percentile(&self, q: f64) -> u64 {
+        let counts: Vec<u64> = self
+            .latency
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        let want = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (b, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= want {
+                return 2u64 << b;
+            }
+        }
+        2u64 << 31
+    }
+}
+
+/// The result a waiting reader gets for one part.
+type PartResult = Result<Bytes, Failure>;
+
+#[derive(Clone, Debug)]
+pub enum Failure {
+    /// The object is no longer the one opened.
+    Changed(String),
+    /// The request failed (after its retries).
+    Fetch(String),
+}
+
+/// One part being fetched: readers wait on it.
+struct Pending {
+    done: Mutex<Option<PartResult>>,
+    cv: Condvar,
+}
+
+impl Pending {
+    fn new() -> Arc<Pending> {
+        Arc::new(Pending {
+            done: Mutex::new(None),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn finish(&self, r: PartResult) {
+        *self.done.lock().unwrap() = Some(r);
+        self.cv.notify_all();
+    }
+
+    fn wait(&self) -> PartResult {
+        let deadline = Instant::now() + WAIT_LIMIT;
+        let mut g = self.done.lock().unwrap();
+        loop {
+            if let Some(r) = g.as_ref() {
+                return r.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Failure::Fetch("timed out waiting for the fetch".into()));
+            }
+            g = self.cv.wait_timeout(g, left).unwrap().0;
+        }
+    }
+}
+
+struct Parts {
+    ready: lru::LruCache<u64, Bytes>,
+    loading: HashMap<u64, Arc<Pending>>,
+}
+
+/// A stream of sequential reads: where it ends, how far ahead it is fetched, its window.
+#[derive(Clone, Copy)]
+struct Stream {
+    next: u64,
+    fetched_to: u64,
+    window: u64,
+    used: u64,
+}
+
+struct Inner {
+    display: String,
+    store: Arc<dyn ObjectStore>,
+    location: object_store::path::Path,
+    len: u64,
+    etag: Option<String>,
+    version: Option<String>,
+    /// The modification time at open (seconds, nanoseconds): the pin without an ETag.
+    modified: (i64, u32),
+    parts: Mutex<Parts>,
+    streams: Mutex<(Vec<Stream>, u64)>,
+    stats: FetchStats,
+    slots: [tokio::sync::Semaphore; 2],
+    changed: AtomicBool,
+    failing: AtomicBool,
+}
+
+/// An object opened for range reads (see the module's text).
+pub struct RemoteObject {
+    inner: Arc<Inner>,
+}
+
+impl RemoteObject {
+    /// HEAD the object and pin it. `path` is the URL as the user gave it.
+    pub fn open(path: &Path) -> Result<RemoteObject, ArchiveError> {
+        let raw = path.to_str().unwrap_or_default();
+        let invalid = |shown: &str, r: String| ArchiveError::Invalid {
+            path: shown.to_string(),
+            reason: r,
+        };
+        let url = url::Url::parse(raw).map_err(|e| invalid(raw, format!("not a URL: {e}")))?;
+        let display = redact(&url);
+        let (store, location) = store_for(&url).map_err(|r| invalid(&display, r))?;
+        let head = GetOptions {
+            head: true,
+            ..Default::default()
+        };
+        let meta = runtime()
+            .block_on(async { store.get_opts(&location, head).await })
+            .map_err(|e| match e {
+                object_store::Error::NotFound { .. } => invalid(&display, "no such object".into()),
+                e => invalid(&display, one_line(&e)),
+            })?
+            .meta;
+        let ready = (MEMORY / PART) as usize;
+        Ok(RemoteObject {
+            inner: Arc::new(Inner {
+                display,
+                store,
+                location,
+                len: meta.size,
+                modified: (
+                    meta.last_modified.timestamp(),
+                    meta.last_modified.timestamp_subsec_nanos(),
+                ),
+                etag: meta.e_tag,
+                version: meta.version,
+                parts: Mutex::new(Parts {
+                    ready: lru::LruCache::new(NonZeroUsize::new(ready).unwrap()),
+                    loading: HashMap::new(),
+                }),
+                streams: Mutex::new((Vec::new(), 0)),
+                stats: FetchStats::default(),
+                slots: [(); 2].map(|_| tokio::sync::Semaphore::new(IN_FLIGHT)),
+                changed: AtomicBool::new(false),
+                failing: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The object's size when it was opened.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The URL without credentials.
+    pub fn display(&self) -> &str {
+        &self.inner.display
+    }
+
+    pub fn snapshot(&self) -> FetchSnapshot {
+        let s = &self.inner.stats;
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        FetchSnapshot {
+            url: self.inner.display.clone(),
+            object_bytes: self.inner.len,
+            requests: l(&s.requests),
+            bytes_fetched: l(&s.bytes),
+            failed_requests: l(&s.failed),
+            part_hits: l(&s.part_hits),
+            part_misses: l(&s.part_misses),
+            readahead_bytes: l(&s.readahead_bytes),
+            latency_p50_us: s.percentile(0.5),
+            latency_p90_us: s.percentile(0.9),
+            latency_p99_us: s.percentile(0.99),
+        }
+    }
+
+    /// Fill `buf` with the object's bytes at `offset` (the caller checked the range
+    /// lies inside the object).
+    pub fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<(), Failure> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let inner = &self.inner;
+        let end = offset + buf.len() as u64;
+        if end > inner.len {
+            return Err(Failure::Fetch(format!(
+                "{} bytes at {offset} run past the object's end ({} bytes)",
+                buf.len(),
+                inner.len
+            )));
+        }
+        let (first, last) = (offset / PART, (end - 1) / PART);
+        let mut have: Vec<(u64, Bytes)> = Vec::new();
+        let mut waits: Vec<(u64, Arc<Pending>)> = Vec::new();
+        let mut claimed: Vec<u64> = Vec::new();
+        {
+            let mut p = inner.parts.lock().unwrap();
+            for part in first..=last {
+                if let Some(b) = p.ready.get(&part) {
+                    have.push((part, b.clone()));
+                } else if let Some(w) = p.loading.get(&part) {
+                    waits.push((part, w.clone()));
+                } else {
+                    let w = Pending::new();
+                    p.loading.insert(part, w.clone());
+                    waits.push((part, w));
+                    claimed.push(part);
+                }
+            }
+        }
+        let s = &inner.stats;
+        s.part_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
+        s.part_misses
+            .fetch_add((waits.len()) as u64, Ordering::Relaxed);
+        spawn_runs(inner, &claimed, false);
+        Inner::follow(inner, first, last);
+        for (part, w) in waits {
+            have.push((part, w.wait()?));
+        }
+        for (part, bytes) in have {
+            let p0 = part * PART;
+            let from = offset.max(p0);
+            let to = end.min(p0 + bytes.len() as u64);
+            buf[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&bytes[(from - p0) as usize..(to - p0) as usize]);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RemoteObject {
+    fn drop(&mut self) {
+        let s = self.snapshot();
+        tracing::debug!(
+            "{}: {} requests, {} bytes fetched ({} read ahead), {} failed, parts {} hits {} misses, latency p50 {} us p99 {} us",
+            s.url, s.requests, s.bytes_fetched, s.readahead_bytes, s.failed_requests,
+            s.part_hits, s.part_misses, s.latency_p50_us, s.latency_p99_us
+        );
+    }
+}
+
+/// Fetch `parts` (claimed, sorted) as runs of adjacent parts, each run one request.
+fn spawn_runs(inner: &Arc<Inner>, parts: &[u64], ahead: bool) {
+    let per = (MAX_REQUEST / PART).max(1);
+    let mut i = 0;
+    while i < parts.len() {
+        let mut j = i + 1;
+        while j < parts.len() && parts[j] == parts[j - 1] + 1 && ((j - i) as u64) < per {
+            j += 1;
+        }
+        let (first, n) = (parts[i], (j - i) as u64);
+        let inner = inner.clone();
+        runtime().spawn(async move { inner.fetch_run(first, n, ahead).await });
+        i = j;
+    }
+}
+
+impl Inner {
+    /// Read-ahead: a read that continues one of the recent streams extends it, and the
+    /// parts past what that stream has fetched are claimed and fetched in the background.
+    fn follow(this: &Arc<Inner>, first: u64, last: u64) {
+        let nparts = this.len.div_ceil(PART);
+        let (from, to) = {
+            let mut g = this.streams.lock().unwrap();
+            let (streams, clock) = &mut *g;
+            *clock += 1;
+            let now = *clock;
+            // A stream continues when the read starts in or right after its last part.
+            let hit = streams
+                .iter_mut()
+                .find(|s| first + 1 >= s.next && first <= s.next);
+            let s = match hit {
+                Some(s) => {
+                    s.window = (s.window * 2).min(READAHEAD_MAX);
+                    s
+                }
+                None => {
+                    if streams.len() >= STREAMS {
+                        let old = (0..streams.len()).min_by_key(|&i| streams[i].used).unwrap();
+                        streams.swap_remove(old);
+                    }
+                    // A new stream gets no read-ahead until its second read.
+                    streams.push(Stream {
+                        next: last + 1,
+                        fetched_to: last + 1,
+                        window: READAHEAD_MIN / 2,
+                        used: now,
+                    });
+                    return;
+                }
+            };
+            s.used = now;
+            s.next = last + 1;
+            let want = (last + 1 + s.window / PART).min(nparts);
+            let from = s.fetched_to.max(last + 1);
+            if want <= from {
+                return;
+            }
+            s.fetched_to = want;
+            (from, want)
+        };
+        let mut claimed = Vec::new();
+        {
+            let mut p = this.parts.lock().unwrap();
+            for part in from..to {
+                if !p.ready.contains(&part) && !p.loading.contains_key(&part) {
+                    p.loading.insert(part, Pending::new());
+                    claimed.push(part);
+                }
+            }
+        }
+        spawn_runs(this, &claimed, true);
+    }
+
+    /// One GET of `n` parts from `first`; every claimed part is finished either way.
+    async fn fetch_run(self: Arc<Self>, first: u64, n: u64, ahead: bool) {
+        let start = first * PART;
+        let end = ((first + n) * PART).min(self.len);
+        let slot = self.slots[ahead as usize].acquire().await;
+        let t0 = Instant::now();
+        let got = self.get(start, end).await;
+        drop(slot);
+        self.stats.record(end - start, t0.elapsed(), got.is_ok());
+        if got.is_ok() && ahead {
+            self.stats
+                .readahead_bytes
+                .fetch_add(end - start, Ordering::Relaxed);
+        }
+        match &got {
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("{}: requests succeed again", self.display);
+                }
+            }
+            Err(Failure::Changed(m)) => {
+                if !self.changed.swap(true, Ordering::Relaxed) {
+                    tracing::error!("{}: {m}", self.display);
+                }
+            }
+            Err(Failure::Fetch(m)) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        "{}: {m} (reads that need it fail until a request succeeds)",
+                        self.display
+                    );
+                }
+            }
+        }
+        let mut p = self.parts.lock().unwrap();
+        for part in first..first + n {
+            let Some(w) = p.loading.remove(&part) else {
+                continue;
+            };
+            let r = got.as_ref().map(|b| {
+                let a = (part * PART - start) as usize;
+                b.slice(a..(a + PART as usize).min(b.len()))
+            });
+            match r {
+                Ok(b) => {
+                    p.ready.put(part, b.clone());
+                    w.finish(Ok(b));
+                }
+                Err(e) => w.finish(Err(e.clone())),
+            }
+        }
+    }
+
+    /// The bytes `start..end`, checked to come from the pinned object.
+    async fn get(&self, start: u64, end: u64) -> Result<Bytes, Failure> {
+        if self.changed.load(Ordering::Relaxed) {
+            return Err(Failure::Changed(self.changed_msg("")));
+        }
+        let opts = GetOptions {
+            range: Some(GetRange::Bounded(start..end)),
+            if_match: self.etag.clone(),
+            version: self.version.clone(),
+            ..Default::default()
+        };
+        let r = match self.store.get_opts(&self.location, opts).await {
+            Ok(r) => r,
+            Err(e @ object_store::Error::Precondition { .. }) => {
+                return Err(Failure::Changed(self.changed_msg(&one_line(&e))))
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(Failure::Changed(self.changed_msg("it is gone")))
+            }
+            Err(e) => return Err(Failure::Fetch(one_line(&e))),
+        };
+        let m = &r.meta;
+        let stamp = (
+            m.last_modified.timestamp(),
+            m.last_modified.timestamp_subsec_nanos(),
+        );
+        if m.size != self.len {
+            let why = format!("its size went from {} to {} bytes", self.len, m.size);
+            return Err(Failure::Changed(self.changed_msg(&why)));
+        }
+        match (&self.etag, &m.e_tag) {
+            (Some(a), Some(b)) if a != b => {
+                let why = format!("its ETag went from {a} to {b}");
+                return Err(Failure::Changed(self.changed_msg(&why)));
+            }
+            (None, _) if stamp != self.modified => {
+                return Err(Failure::Changed(
+                    self.changed_msg("its modification time moved"),
+                ));
+            }
+            _ => {}
+        }
+        let bytes = r.bytes().await.map_err(|e| Failure::Fetch(one_line(&e)))?;
+        if bytes.len() as u64 != end - start {
+            return Err(Failure::Fetch(format!(
+                "asked for {} bytes at {start}, got {}",
+                end - start,
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
+    fn changed_msg(&self, why: &str) -> String {
+        let why = if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({why})")
+        };
+        format!(
+            "changed since it was opened{why}; reads that need it fail until it is opened again"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_told_from_paths() {
+        for u in ["s3://b/k", "https://h/x.cawsf", "HTTP://h/x"] {
+            assert!(is_url(Path::new(u)), "{u}");
+        }
+        for p in ["model.cawsf", "./s3://b", "/tmp/https:/x", "s3://"] {
+            assert!(!is_url(Path::new(p)), "{p}");
+        }
+    }
+
+    #[test]
+    fn credentials_never_show() {
+        let u = url::Url::parse("https://user:secret@h:8080/a/b.cawsf?X-Amz-Signature=s").unwrap();
+        let d = redact(&u);
+        assert_eq!(d, "https://h:8080/a/b.cawsf");
+    }
+
+    #[test]
+    fn latency_percentiles_are_bucket_bounds() {
+        let s = FetchStats::default();
+        for _ in 0..90 {
+            s.record(1, Duration::from_micros(300), true);
+        }
+        for _ in 0..10 {
+            s.record(1, Duration::from_millis(20), true);
+        }
+        assert_eq!(s.percentile(0.5), 512);
+        assert_eq!(s.percentile(0.99), 32768);
+    }
+
+    #[test]
+    fn bad_urls_get_one_line() {
+        for (u, want) in [
+            ("s3://bucket/", "names no object"),
+            ("https://h/", "names no object"),
+        ] {
+            let e = RemoteObject::open(Path::new(u)).err().unwrap().to_string();
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains('\n'));
+        }
+    }
+}

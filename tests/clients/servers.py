@@ -1,0 +1,127 @@
+"""Real servers for archives in object storage, started and stopped by the tests (and by
+scripts/bench-remote.py): s3s-fs, an S3 server over a directory that checks SigV4
+signatures, and nginx serving files with HTTP range requests. scripts/setup.sh installs
+both."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+ACCESS_KEY = "cawsfs-test-access"
+SECRET_KEY = "cawsfs-test-secret-never-shown"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(host, port, proc, what, limit=30):
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode})")
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port} within {limit} s")
+
+
+def _exe(name):
+    p = shutil.which(name) or str(Path.home() / ".cargo" / "bin" / name)
+    assert os.access(p, os.X_OK), f"{name} is not installed (scripts/setup.sh installs it)"
+    return p
+
+
+class S3Server:
+    """s3s-fs over `root`: the object s3://BUCKET/KEY is the file root/BUCKET/KEY.
+    `wrap` prefixes the command (e.g. `ip netns exec NS`), `host` is where it listens."""
+
+    def __init__(self, root, port=None, host="127.0.0.1", wrap=()):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.host, self.wrap = host, list(wrap)
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [*self.wrap, _exe("s3s-fs"), "--host", self.host, "--port", str(self.port),
+             "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, str(self.root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.host, self.port, self.proc, "s3s-fs")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    @property
+    def endpoint(self):
+        return f"http://{self.host}:{self.port}"
+
+    def env(self, **extra):
+        """The environment a client of this server gets (the standard variables)."""
+        e = dict(os.environ)
+        for k in list(e):
+            if k.startswith("AWS_"):
+                del e[k]
+        e.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+                 AWS_REGION="us-east-1", AWS_ENDPOINT_URL=self.endpoint)
+        e.update(extra)
+        return e
+
+    def put(self, bucket, key, src):
+        dst = self.root / bucket / key
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        return f"s3://{bucket}/{key}"
+
+
+class HttpServer:
+    """nginx serving `root` (with Range, ETag and Last-Modified, as it does for files);
+    `host` and `wrap` as for S3Server."""
+
+    def __init__(self, root, port=None, host="127.0.0.1", wrap=()):
+        self.host = host
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.dir = self.root.parent / f"nginx-{self.port}"
+        self.dir.mkdir(exist_ok=True)
+        user = "user root;" if os.geteuid() == 0 else ""
+        t = self.dir
+        (t / "nginx.conf").write_text(f"""
+daemon off; {user} pid {t}/nginx.pid; error_log {t}/error.log; worker_processes 2;
+events {{}}
+http {{
+  access_log {t}/access.log;
+  client_body_temp_path {t}; proxy_temp_path {t}; fastcgi_temp_path {t};
+  uwsgi_temp_path {t}; scgi_temp_path {t};
+  server {{ listen {host}:{self.port}; root {self.root}; }}
+}}
+""")
+        self.proc = subprocess.Popen(
+            [*wrap, _exe("nginx"), "-c", str(t / "nginx.conf"), "-p", str(t)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(host, self.port, self.proc, "nginx")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def put(self, name, src):
+        shutil.copyfile(src, self.root / name)
+        return f"http://{self.host}:{self.port}/{name}"

@@ -1,0 +1,179 @@
+"""Archives in object storage (docs/REMOTE.md): an S3 server (s3s-fs, SigV4 checked)
+and an HTTP server (nginx) started by the tests; the mount, export and verify read the
+archive by range and serve exactly what the local archive serves. A replaced object,
+a server that goes away, wrong credentials: EIO or one line, never wrong bytes."""
+import errno
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import llama_generate, pread_eio_offsets, run
+from servers import SECRET_KEY, HttpServer, S3Server
+from test_mount import Mount
+
+
+@pytest.fixture(scope="module")
+def reference(cawsfs, archives, shelf):
+    """The local archive's exported model.gguf and model.safetensors."""
+    path, _ = archives["default"]
+    d = shelf / "ref-remote"
+    run([cawsfs, "export", path, "--format", "hf-dir", "-o", d])
+    run([cawsfs, "export", path, "--format", "gguf", "-o", d / "model.gguf"])
+    return d
+
+
+@pytest.fixture()
+def s3(work, monkeypatch):
+    srv = S3Server(work / "s3root")
+    for k, v in srv.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def http(work):
+    srv = HttpServer(work / "www")
+    yield srv
+    srv.stop()
+
+
+def log_of(m):
+    return open(m.socket.replace(".sock", ".log")).read()
+
+
+def test_s3_mount_serves_the_local_archives_bytes(cawsfs, archives, reference, llama_bin, s3, work):
+    src, _ = archives["default"]
+    url = s3.put("models", "smol/default.cawsf", src)
+    info = run([cawsfs, "inspect", url]).stdout
+    assert info.startswith(f"archive: {url} (cawsf)"), info[:200]
+    m = Mount(cawsfs, url, work / "mnt-s3", "--no-disk-cache")
+    try:
+        got = (m.mp / "model.gguf").read_bytes()
+        assert got == (reference / "model.gguf").read_bytes()
+        ours, _ = llama_generate(llama_bin, m.mp / "model.gguf")
+        theirs, _ = llama_generate(llama_bin, reference / "model.gguf")
+        assert ours == theirs and len(ours) > len("The capital of France is") + 10
+        st = m.stat()
+        f = st["fetch"]
+        size = os.path.getsize(src)
+        assert f["url"] == url and f["object_bytes"] == size
+        assert f["requests"] > 0 and f["failed_requests"] == 0
+        # Fetched only once, in essence: the whole file read whole, not much more.
+        assert size * 0.9 < f["bytes_fetched"] < size * 1.3, (f, size)
+        assert f["readahead_bytes"] > size / 2, f
+        assert f["latency_p50_us"] > 0
+        text = run([cawsfs, "stat", m.mp]).stdout
+        assert f"fetch    {url}" in text, text
+        prom = run([cawsfs, "stat", m.mp, "--prometheus"]).stdout
+        assert "cawsfs_fetch_bytes_total " in prom
+        for where in (text, prom, log_of(m)):
+            assert SECRET_KEY not in where
+    finally:
+        m.close()
+
+
+def test_http_archives_export_and_verify(cawsfs, archives, model_gguf, reference, http, work):
+    src, _ = archives["default"]
+    url = http.put("default.cawsf", src)
+    run([cawsfs, "verify", url])
+    run([cawsfs, "export", url, "--format", "gguf", "-o", work / "r.gguf"])
+    assert (work / "r.gguf").read_bytes() == (reference / "model.gguf").read_bytes()
+    # A delta archive too: its kind is told by the object's first bytes.
+    delta = work / "d.cawsd"
+    run([cawsfs, "convert", model_gguf, "-o", delta, "--to", "delta", "--rank", "8"])
+    run([cawsfs, "export", delta, "--format", "gguf", "-o", work / "d-local.gguf"])
+    durl = http.put("d.cawsd", delta)
+    assert run([cawsfs, "inspect", durl]).stdout.startswith(f"archive: {durl} (delta)")
+    run([cawsfs, "export", durl, "--format", "gguf", "-o", work / "d-remote.gguf"])
+    assert (work / "d-remote.gguf").read_bytes() == (work / "d-local.gguf").read_bytes()
+
+
+def one_line_error(cmd, env=None, limit=60):
+    t0 = time.time()
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
+    took = time.time() - t0
+    assert p.returncode != 0, p.stdout
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, p.stderr
+    assert took < limit, took
+    return lines[0]
+
+
+def test_bad_remote_sources_get_one_line(cawsfs, archives, s3, http, work):
+    src, _ = archives["default"]
+    url = s3.put("models", "a.cawsf", src)
+    # Wrong secret: the server refuses the signature.
+    e = one_line_error([cawsfs, "inspect", url], env=s3.env(AWS_SECRET_ACCESS_KEY="wrong-secret"))
+    assert url in e and "wrong-secret" not in e and SECRET_KEY not in e, e
+    e = one_line_error([cawsfs, "inspect", "s3://models/missing.cawsf"], env=s3.env())
+    assert "s3://models/missing.cawsf" in e and "no such object" in e, e
+    e = one_line_error([cawsfs, "inspect", http.put("x", src).replace("/x", "/nothing-here")])
+    assert "no such object" in e, e
+    e = one_line_error([cawsfs, "inspect", "s3://models/"], env=s3.env())
+    assert "names no object" in e, e
+    # Nothing listens there: refused at once, retried a bounded number of times.
+    dead = s3.env(AWS_ENDPOINT_URL="http://127.0.0.1:9", CAWSFS_FETCH_RETRIES="2",
+                  CAWSFS_FETCH_RETRY_TIMEOUT_S="5")
+    e = one_line_error([cawsfs, "inspect", url], env=dead, limit=30)
+    assert url in e, e
+    # Not an archive at all.
+    (work / "junk").write_bytes(b"\0" * 100000)
+    e = one_line_error([cawsfs, "inspect", http.put("junk.cawsf", work / "junk")])
+    assert "junk.cawsf" in e, e
+
+
+def test_object_replaced_under_the_mount_fails_reads(cawsfs, archives, reference, s3, work):
+    src, _ = archives["default"]
+    url = s3.put("models", "live.cawsf", src)
+    m = Mount(cawsfs, url, work / "mnt-replaced", "--cache-size", "16MiB", "--no-disk-cache")
+    try:
+        ref = (reference / "model.safetensors").read_bytes()
+        fd = os.open(m.mp / "model.safetensors", os.O_RDONLY)
+        assert os.pread(fd, 1 << 20, 50 << 20) == ref[50 << 20:51 << 20]
+        os.close(fd)
+        # Another archive at the same key (the server's file rewritten).
+        s3.put("models", "live.cawsf", archives["q4"][0])
+        failed = pread_eio_offsets(m.mp / "model.safetensors", ref)
+        assert failed, "no read failed although the object changed"
+        assert m.stat()["cache"]["bytes_served"] > 0  # still answering
+        assert log_of(m).count("changed since it was opened") == 1, log_of(m)[-3000:]
+    finally:
+        m.close()
+
+
+def test_server_gone_then_back(cawsfs, archives, reference, s3, work, monkeypatch):
+    """While the server is down, reads that need it fail with EIO after bounded retries
+    and the mount stays; when it is back, the same reads return the right bytes."""
+    monkeypatch.setenv("CAWSFS_FETCH_RETRIES", "2")
+    monkeypatch.setenv("CAWSFS_FETCH_RETRY_TIMEOUT_S", "4")
+    monkeypatch.setenv("CAWSFS_FETCH_TIMEOUT_S", "5")
+    src, _ = archives["default"]
+    url = s3.put("models", "flaky.cawsf", src)
+    m = Mount(cawsfs, url, work / "mnt-flaky", "--cache-size", "16MiB", "--no-disk-cache")
+    try:
+        ref = (reference / "model.safetensors").read_bytes()
+        path = m.mp / "model.safetensors"
+        s3.stop()
+        fd = os.open(path, os.O_RDONLY)
+        at = 200 << 20
+        t0 = time.time()
+        with pytest.raises(OSError) as e:
+            os.pread(fd, 1 << 20, at)
+        assert e.value.errno == errno.EIO
+        assert time.time() - t0 < 60
+        st = m.stat()
+        assert st["fetch"]["failed_requests"] > 0
+        s3.start()
+        assert os.pread(fd, 1 << 20, at) == ref[at:at + (1 << 20)]
+        for at in (0, 100 << 20, len(ref) - (3 << 20)):
+            assert os.pread(fd, 3 << 20, at) == ref[at:at + (3 << 20)]
+        log = log_of(m)
+        assert log.count("reads that need it fail until a request succeeds") == 1, log[-3000:]
+        assert "requests succeed again" in log
+        os.close(fd)
+    finally:
+        m.close()
