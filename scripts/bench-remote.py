@@ -10,8 +10,8 @@ with `tc tbf` (--rate, each way), so both cases get the same bandwidth. (The ker
 here has no netem, so no delay is added: the round trip is the veth pair's.) Each
 round, paired and interleaved (remote, download, download, remote…):
 
-- remote:   `cawsfs mount URL M --no-disk-cache`, llama.cpp loads M/model.gguf and
-            generates --tokens tokens, `cawsfs umount M`.
+- remote:   `cawsfs mount URL M --no-disk-cache` (the fetch cache emptied first),
+            llama.cpp loads M/model.gguf and generates --tokens tokens, `cawsfs umount M`.
 - download: the whole archive fetched with curl to local disk (one GET), then the same
             mount of the local file, load and generation, umount, file removed.
 
@@ -89,11 +89,12 @@ def llama(bin_dir, model, n):
     return out.stdout
 
 
-def mount_load(source, mp, bin_dir, tokens, env):
+def mount_load(source, mp, bin_dir, tokens, env, fetch_cache):
     """Mount `source`, generate, read `stat`, umount: (seconds to the end of the
-    generation, stat, text)."""
+    generation, stat, text). The fetch cache starts empty each time."""
+    shutil.rmtree(fetch_cache, ignore_errors=True)
     t = time.perf_counter()
-    sh(CAWSFS, "mount", source, mp, "--no-disk-cache", env=env)
+    sh(CAWSFS, "mount", source, mp, "--no-disk-cache", "--fetch-cache", fetch_cache, env=env)
     try:
         text = llama(bin_dir, os.path.join(mp, "model.gguf"), tokens)
         took = time.perf_counter() - t
@@ -119,6 +120,7 @@ def main():
     mp = os.path.join(work, "mnt")
     os.makedirs(mp)
     local = os.path.join(work, "local.cawsf")
+    fc = os.path.join(work, "fetch-cache")
     netns_up(a.rate)
     env = dict(os.environ)
     try:
@@ -143,7 +145,7 @@ def main():
 
         def remote():
             drop_page_cache()
-            took, st, text = mount_load(url, mp, bin_dir, a.tokens, env)
+            took, st, text = mount_load(url, mp, bin_dir, a.tokens, env, fc)
             fetched.append(st["fetch"]["bytes_fetched"])
             texts.add(text)
             return took
@@ -152,7 +154,7 @@ def main():
             drop_page_cache()
             t = time.perf_counter()
             subprocess.run(get, check=True)
-            took, st, text = mount_load(local, mp, bin_dir, a.tokens, env)
+            took, st, text = mount_load(local, mp, bin_dir, a.tokens, env, fc)
             local_read.append(st["archive"]["bytes_read"])
             texts.add(text)
             os.unlink(local)

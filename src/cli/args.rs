@@ -22,6 +22,18 @@ pub struct Cli {
     /// default AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS itself (docs/REMOTE.md).
     #[arg(long, global = true, value_name = "URL")]
     pub endpoint: Option<String>,
+    /// Where parts fetched from s3:// and http(s):// archives are kept on disk, so each
+    /// is fetched once per machine (default: CAWSFS_FETCH_CACHE_DIR, else fetch/ in the
+    /// user's cawsfs cache).
+    #[arg(long, global = true, value_name = "DIR")]
+    pub fetch_cache: Option<PathBuf>,
+    /// Bound on the fetch cache, e.g. 50GiB (default: a fifth of its filesystem's free
+    /// space, at most 64GiB).
+    #[arg(long, global = true, value_parser = cawsfs::mount::parse_size, value_name = "SIZE")]
+    pub fetch_cache_size: Option<u64>,
+    /// Keep no fetched parts on disk.
+    #[arg(long, global = true, conflicts_with_all = ["fetch_cache", "fetch_cache_size"])]
+    pub no_fetch_cache: bool,
 }
 
 #[derive(Subcommand)]

@@ -29,11 +29,29 @@ pub fn init_device(d: &args::DeviceArgs, quiet: bool) -> Result<()> {
 }
 
 /// Run one parsed command.
+/// The fetch cache for remote archives (docs/REMOTE.md): the flags, else the default.
+fn fetch_cache_options(cli: &Cli) -> Option<cawsfs::archive::remote::FetchCacheOptions> {
+    if cli.no_fetch_cache {
+        return None;
+    }
+    let dir = cli.fetch_cache.clone().or_else(|| {
+        std::env::var_os("CAWSFS_FETCH_CACHE_DIR")
+            .filter(|v| !v.is_empty())
+            .map(std::path::PathBuf::from)
+            .or_else(|| cawsfs::mount::default_cache_root().map(|d| d.join("fetch")))
+    })?;
+    let max_bytes = cli
+        .fetch_cache_size
+        .unwrap_or_else(|| cawsfs::mount::default_tier_bytes(&dir));
+    Some(cawsfs::archive::remote::FetchCacheOptions { dir, max_bytes })
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     if let Some(e) = &cli.endpoint {
         // Read where the store is built (archive::remote); set before any thread starts.
         std::env::set_var("CAWSFS_S3_ENDPOINT", e);
     }
+    cawsfs::archive::remote::configure_fetch_cache(fetch_cache_options(&cli));
     match cli.cmd {
         Cmd::Convert(a) => convert::cmd_convert(a),
         Cmd::Inspect {

@@ -204,7 +204,7 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     if let Some(f) = &s.fetch {
         let _ = writeln!(
             out,
-            "fetch    {}  {} requests  {} fetched ({} read ahead)  {} failed  latency p50 {} p90 {} p99 {}  parts {} hit {} missed",
+            "fetch    {}  {} requests  {} fetched ({} read ahead)  {} failed  latency p50 {} p90 {} p99 {}  parts {} hit {} missed  disk {} served {} kept{}",
             f.url,
             f.requests,
             human_bytes(f.bytes_fetched),
@@ -215,6 +215,13 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             human_latency_us(f.latency_p99_us as f64),
             f.part_hits,
             f.part_misses,
+            human_bytes(f.fetch_cache_hit_bytes),
+            human_bytes(f.fetch_cache_written_bytes),
+            if f.fetch_cache_bad_parts > 0 {
+                format!(" {} bad", f.fetch_cache_bad_parts)
+            } else {
+                String::new()
+            },
         );
     }
     if let Some(t) = &s.tier {
@@ -380,7 +387,19 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let d = stats.device.as_ref();
     let x = stats.experts.as_ref();
     let f = stats.fetch.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 41] = [
+    let simple: [(&str, &str, &str, Option<u64>); 43] = [
+        (
+            "cawsfs_fetch_cache_hit_bytes_total",
+            "counter",
+            "Archive bytes served from the fetch cache on disk.",
+            f.map(|f| f.fetch_cache_hit_bytes),
+        ),
+        (
+            "cawsfs_fetch_cache_written_bytes_total",
+            "counter",
+            "Fetched archive bytes kept in the fetch cache on disk.",
+            f.map(|f| f.fetch_cache_written_bytes),
+        ),
         (
             "cawsfs_fetch_requests_total",
             "counter",

@@ -154,6 +154,8 @@ def session_tier(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def own_tier(tmp_path, monkeypatch, session_tier):
     monkeypatch.setenv("CAWSFS_TIER_DIR", str(tmp_path / "tier"))
+    # Likewise the fetch cache of remote archives (docs/REMOTE.md).
+    monkeypatch.setenv("CAWSFS_FETCH_CACHE_DIR", str(tmp_path / "fetch"))
 
 
 def convert(cawsfs, src, out, *args):

@@ -76,6 +76,41 @@ def test_s3_mount_serves_the_local_archives_bytes(cawsfs, archives, reference, l
         m.close()
 
 
+def test_fetch_cache_fetches_each_part_once_and_checks_it(cawsfs, archives, reference, s3, work):
+    """A second mount of the same object reads every part from the fetch cache on disk
+    (no GET at all); a flipped byte there is caught and that part fetched again."""
+    src, _ = archives["default"]
+    url = s3.put("models", "cached.cawsf", src)
+    ref = (reference / "model.gguf").read_bytes()
+    fc = work / "fetch"
+
+    def mount_and_read(name):
+        m = Mount(cawsfs, url, work / name, "--no-disk-cache", "--fetch-cache", fc)
+        try:
+            assert (m.mp / "model.gguf").read_bytes() == ref
+            return m.stat()["fetch"], log_of(m)
+        finally:
+            m.close()
+
+    first, _ = mount_and_read("mnt-fc1")
+    size = os.path.getsize(src)
+    assert first["requests"] > 0 and first["fetch_cache_written_bytes"] >= size * 0.9, first
+    second, _ = mount_and_read("mnt-fc2")
+    assert second["requests"] == 0 and second["bytes_fetched"] == 0, second
+    assert second["fetch_cache_hit_bytes"] >= size * 0.9, second
+    (data,) = fc.glob("*.data")
+    with open(data, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    third, log = mount_and_read("mnt-fc3")
+    # Two readers can meet the bad part at once: each counts it; one line is logged.
+    assert third["fetch_cache_bad_parts"] >= 1 and third["requests"] >= 1, third
+    assert third["bytes_fetched"] <= 2 * 256 * 1024, third  # that part, not the object
+    assert log.count("failed its checksum; fetched again") == 1, log[-2000:]
+
+
 def test_http_archives_export_and_verify(cawsfs, archives, model_gguf, reference, http, work):
     src, _ = archives["default"]
     url = http.put("default.cawsf", src)

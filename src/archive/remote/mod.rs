@@ -13,6 +13,9 @@
 //! of reads ended gets read-ahead, a window that doubles from [`READAHEAD_MIN`] to
 //! [`READAHEAD_MAX`] each time the stream continues, fetched in the background.
 //!
+//! Below memory, the fetch cache on disk ([`disk`]) keeps every fetched part (when
+//! the CLI configured one), so a part leaves object storage once per machine.
+//!
 //! `object_store` is async: one small tokio runtime of this module runs every request;
 //! readers (FUSE threads, `export`'s workers) block on a condition variable until the
 //! parts they need arrive. Requests time out and are retried with exponential backoff
@@ -30,6 +33,10 @@ use bytes::Bytes;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
 use crate::archive::ArchiveError;
+
+mod disk;
+use disk::DiskParts;
+pub use disk::{configure as configure_fetch_cache, FetchCacheOptions};
 
 /// The unit of fetching and of the in-memory part cache.
 pub const PART: u64 = 256 << 10;
@@ -208,6 +215,11 @@ pub struct FetchSnapshot {
     pub latency_p50_us: u64,
     pub latency_p90_us: u64,
     pub latency_p99_us: u64,
+    /// The fetch cache on disk: bytes served from it, parts written to it, parts that
+    /// failed their checksum there (fetched again); all 0 without one.
+    pub fetch_cache_hit_bytes: u64,
+    pub fetch_cache_written_bytes: u64,
+    pub fetch_cache_bad_parts: u64,
 }
 
 impl FetchStats {
@@ -318,6 +330,7 @@ struct Inner {
     streams: Mutex<(Vec<Stream>, u64)>,
     stats: FetchStats,
     slots: [tokio::sync::Semaphore; 2],
+    disk: Option<DiskParts>,
     changed: AtomicBool,
     failing: AtomicBool,
 }
@@ -350,16 +363,23 @@ impl RemoteObject {
             })?
             .meta;
         let ready = (MEMORY / PART) as usize;
+        let modified = (
+            meta.last_modified.timestamp(),
+            meta.last_modified.timestamp_subsec_nanos(),
+        );
+        // The pin names the fetch cache's entry: a changed object is another entry.
+        let identity = format!(
+            "{display}\n{:?}\n{:?}\n{modified:?}\n{}",
+            meta.e_tag, meta.version, meta.size
+        );
+        let disk = DiskParts::open(&identity, meta.size);
         Ok(RemoteObject {
             inner: Arc::new(Inner {
                 display,
                 store,
                 location,
                 len: meta.size,
-                modified: (
-                    meta.last_modified.timestamp(),
-                    meta.last_modified.timestamp_subsec_nanos(),
-                ),
+                modified,
                 etag: meta.e_tag,
                 version: meta.version,
                 parts: Mutex::new(Parts {
@@ -369,6 +389,7 @@ impl RemoteObject {
                 streams: Mutex::new((Vec::new(), 0)),
                 stats: FetchStats::default(),
                 slots: [(); 2].map(|_| tokio::sync::Semaphore::new(IN_FLIGHT)),
+                disk,
                 changed: AtomicBool::new(false),
                 failing: AtomicBool::new(false),
             }),
@@ -404,6 +425,9 @@ impl RemoteObject {
             latency_p50_us: s.percentile(0.5),
             latency_p90_us: s.percentile(0.9),
             latency_p99_us: s.percentile(0.99),
+            fetch_cache_hit_bytes: self.inner.disk.as_ref().map_or(0, |d| l(&d.hit_bytes)),
+            fetch_cache_written_bytes: self.inner.disk.as_ref().map_or(0, |d| l(&d.written_bytes)),
+            fetch_cache_bad_parts: self.inner.disk.as_ref().map_or(0, |d| l(&d.bad_parts)),
         }
     }
 
@@ -426,6 +450,14 @@ impl RemoteObject {
         let mut have: Vec<(u64, Bytes)> = Vec::new();
         let mut waits: Vec<(u64, Arc<Pending>)> = Vec::new();
         let mut claimed: Vec<u64> = Vec::new();
+        let on_disk = |part| inner.disk.as_ref().is_some_and(|d| d.has(part));
+        let mut from_disk: Vec<u64> = Vec::new();
+        let claim = |p: &mut Parts, part, waits: &mut Vec<_>, claimed: &mut Vec<u64>| {
+            let w = Pending::new();
+            p.loading.insert(part, w.clone());
+            waits.push((part, w));
+            claimed.push(part);
+        };
         {
             let mut p = inner.parts.lock().unwrap();
             for part in first..=last {
@@ -433,13 +465,36 @@ impl RemoteObject {
                     have.push((part, b.clone()));
                 } else if let Some(w) = p.loading.get(&part) {
                     waits.push((part, w.clone()));
+                } else if on_disk(part) {
+                    from_disk.push(part);
                 } else {
-                    let w = Pending::new();
-                    p.loading.insert(part, w.clone());
-                    waits.push((part, w));
-                    claimed.push(part);
+                    claim(&mut p, part, &mut waits, &mut claimed);
                 }
             }
+        }
+        // Parts on disk are read here, without the lock; one that fails its check is
+        // fetched like any missing part.
+        let mut bad = Vec::new();
+        for part in from_disk {
+            let d = inner.disk.as_ref().expect("parts on disk have a disk");
+            match d.read(part, part * PART, inner.part_len(part)) {
+                Some(b) => {
+                    let b = Bytes::from(b);
+                    inner.parts.lock().unwrap().ready.put(part, b.clone());
+                    have.push((part, b));
+                }
+                None => bad.push(part),
+            }
+        }
+        if !bad.is_empty() {
+            let mut p = inner.parts.lock().unwrap();
+            for part in bad {
+                match p.loading.get(&part) {
+                    Some(w) => waits.push((part, w.clone())),
+                    None => claim(&mut p, part, &mut waits, &mut claimed),
+                }
+            }
+            claimed.sort_unstable();
         }
         let s = &inner.stats;
         s.part_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
@@ -536,7 +591,8 @@ impl Inner {
         {
             let mut p = this.parts.lock().unwrap();
             for part in from..to {
-                if !p.ready.contains(&part) && !p.loading.contains_key(&part) {
+                let on_disk = this.disk.as_ref().is_some_and(|d| d.has(part));
+                if !on_disk && !p.ready.contains(&part) && !p.loading.contains_key(&part) {
                     p.loading.insert(part, Pending::new());
                     claimed.push(part);
                 }
@@ -579,6 +635,13 @@ impl Inner {
                 }
             }
         }
+        if let (Ok(b), Some(d)) = (&got, &self.disk) {
+            for part in first..first + n {
+                let a = ((part - first) * PART) as usize;
+                let e = (a + PART as usize).min(b.len());
+                d.write(part, part * PART, &b[a..e]);
+            }
+        }
         let mut p = self.parts.lock().unwrap();
         for part in first..first + n {
             let Some(w) = p.loading.remove(&part) else {
@@ -596,6 +659,11 @@ impl Inner {
                 Err(e) => w.finish(Err(e.clone())),
             }
         }
+    }
+
+    /// The length of part `part` (the last one may be short).
+    fn part_len(&self, part: u64) -> usize {
+        (self.len - part * PART).min(PART) as usize
     }
 
     /// The bytes `start..end`, checked to come from the pinned object.

@@ -1,0 +1,303 @@
+//! The fetch cache: parts of objects kept on local disk, so that a part is fetched from
+//! object storage once per machine, whatever reads it again (a part evicted from
+//! memory, another view, a restarted daemon, a second mount of the same object).
+//! Format and rules: docs/REMOTE.md, "Fetch cache".
+//!
+//! One object is two files named by a hash of its URL and pin (so a changed object is a
+//! new entry): `KEY.data`, sparse, the object's bytes at their offsets, and `KEY.parts`,
+//! a header then one 16-byte record (part index, XXH3-64 of its bytes) appended after
+//! the part's bytes were written. A part is served from disk only when its record is
+//! there and its bytes hash to it; anything else is fetched again (a crash between the
+//! two writes, a torn record, a flipped byte). Records are appended with `O_APPEND`,
+//! bytes written with `pwrite` of the same content, so mounts sharing an entry do not
+//! need to coordinate.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+const MAGIC: &[u8; 8] = b"CAWSFC01";
+const HEADER: usize = 24;
+const RECORD: usize = 16;
+
+/// Where the fetch cache is and how large it may grow (set once by the CLI).
+#[derive(Clone, Debug)]
+pub struct FetchCacheOptions {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
+static OPTIONS: OnceLock<Option<FetchCacheOptions>> = OnceLock::new();
+
+/// Set the fetch cache for this process (None: no cache). The first call wins; archives
+/// opened before any call get none.
+pub fn configure(opts: Option<FetchCacheOptions>) {
+    let _ = OPTIONS.set(opts);
+}
+
+fn options() -> Option<&'static FetchCacheOptions> {
+    OPTIONS.get().and_then(|o| o.as_ref())
+}
+
+/// One object's entry in the fetch cache.
+pub struct DiskParts {
+    data: File,
+    records: Mutex<File>,
+    data_path: PathBuf,
+    /// Part index → XXH3-64 of its bytes, for the parts written (by anyone) before open
+    /// and by this process since.
+    present: Mutex<HashMap<u64, u64>>,
+    /// Bytes this process may still write before the entry would pass the bound.
+    room: AtomicU64,
+    full_reported: AtomicBool,
+    bad_reported: AtomicBool,
+    pub hit_bytes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub bad_parts: AtomicU64,
+}
+
+impl DiskParts {
+    /// The entry of the object `identity` names (its URL and pin) of `len` bytes, made
+    /// if new; None without a fetch cache, or when the directory cannot be used (logged
+    /// once: the mount works without it).
+    pub fn open(identity: &str, len: u64) -> Option<DiskParts> {
+        let opts = options()?;
+        match Self::open_in(&opts.dir, opts.max_bytes, identity, len) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!(
+                    "fetch cache {}: {e}; fetching without it",
+                    opts.dir.display()
+                );
+                None
+            }
+        }
+    }
+
+    fn open_in(dir: &Path, max_bytes: u64, identity: &str, len: u64) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let key = format!("{:032x}", xxh3_128(identity.as_bytes()));
+        let data_path = dir.join(format!("{key}.data"));
+        let parts_path = dir.join(format!("{key}.parts"));
+        let data = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&data_path)?;
+        if data.metadata()?.len() != len {
+            data.set_len(len)?;
+        }
+        let mut records = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&parts_path)?;
+        let text = std::fs::read(&parts_path)?;
+        let mut present = HashMap::new();
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(MAGIC);
+        header[8..16].copy_from_slice(&len.to_le_bytes());
+        header[16..24].copy_from_slice(&xxh3_64(identity.as_bytes()).to_le_bytes());
+        if text.len() < HEADER || text[..HEADER] != header {
+            // New, or not this object's: start the records over.
+            records.set_len(0)?;
+            data.set_len(0)?;
+            data.set_len(len)?;
+            records.write_all(&header)?;
+        } else {
+            // A torn last record (a crash mid-append) is ignored, and later ones too.
+            for r in text[HEADER..].chunks_exact(RECORD) {
+                let part = u64::from_le_bytes(r[..8].try_into().unwrap());
+                let hash = u64::from_le_bytes(r[8..].try_into().unwrap());
+                present.insert(part, hash);
+            }
+            let torn = (text.len() - HEADER) % RECORD;
+            if torn != 0 {
+                records.set_len((text.len() - torn) as u64)?;
+            }
+        }
+        // Keep the directory within its bound: the least recently opened entries go.
+        let used = evict_to(dir, max_bytes, &key)?;
+        let mine = data.metadata()?.blocks() * 512;
+        let room = max_bytes.saturating_sub(used.saturating_add(mine));
+        // Opening counts as use for the eviction order.
+        let _ = records.set_modified(std::time::SystemTime::now());
+        Ok(DiskParts {
+            data,
+            records: Mutex::new(records),
+            data_path,
+            present: Mutex::new(present),
+            room: AtomicU64::new(room),
+            full_reported: AtomicBool::new(false),
+            bad_reported: AtomicBool::new(false),
+            hit_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+            bad_parts: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether the part is recorded as present (its bytes are checked when read).
+    pub fn has(&self, part: u64) -> bool {
+        self.present.lock().unwrap().contains_key(&part)
+    }
+
+    /// The part's `len` bytes at `offset`, if present and intact.
+    pub fn read(&self, part: u64, offset: u64, len: usize) -> Option<Vec<u8>> {
+        let want = *self.present.lock().unwrap().get(&part)?;
+        let mut buf = vec![0u8; len];
+        let ok = self.data.read_exact_at(&mut buf, offset).is_ok() && xxh3_64(&buf) == want;
+        if !ok {
+            self.present.lock().unwrap().remove(&part);
+            self.bad_parts.fetch_add(1, Ordering::Relaxed);
+            if !self.bad_reported.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "fetch cache {}: part {part} failed its checksum; fetched again",
+                    self.data_path.display()
+                );
+            }
+            return None;
+        }
+        self.hit_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Some(buf)
+    }
+
+    /// Keep a fetched part: its bytes, then its record. Skipped once the bound is
+    /// reached (logged once); a failed write only costs a later fetch.
+    pub fn write(&self, part: u64, offset: u64, bytes: &[u8]) {
+        if self.has(part) {
+            return;
+        }
+        let n = bytes.len() as u64;
+        if self
+            .room
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(n))
+            .is_err()
+        {
+            if !self.full_reported.swap(true, Ordering::Relaxed) {
+                tracing::info!(
+                    "fetch cache {}: at its size bound; further parts are not kept",
+                    self.data_path.display()
+                );
+            }
+            return;
+        }
+        let hash = xxh3_64(bytes);
+        let mut rec = [0u8; RECORD];
+        rec[..8].copy_from_slice(&part.to_le_bytes());
+        rec[8..].copy_from_slice(&hash.to_le_bytes());
+        let written = self.data.write_all_at(bytes, offset).and_then(|_| {
+            let mut r = self.records.lock().unwrap();
+            r.write_all(&rec)
+        });
+        if written.is_ok() {
+            self.present.lock().unwrap().insert(part, hash);
+            self.written_bytes.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Delete the least recently opened entries (by their `.parts` mtime) other than
+/// `keep` until the directory's allocated bytes are within `max_bytes`; returns the
+/// bytes the other entries still use.
+fn evict_to(dir: &Path, max_bytes: u64, keep: &str) -> std::io::Result<u64> {
+    let mut entries: Vec<(std::time::SystemTime, String, u64)> = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(key) = name.strip_suffix(".parts") else {
+            continue;
+        };
+        if key == keep {
+            continue;
+        }
+        let m = e.metadata()?;
+        let data = std::fs::metadata(dir.join(format!("{key}.data")))
+            .map(|d| d.blocks() * 512)
+            .unwrap_or(0);
+        entries.push((m.modified()?, key.to_string(), data + m.len()));
+    }
+    entries.sort();
+    let mut used: u64 = entries.iter().map(|e| e.2).sum();
+    for (_, key, bytes) in &entries {
+        if used <= max_bytes / 2 {
+            break;
+        }
+        // Leave at least half the bound to the entry being opened.
+        let _ = std::fs::remove_file(dir.join(format!("{key}.parts")));
+        let _ = std::fs::remove_file(dir.join(format!("{key}.data")));
+        used -= bytes;
+    }
+    Ok(used)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_survive_reopen_and_bad_bytes_are_not_served() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        assert!(!d.has(0));
+        d.write(0, 0, &[7u8; 600]);
+        d.write(1, 600, &[9u8; 400]);
+        assert_eq!(d.read(1, 600, 400).unwrap(), vec![9u8; 400]);
+        drop(d);
+        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        assert_eq!(d.read(0, 0, 600).unwrap(), vec![7u8; 600]);
+        // A flipped byte: not served, forgotten (the caller fetches again).
+        let data = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|x| x == "data"))
+            .unwrap();
+        let f = OpenOptions::new().write(true).open(&data).unwrap();
+        f.write_all_at(&[8], 650).unwrap();
+        assert!(d.read(1, 600, 400).is_none());
+        assert!(!d.has(1));
+        assert_eq!(d.bad_parts.load(Ordering::Relaxed), 1);
+        // Another pin of the same URL is another entry; a torn record is ignored.
+        let e = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 2", 1000).unwrap();
+        assert!(!e.has(0));
+        drop(d);
+        let parts = data.with_extension("parts");
+        let mut r = OpenOptions::new().append(true).open(&parts).unwrap();
+        r.write_all(&[1, 2, 3]).unwrap();
+        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        assert!(d.has(0));
+        assert_eq!(
+            std::fs::metadata(&parts).unwrap().len() as usize,
+            HEADER + 2 * RECORD
+        );
+    }
+
+    #[test]
+    fn the_bound_holds() {
+        let tmp = tempfile::tempdir().unwrap();
+        let len = 64 << 20;
+        let d = DiskParts::open_in(tmp.path(), 8 << 20, "a", len).unwrap();
+        for p in 0..64u64 {
+            d.write(p, p << 20, &vec![1u8; 1 << 20]);
+        }
+        let written = d.written_bytes.load(Ordering::Relaxed);
+        assert!(written <= 8 << 20 && written > 0, "{written}");
+        drop(d);
+        // A second object: the first one's entry is evicted to make room.
+        let e = DiskParts::open_in(tmp.path(), 8 << 20, "b", len).unwrap();
+        e.write(0, 0, &vec![2u8; 1 << 20]);
+        let total: u64 = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|x| x.unwrap().metadata().unwrap().blocks() * 512)
+            .sum();
+        assert!(total <= 8 << 20, "{total}");
+    }
+}
