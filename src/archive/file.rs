@@ -124,6 +124,26 @@ impl ArchiveFile {
         })
     }
 
+    /// [`ArchiveFile::read_at`] of bytes whose checksum the caller knows: from an object,
+    /// bytes that fail `good` are dropped from the fetch caches and fetched once more
+    /// (they were damaged on the way or on the local disk, not in the object). The
+    /// caller checks what comes back as it checks any read.
+    pub fn read_verified(
+        &self,
+        offset: u64,
+        len: usize,
+        good: impl Fn(&[u8]) -> bool,
+    ) -> Result<Vec<u8>, ReadError> {
+        let bytes = self.read_at(offset, len)?;
+        match &self.source {
+            Source::Remote(o) if !good(&bytes) => {
+                o.forget(offset, len as u64);
+                self.read_at(offset, len)
+            }
+            _ => Ok(bytes),
+        }
+    }
+
     /// [`ArchiveFile::read_at`] while opening: failures are the archive's open error.
     pub fn read_head(&self, offset: u64, len: usize) -> Result<Vec<u8>, ArchiveError> {
         let mut buf = vec![0u8; len];

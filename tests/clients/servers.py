@@ -130,3 +130,81 @@ http {{
     def put(self, name, src):
         shutil.copyfile(src, self.root / name)
         return f"http://{self.host}:{self.port}/{name}"
+
+
+class FaultProxy:
+    """An HTTP proxy in front of `upstream` (e.g. an HttpServer) that injects faults
+    into its answers to ranged GETs, one in every `every`: `mode` is "503" (Service
+    Unavailable, which clients retry), "cut" (the body cut off halfway, then the
+    connection closed) or "flip" (one byte of the body changed, a 206 otherwise
+    perfect). HEAD requests pass untouched; `mode = None` stops the faults."""
+
+    def __init__(self, upstream_port, mode=None, every=3):
+        import http.client
+        import http.server
+        import threading
+
+        self.mode, self.every, self.count, self.injected = mode, every, 0, 0
+        lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _forward(self, method):
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conn.request(method, self.path, headers=headers)
+                r = conn.getresponse()
+                body = r.read()
+                conn.close()
+                fault = None
+                if method == "GET" and self.headers.get("Range"):
+                    with lock:
+                        proxy.count += 1
+                        if proxy.mode and proxy.count % proxy.every == 0:
+                            fault = proxy.mode
+                            proxy.injected += 1
+                if fault == "503":
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding"):
+                        self.send_header(k, v)
+                self.end_headers()
+                if method == "HEAD":
+                    return
+                if fault == "cut":
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault == "flip" and body:
+                    body = bytearray(body)
+                    body[len(body) // 2] ^= 0x40
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_HEAD(self):
+                self._forward("HEAD")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, name):
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import llama_generate, pread_eio_offsets, run
-from servers import SECRET_KEY, HttpServer, S3Server
+from servers import SECRET_KEY, FaultProxy, HttpServer, S3Server
 from test_mount import Mount
 
 
@@ -212,3 +212,34 @@ def test_server_gone_then_back(cawsfs, archives, reference, s3, work, monkeypatc
         os.close(fd)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("mode", ["503", "cut", "flip"])
+def test_injected_faults_never_give_wrong_bytes(cawsfs, archives, reference, http, work, monkeypatch, mode):
+    """Through a proxy that breaks one answer in three: 503s are retried away; a body
+    cut short or a flipped byte gives EIO or the right bytes, never other bytes, with
+    no hang; once the faults stop, every read returns the right bytes."""
+    monkeypatch.setenv("CAWSFS_FETCH_RETRIES", "3")
+    monkeypatch.setenv("CAWSFS_FETCH_RETRY_TIMEOUT_S", "10")
+    src, _ = archives["default"]
+    http.put("f.cawsf", src)
+    proxy = FaultProxy(http.port, mode=mode, every=3)
+    ref = (reference / "model.gguf").read_bytes()
+    m = Mount(cawsfs, proxy.url("f.cawsf"), work / f"mnt-fault-{mode}", "--no-disk-cache",
+              "--cache-size", "16MiB", "--readahead-chunks", "0")
+    try:
+        t0 = time.time()
+        failed = pread_eio_offsets(m.mp / "model.gguf", ref)
+        assert time.time() - t0 < 300
+        assert proxy.injected > 0
+        f = m.stat()["fetch"]
+        if mode == "503":
+            assert not failed and f["failed_requests"] == 0, (failed, f)
+        if mode == "flip":
+            # Each flipped answer fails a block's checksum and is fetched again.
+            assert f["refetched_blocks"] > 0, f
+        proxy.mode = None
+        assert not pread_eio_offsets(m.mp / "model.gguf", ref)
+    finally:
+        m.close()
+        proxy.stop()

@@ -217,9 +217,11 @@ impl CawsfArchive {
         let t = &self.tensors[tensor];
         let e = &self.index[t.first_block + block];
         // In the file: validated at open. Record header and payload in one read.
-        let mut rec = self
-            .file
-            .read_at(self.bank.0 + e.offset, REC_HEADER + e.csize as usize)?;
+        let mut rec = self.file.read_verified(
+            self.bank.0 + e.offset,
+            REC_HEADER + e.csize as usize,
+            |r| xxh3_64(&r[REC_HEADER..]) == e.xxh3,
+        )?;
         let stored = &rec[REC_HEADER..];
         self.counters.record(e.csize as u64, e.usize as u64);
         let computed = xxh3_64(stored);

@@ -160,7 +160,14 @@ impl Container {
     /// A small section's bytes, checked against its TOC checksum, then decompressed.
     pub fn load(&self, rec: &TocRecord) -> Result<Vec<u8>, ArchiveError> {
         // In the file: `check_toc` bounded every section by its length.
-        let stored = self.file.read_head(rec.offset, rec.size as usize)?;
+        let mut stored = self.file.read_head(rec.offset, rec.size as usize)?;
+        if let Some(o) = self.file.remote() {
+            // Damaged on the way (or in the fetch cache): fetched once more.
+            if xxhash_rust::xxh3::xxh3_64(&stored) != rec.xxh3 {
+                o.forget(rec.offset, rec.size);
+                stored = self.file.read_head(rec.offset, rec.size as usize)?;
+            }
+        }
         load_section(&stored, rec, &(self.name_of)(rec.ty)).map_err(|r| self.invalid(r))
     }
 

@@ -106,9 +106,11 @@ impl DeltaArchive {
     /// Checksum, then decompression of one blob (index valid, checked at open).
     fn blob(&self, blob: usize) -> Result<Vec<u8>, BlobFault> {
         let e = &self.index[blob];
-        let stored = self
-            .file
-            .read_at(self.data_offset + e.offset, e.csize as usize)?;
+        let stored =
+            self.file
+                .read_verified(self.data_offset + e.offset, e.csize as usize, |s| {
+                    xxhash_rust::xxh3::xxh3_64(s) == e.xxh3
+                })?;
         self.counters.record(e.csize as u64, e.usize as u64);
         Ok(
             match checked_payload(&stored, e.xxh3, e.comp, e.usize as usize)? {

@@ -150,6 +150,11 @@ impl DiskParts {
         self.present.lock().unwrap().contains_key(&part)
     }
 
+    /// Forget a part (its bytes are not to be served again).
+    pub fn forget(&self, part: u64) {
+        self.present.lock().unwrap().remove(&part);
+    }
+
     /// The part's `len` bytes at `offset`, if present and intact.
     pub fn read(&self, part: u64, offset: u64, len: usize) -> Option<Vec<u8>> {
         let want = *self.present.lock().unwrap().get(&part)?;

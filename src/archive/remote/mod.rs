@@ -195,6 +195,7 @@ pub struct FetchStats {
     part_hits: AtomicU64,
     part_misses: AtomicU64,
     readahead_bytes: AtomicU64,
+    refetched: AtomicU64,
     /// Request latencies in power-of-two buckets of microseconds.
     latency: [AtomicU64; 32],
 }
@@ -211,6 +212,8 @@ pub struct FetchSnapshot {
     pub part_hits: u64,
     pub part_misses: u64,
     pub readahead_bytes: u64,
+    /// Reads whose fetched bytes failed their block's checksum, fetched once more.
+    pub refetched_blocks: u64,
     /// Latency percentiles (upper bounds of their buckets), microseconds.
     pub latency_p50_us: u64,
     pub latency_p90_us: u64,
@@ -333,6 +336,7 @@ struct Inner {
     disk: Option<DiskParts>,
     changed: AtomicBool,
     failing: AtomicBool,
+    bad_reported: AtomicBool,
 }
 
 /// An object opened for range reads (see the module's text).
@@ -392,6 +396,7 @@ impl RemoteObject {
                 disk,
                 changed: AtomicBool::new(false),
                 failing: AtomicBool::new(false),
+                bad_reported: AtomicBool::new(false),
             }),
         })
     }
@@ -422,6 +427,7 @@ impl RemoteObject {
             part_hits: l(&s.part_hits),
             part_misses: l(&s.part_misses),
             readahead_bytes: l(&s.readahead_bytes),
+            refetched_blocks: l(&s.refetched),
             latency_p50_us: s.percentile(0.5),
             latency_p90_us: s.percentile(0.9),
             latency_p99_us: s.percentile(0.99),
@@ -524,6 +530,29 @@ impl Drop for RemoteObject {
             s.url, s.requests, s.bytes_fetched, s.readahead_bytes, s.failed_requests,
             s.part_hits, s.part_misses, s.latency_p50_us, s.latency_p99_us
         );
+    }
+}
+
+impl RemoteObject {
+    /// Drop the parts behind `offset..offset + len` from memory and the fetch cache,
+    /// so the next read fetches them again: their bytes failed a block's checksum.
+    pub fn forget(&self, offset: u64, len: u64) {
+        let inner = &self.inner;
+        inner.stats.refetched.fetch_add(1, Ordering::Relaxed);
+        if !inner.bad_reported.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "{}: {len} bytes at {offset} failed their block's checksum as fetched; fetching them again",
+                inner.display
+            );
+        }
+        let (first, last) = (offset / PART, (offset + len.max(1) - 1) / PART);
+        let mut p = inner.parts.lock().unwrap();
+        for part in first..=last {
+            p.ready.pop(&part);
+            if let Some(d) = &inner.disk {
+                d.forget(part);
+            }
+        }
     }
 }
 
