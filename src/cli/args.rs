@@ -378,6 +378,8 @@ pub struct MountArgs {
 pub struct ConvertArgs {
     /// Hugging Face model directory or .gguf file.
     pub src: PathBuf,
+    /// The archive to write: a path, or s3://BUCKET/KEY (written locally first, under
+    /// TMPDIR, then uploaded in parts; docs/REMOTE.md).
     #[arg(short, long)]
     pub output: PathBuf,
     /// Archive kind to write.

@@ -21,6 +21,37 @@ pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
         // Before converting: a device that cannot be used fails at once, not minutes later.
         init_device(&a.device, false)?;
     }
+    // An object is written as a local file first, checked, then uploaded.
+    let upload_to = cawsfs::archive::remote::is_url(&a.output).then(|| a.output.clone());
+    let mut a = a;
+    let _staging = match &upload_to {
+        Some(url) => {
+            if a.to == To::NpyDir {
+                bail!(
+                    "{}: an npy-dir is written to a local directory only",
+                    url.display()
+                );
+            }
+            // Refused before converting, not after.
+            if !url
+                .to_string_lossy()
+                .to_ascii_lowercase()
+                .starts_with("s3://")
+            {
+                bail!(
+                    "{}: archives are uploaded to s3:// only (an HTTP server takes no uploads)",
+                    url.display()
+                );
+            }
+            let dir = tempfile::Builder::new()
+                .prefix("cawsfs-upload-")
+                .tempdir()
+                .context("a staging directory for the upload (TMPDIR)")?;
+            a.output = dir.path().join("archive");
+            Some(dir)
+        }
+        None => None,
+    };
     let (verify, output) = (a.verify, a.output.clone());
     match a.to {
         To::Cawsf => convert_cawsf(a)?,
@@ -30,6 +61,16 @@ pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
     if verify {
         // The written archive read back as a mount would.
         super::archive::cmd_verify(&output, false)?;
+    }
+    if let Some(url) = upload_to {
+        let t = std::time::Instant::now();
+        let n = cawsfs::archive::remote::upload(&output, &url)?;
+        println!(
+            "uploaded {} to {} in {:.1} s",
+            bytesize::ByteSize::b(n).display().iec(),
+            url.display(),
+            t.elapsed().as_secs_f64()
+        );
     }
     Ok(())
 }

@@ -111,6 +111,24 @@ def test_fetch_cache_fetches_each_part_once_and_checks_it(cawsfs, archives, refe
     assert log.count("failed its checksum; fetched again") == 1, log[-2000:]
 
 
+def test_convert_uploads_to_s3(cawsfs, model_gguf, s3, work):
+    """`convert -o s3://…` writes locally, verifies, then uploads in parts: the object is
+    the archive a local convert writes (conversion is deterministic)."""
+    url = "s3://models/up/smol-exact.cawsf"
+    out = run([cawsfs, "convert", model_gguf, "-o", url, "--passthrough", "*", "--verify"]).stdout
+    assert f"to {url} in" in out, out[-500:]
+    run([cawsfs, "convert", model_gguf, "-o", work / "local.cawsf", "--passthrough", "*"])
+    obj = s3.root / "models" / "up" / "smol-exact.cawsf"
+    assert obj.read_bytes() == (work / "local.cawsf").read_bytes()
+    assert run([cawsfs, "inspect", url]).stdout.startswith(f"archive: {url} (cawsf)")
+    # Not to an HTTP server, not as a directory: one line each.
+    e = one_line_error([cawsfs, "convert", model_gguf, "-o", "http://127.0.0.1:9/x.cawsf",
+                        "--passthrough", "*"])
+    assert "s3:// only" in e, e
+    e = one_line_error([cawsfs, "convert", model_gguf, "-o", "s3://models/d/", "--to", "npy-dir"])
+    assert "local directory only" in e, e
+
+
 def test_http_archives_export_and_verify(cawsfs, archives, model_gguf, reference, http, work):
     src, _ = archives["default"]
     url = http.put("default.cawsf", src)
