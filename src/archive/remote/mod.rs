@@ -35,8 +35,13 @@ use object_store::{GetOptions, GetRange, ObjectStore};
 use crate::archive::ArchiveError;
 
 mod disk;
+mod stats;
+mod upload;
 use disk::DiskParts;
 pub use disk::{configure as configure_fetch_cache, FetchCacheOptions};
+pub use stats::FetchSnapshot;
+use stats::FetchStats;
+pub use upload::upload;
 
 /// The unit of fetching and of the in-memory part cache.
 pub const PART: u64 = 256 << 10;
@@ -105,6 +110,22 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// One line about `shown` (a URL without credentials) as an archive error.
+fn invalid(shown: &str, reason: impl Into<String>) -> ArchiveError {
+    ArchiveError::Invalid {
+        path: shown.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The URL an archive argument holds, and how it is shown.
+fn parse(path: &Path) -> Result<(url::Url, String), ArchiveError> {
+    let raw = path.to_str().unwrap_or_default();
+    let url = url::Url::parse(raw).map_err(|e| invalid(raw, format!("not a URL: {e}")))?;
+    let display = redact(&url);
+    Ok((url, display))
 }
 
 /// `url` without credentials or query: what logs, errors and `stat` show.
@@ -184,80 +205,6 @@ fn endpoint() -> Option<String> {
     ]
     .iter()
     .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-}
-
-/// Counters of one object's requests, for `stat`.
-#[derive(Default)]
-pub struct FetchStats {
-    requests: AtomicU64,
-    bytes: AtomicU64,
-    failed: AtomicU64,
-    part_hits: AtomicU64,
-    part_misses: AtomicU64,
-    readahead_bytes: AtomicU64,
-    refetched: AtomicU64,
-    /// Request latencies in power-of-two buckets of microseconds.
-    latency: [AtomicU64; 32],
-}
-
-/// What [`FetchStats`] held at one moment (`stat`'s `fetch` section).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default)]
-pub struct FetchSnapshot {
-    pub url: String,
-    pub object_bytes: u64,
-    pub requests: u64,
-    pub bytes_fetched: u64,
-    pub failed_requests: u64,
-    pub part_hits: u64,
-    pub part_misses: u64,
-    pub readahead_bytes: u64,
-    /// Reads whose fetched bytes failed their block's checksum, fetched once more.
-    pub refetched_blocks: u64,
-    /// Latency percentiles (upper bounds of their buckets), microseconds.
-    pub latency_p50_us: u64,
-    pub latency_p90_us: u64,
-    pub latency_p99_us: u64,
-    /// The fetch cache on disk: bytes served from it, parts written to it, parts that
-    /// failed their checksum there (fetched again); all 0 without one.
-    pub fetch_cache_hit_bytes: u64,
-    pub fetch_cache_written_bytes: u64,
-    pub fetch_cache_bad_parts: u64,
-}
-
-impl FetchStats {
-    fn record(&self, bytes: u64, took: Duration, ok: bool) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        if ok {
-            self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        } else {
-            self.failed.fetch_add(1, Ordering::Relaxed);
-        }
-        let us = took.as_micros().max(1) as u64;
-        let b = (63 - us.leading_zeros() as usize).min(31);
-        self.latency[b].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn percentile(&self, q: f64) -> u64 {
-        let counts: Vec<u64> = self
-            .latency
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect();
-        let total: u64 = counts.iter().sum();
-        if total == 0 {
-            return 0;
-        }
-        let want = ((total as f64) * q).ceil().max(1.0) as u64;
-        let mut seen = 0;
-        for (b, c) in counts.iter().enumerate() {
-            seen += c;
-            if seen >= want {
-                return 2u64 << b;
-            }
-        }
-        2u64 << 31
-    }
 }
 
 /// The result a waiting reader gets for one part.
@@ -347,13 +294,7 @@ pub struct RemoteObject {
 impl RemoteObject {
     /// HEAD the object and pin it. `path` is the URL as the user gave it.
     pub fn open(path: &Path) -> Result<RemoteObject, ArchiveError> {
-        let raw = path.to_str().unwrap_or_default();
-        let invalid = |shown: &str, r: String| ArchiveError::Invalid {
-            path: shown.to_string(),
-            reason: r,
-        };
-        let url = url::Url::parse(raw).map_err(|e| invalid(raw, format!("not a URL: {e}")))?;
-        let display = redact(&url);
+        let (url, display) = parse(path)?;
         let (store, location) = store_for(&url).map_err(|r| invalid(&display, r))?;
         let head = GetOptions {
             head: true,
@@ -362,7 +303,7 @@ impl RemoteObject {
         let meta = runtime()
             .block_on(async { store.get_opts(&location, head).await })
             .map_err(|e| match e {
-                object_store::Error::NotFound { .. } => invalid(&display, "no such object".into()),
+                object_store::Error::NotFound { .. } => invalid(&display, "no such object"),
                 e => invalid(&display, one_line(&e)),
             })?
             .meta;
@@ -520,59 +461,6 @@ impl RemoteObject {
         }
         Ok(())
     }
-}
-
-/// Parts of a multipart upload, and how many are in flight at once.
-const UPLOAD_PART: usize = 16 << 20;
-const UPLOAD_IN_FLIGHT: usize = 4;
-
-/// Upload the local file `src` to the object `url` names (`s3://` only), as a multipart
-/// upload of 16 MiB parts, 4 in flight; aborted on failure, so no partial object is
-/// left. Returns the bytes uploaded.
-pub fn upload(src: &Path, url: &Path) -> Result<u64, ArchiveError> {
-    use std::io::Read;
-    let raw = url.to_str().unwrap_or_default();
-    let invalid = |shown: &str, r: String| ArchiveError::Invalid {
-        path: shown.to_string(),
-        reason: r,
-    };
-    let parsed = url::Url::parse(raw).map_err(|e| invalid(raw, format!("not a URL: {e}")))?;
-    let display = redact(&parsed);
-    if parsed.scheme() != "s3" {
-        return Err(invalid(
-            &display,
-            "archives are uploaded to s3:// only (an HTTP server takes no uploads)".into(),
-        ));
-    }
-    let (store, location) = store_for(&parsed).map_err(|r| invalid(&display, r))?;
-    let mut file = std::fs::File::open(src).map_err(|e| crate::error::FileError::io(src, e))?;
-    runtime().block_on(async {
-        let fail =
-            |e: object_store::Error| invalid(&display, format!("upload failed: {}", one_line(&e)));
-        let up = object_store::ObjectStoreExt::put_multipart(&*store, &location)
-            .await
-            .map_err(fail)?;
-        let mut w = object_store::WriteMultipart::new_with_chunk_size(up, UPLOAD_PART);
-        let mut buf = vec![0u8; UPLOAD_PART];
-        let mut sent = 0u64;
-        loop {
-            let n = match file.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) => {
-                    let _ = w.abort().await;
-                    return Err(crate::error::FileError::io(src, e));
-                }
-            };
-            if let Err(e) = w.wait_for_capacity(UPLOAD_IN_FLIGHT).await {
-                return Err(fail(e));
-            }
-            w.write(&buf[..n]);
-            sent += n as u64;
-        }
-        w.finish().await.map_err(fail)?;
-        Ok(sent)
-    })
 }
 
 impl Drop for RemoteObject {
@@ -832,19 +720,6 @@ mod tests {
         let u = url::Url::parse("https://user:secret@h:8080/a/b.cawsf?X-Amz-Signature=s").unwrap();
         let d = redact(&u);
         assert_eq!(d, "https://h:8080/a/b.cawsf");
-    }
-
-    #[test]
-    fn latency_percentiles_are_bucket_bounds() {
-        let s = FetchStats::default();
-        for _ in 0..90 {
-            s.record(1, Duration::from_micros(300), true);
-        }
-        for _ in 0..10 {
-            s.record(1, Duration::from_millis(20), true);
-        }
-        assert_eq!(s.percentile(0.5), 512);
-        assert_eq!(s.percentile(0.99), 32768);
     }
 
     #[test]
