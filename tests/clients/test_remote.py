@@ -129,6 +129,55 @@ def test_convert_uploads_to_s3(cawsfs, model_gguf, s3, work):
     assert "local directory only" in e, e
 
 
+def test_several_daemons_mount_one_object(cawsfs, archives, reference, s3, work):
+    """Three mounts of one object at once (as three machines would), all three reading
+    it at the same time, serve the local export's bytes. Sharing one fetch cache (as
+    mounts on one machine do), the parts one of them fetched after the others were
+    mounted serve the others: they fetch next to nothing."""
+    import threading
+
+    src, _ = archives["default"]
+    url = s3.put("models", "shared.cawsf", src)
+    ref = (reference / "model.gguf").read_bytes()
+    size = os.path.getsize(src)
+
+    def mount(name, fc):
+        return Mount(cawsfs, url, work / name, "--no-disk-cache", "--fetch-cache", work / fc)
+
+    def read_all(ms):
+        got = [None] * len(ms)
+
+        def read(i):
+            got[i] = (ms[i].mp / "model.gguf").read_bytes()
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(ms))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert all(g == ref for g in got)
+        return [m.stat()["fetch"] for m in ms]
+
+    # Three machines: three fetch caches, three concurrent readers.
+    ms = [mount(f"mnt-machine-{i}", f"fc-machine-{i}") for i in range(3)]
+    try:
+        for f in read_all(ms):
+            assert size * 0.9 < f["bytes_fetched"] < size * 1.3, f
+    finally:
+        for m in ms:
+            m.close()
+    # One machine: a shared fetch cache, all mounted first, one reads, then the others.
+    ms = [mount(f"mnt-shared-{i}", "fc-shared") for i in range(3)]
+    try:
+        read_all(ms[:1])
+        for f in read_all(ms[1:]):
+            assert f["bytes_fetched"] < size * 0.05, f
+            assert f["fetch_cache_hit_bytes"] > size * 0.9, f
+    finally:
+        for m in ms:
+            m.close()
+
+
 def test_http_archives_export_and_verify(cawsfs, archives, model_gguf, reference, http, work):
     src, _ = archives["default"]
     url = http.put("default.cawsf", src)

@@ -50,9 +50,11 @@ pub struct DiskParts {
     data: File,
     records: Mutex<File>,
     data_path: PathBuf,
-    /// Part index → XXH3-64 of its bytes, for the parts written (by anyone) before open
-    /// and by this process since.
+    /// Part index → XXH3-64 of its bytes, for the parts whose records were read.
     present: Mutex<HashMap<u64, u64>>,
+    /// How much of `KEY.parts` has been read into `present`: records appended since
+    /// (by this process or another mount of the object) are read when a part is missed.
+    read_to: Mutex<u64>,
     /// Bytes this process may still write before the entry would pass the bound.
     room: AtomicU64,
     full_reported: AtomicBool,
@@ -125,6 +127,7 @@ impl DiskParts {
                 records.set_len((text.len() - torn) as u64)?;
             }
         }
+        let read_to = records.metadata()?.len();
         // Keep the directory within its bound: the least recently opened entries go.
         let used = evict_to(dir, max_bytes, &key)?;
         let mine = data.metadata()?.blocks() * 512;
@@ -136,6 +139,7 @@ impl DiskParts {
             records: Mutex::new(records),
             data_path,
             present: Mutex::new(present),
+            read_to: Mutex::new(read_to),
             room: AtomicU64::new(room),
             full_reported: AtomicBool::new(false),
             bad_reported: AtomicBool::new(false),
@@ -147,7 +151,37 @@ impl DiskParts {
 
     /// Whether the part is recorded as present (its bytes are checked when read).
     pub fn has(&self, part: u64) -> bool {
+        if self.present.lock().unwrap().contains_key(&part) {
+            return true;
+        }
+        self.read_new_records();
         self.present.lock().unwrap().contains_key(&part)
+    }
+
+    /// Read the records appended since the last look (another mount sharing the entry
+    /// keeps parts this one can use). Costs an `fstat` when there are none.
+    fn read_new_records(&self) {
+        let mut at = self.read_to.lock().unwrap();
+        let records = self.records.lock().unwrap();
+        let Ok(len) = records.metadata().map(|m| m.len()) else {
+            return;
+        };
+        let whole = (len.saturating_sub(*at) / RECORD as u64) * RECORD as u64;
+        if whole == 0 {
+            return;
+        }
+        let mut buf = vec![0u8; whole as usize];
+        if records.read_exact_at(&mut buf, *at).is_err() {
+            return;
+        }
+        drop(records);
+        let mut present = self.present.lock().unwrap();
+        for r in buf.chunks_exact(RECORD) {
+            let part = u64::from_le_bytes(r[..8].try_into().unwrap());
+            let hash = u64::from_le_bytes(r[8..].try_into().unwrap());
+            present.insert(part, hash);
+        }
+        *at += whole;
     }
 
     /// Forget a part (its bytes are not to be served again).
@@ -178,7 +212,7 @@ impl DiskParts {
     /// Keep a fetched part: its bytes, then its record. Skipped once the bound is
     /// reached (logged once); a failed write only costs a later fetch.
     pub fn write(&self, part: u64, offset: u64, bytes: &[u8]) {
-        if self.has(part) {
+        if self.present.lock().unwrap().contains_key(&part) {
             return;
         }
         let n = bytes.len() as u64;
@@ -283,6 +317,17 @@ mod tests {
             std::fs::metadata(&parts).unwrap().len() as usize,
             HEADER + 2 * RECORD
         );
+    }
+
+    #[test]
+    fn two_openers_share_what_each_keeps() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = DiskParts::open_in(tmp.path(), 1 << 30, "x", 1 << 20).unwrap();
+        let b = DiskParts::open_in(tmp.path(), 1 << 30, "x", 1 << 20).unwrap();
+        a.write(2, 2 * 1000, &[5u8; 1000]);
+        assert!(b.has(2));
+        assert_eq!(b.read(2, 2 * 1000, 1000).unwrap(), vec![5u8; 1000]);
+        assert!(!b.has(3));
     }
 
     #[test]
