@@ -419,6 +419,8 @@ impl RemoteObject {
                 }
             }
         }
+        // Found in memory (parts read from disk are counted as the disk's hit bytes).
+        let memory_hits = have.len() as u64;
         // Parts on disk are read here, without the lock; one that fails its check is
         // fetched like any missing part.
         let mut bad = Vec::new();
@@ -444,9 +446,9 @@ impl RemoteObject {
             claimed.sort_unstable();
         }
         let s = &inner.stats;
-        s.part_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
+        s.part_hits.fetch_add(memory_hits, Ordering::Relaxed);
         s.part_misses
-            .fetch_add((waits.len()) as u64, Ordering::Relaxed);
+            .fetch_add(waits.len() as u64, Ordering::Relaxed);
         spawn_runs(inner, &claimed, false);
         Inner::follow(inner, first, last);
         for (part, w) in waits {
