@@ -40,6 +40,7 @@ const ARCHIVE: &[(&str, u32)] = &[
     ("file", 2),
     ("store", 2),
     ("container", 3),
+    ("dir", 3),
     ("cawsf", 4),
     ("delta", 4),
     ("npydir", 4),

@@ -23,6 +23,13 @@ use crate::archive::ArchiveError;
 use crate::error::FileError;
 use crate::model::ReadError;
 
+/// How many times bytes of an object that fail their checksum are fetched again before
+/// the read fails (a flaky link or proxy may damage more than one answer).
+pub const REFETCHES: usize = 3;
+
+/// Reads at open up to this many bytes are fetched by themselves from an object.
+pub const ONCE: usize = 4096;
+
 /// What identifies the contents of a file at open: a rewrite moves mtime, a truncation
 /// the size. (A writer that puts mtime back is still caught by the block checksums.)
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -59,12 +66,7 @@ impl ArchiveFile {
     /// the object a URL names.
     pub fn open(path: &Path) -> Result<ArchiveFile, ArchiveError> {
         if remote::is_url(path) {
-            let obj = RemoteObject::open(path)?;
-            return Ok(ArchiveFile {
-                path: PathBuf::from(obj.display()),
-                source: Source::Remote(obj),
-                reported: AtomicBool::new(false),
-            });
+            return Ok(ArchiveFile::from_remote(RemoteObject::open(path)?));
         }
         let io = |e| FileError::io(path, e);
         let file = File::open(path).map_err(io)?;
@@ -80,6 +82,15 @@ impl ArchiveFile {
             path: path.to_path_buf(),
             reported: AtomicBool::new(false),
         })
+    }
+
+    /// An object already opened (a file of an npy-dir in object storage).
+    pub fn from_remote(obj: RemoteObject) -> ArchiveFile {
+        ArchiveFile {
+            path: PathBuf::from(obj.display()),
+            source: Source::Remote(obj),
+            reported: AtomicBool::new(false),
+        }
     }
 
     /// The file's length when it was opened.
@@ -125,29 +136,38 @@ impl ArchiveFile {
     }
 
     /// [`ArchiveFile::read_at`] of bytes whose checksum the caller knows: from an object,
-    /// bytes that fail `good` are dropped from the fetch caches and fetched once more
-    /// (they were damaged on the way or on the local disk, not in the object). The
-    /// caller checks what comes back as it checks any read.
+    /// bytes that fail `good` are dropped from the fetch caches and fetched again, up to
+    /// [`REFETCHES`] times (they were damaged on the way or on the local disk, not in
+    /// the object). The caller checks what comes back as it checks any read.
     pub fn read_verified(
         &self,
         offset: u64,
         len: usize,
         good: impl Fn(&[u8]) -> bool,
     ) -> Result<Vec<u8>, ReadError> {
-        let bytes = self.read_at(offset, len)?;
-        match &self.source {
-            Source::Remote(o) if !good(&bytes) => {
+        let mut bytes = self.read_at(offset, len)?;
+        if let Source::Remote(o) = &self.source {
+            for _ in 0..REFETCHES {
+                if good(&bytes) {
+                    break;
+                }
                 o.forget(offset, len as u64);
-                self.read_at(offset, len)
+                bytes = self.read_at(offset, len)?;
             }
-            _ => Ok(bytes),
         }
+        Ok(bytes)
     }
 
     /// [`ArchiveFile::read_at`] while opening: failures are the archive's open error.
+    /// From an object, a read of at most [`ONCE`] bytes is fetched by itself and kept
+    /// nowhere (a header read once), unless its part is at hand.
     pub fn read_head(&self, offset: u64, len: usize) -> Result<Vec<u8>, ArchiveError> {
         let mut buf = vec![0u8; len];
-        self.read_raw(offset, &mut buf).map_err(|f| match f {
+        let read = match &self.source {
+            Source::Remote(o) if len <= ONCE => o.read_once(offset, &mut buf).map_err(remote_fault),
+            _ => self.read_raw(offset, &mut buf),
+        };
+        read.map_err(|f| match f {
             Fault::Changed(msg) => FileError::invalid(&self.path, msg),
             Fault::Io(e) => FileError::io(&self.path, e),
         })?;
@@ -157,12 +177,7 @@ impl ArchiveFile {
     fn read_raw(&self, offset: u64, buf: &mut [u8]) -> Result<(), Fault> {
         let file = match &self.source {
             Source::Local { file, .. } => file,
-            Source::Remote(o) => {
-                return o.read_into(offset, buf).map_err(|f| match f {
-                    remote::Failure::Changed(m) => Fault::Changed(m),
-                    remote::Failure::Fetch(m) => Fault::Io(std::io::Error::other(m)),
-                })
-            }
+            Source::Remote(o) => return o.read_into(offset, buf).map_err(remote_fault),
         };
         let read = file.read_exact_at(buf, offset);
         // Checked after the read: bytes read before an unchanged stamp are the opened
@@ -206,6 +221,13 @@ impl ArchiveFile {
 enum Fault {
     Changed(String),
     Io(std::io::Error),
+}
+
+fn remote_fault(f: remote::Failure) -> Fault {
+    match f {
+        remote::Failure::Changed(m) => Fault::Changed(m),
+        remote::Failure::Fetch(m) => Fault::Io(std::io::Error::other(m)),
+    }
 }
 
 #[cfg(test)]

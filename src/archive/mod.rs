@@ -22,6 +22,7 @@ mod aws_profile;
 pub mod cawsf;
 pub mod container;
 pub mod delta;
+pub mod dir;
 pub mod error;
 pub mod file;
 pub mod npydir;

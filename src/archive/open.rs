@@ -9,10 +9,28 @@ use super::npydir::NpyDir;
 use super::{ArchiveError, Store};
 
 /// Open an archive of any kind: a directory is an npy-dir, a file is told by its magic.
-/// A URL (`s3://`, `http(s)://`) names a `.cawsf` or delta object (docs/REMOTE.md).
+/// A URL (`s3://`, `http(s)://`) names a `.cawsf` or delta object, or, ending in `/` or
+/// naming no object but a prefix, an npy-dir (docs/REMOTE.md).
 pub fn open(path: &Path) -> Result<Arc<dyn Store>, ArchiveError> {
     if super::remote::is_url(path) {
-        let f = super::file::ArchiveFile::open(path)?;
+        let url = path.to_str().unwrap_or_default();
+        if url.ends_with('/') {
+            return Ok(Arc::new(NpyDir::open(path)?));
+        }
+        let f = match super::file::ArchiveFile::open(path) {
+            Ok(f) => f,
+            Err(e) => {
+                // `s3://b/model` may be the folder `s3://b/model/`: an npy-dir is tried
+                // only when it holds a manifest, else the object's own error stands.
+                let dir = format!("{url}/");
+                let npy = super::dir::ArchiveDir::open(Path::new(&dir))
+                    .is_ok_and(|d| d.is_file(super::npydir::MANIFEST));
+                return match npy {
+                    true => Ok(Arc::new(NpyDir::open(Path::new(&dir))?)),
+                    false => Err(e),
+                };
+            }
+        };
         if f.len() >= 8 && super::delta::is_magic(&f.read_head(0, 8)?) {
             return Ok(Arc::new(DeltaArchive::open_file(f)?));
         }

@@ -204,12 +204,18 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     if let Some(f) = &s.fetch {
         let _ = writeln!(
             out,
-            "fetch    {}  {} requests  {} fetched ({} read ahead)  {} failed  latency p50 {} p90 {} p99 {}  parts {} hit {} missed  disk {} served {} kept{}",
+            "fetch    {}{}  {} requests  {} fetched ({} read ahead)  {} failed  retries {}  latency p50 {} p90 {} p99 {}  parts {} hit {} missed  disk {} served {} kept{}",
             f.url,
+            if f.objects > 1 {
+                format!(" ({} objects)", f.objects)
+            } else {
+                String::new()
+            },
             f.requests,
             human_bytes(f.bytes_fetched),
             human_bytes(f.readahead_bytes),
             f.failed_requests,
+            f.retries,
             human_latency_us(f.latency_p50_us as f64),
             human_latency_us(f.latency_p90_us as f64),
             human_latency_us(f.latency_p99_us as f64),
@@ -387,7 +393,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let d = stats.device.as_ref();
     let x = stats.experts.as_ref();
     let f = stats.fetch.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 43] = [
+    let simple: [(&str, &str, &str, Option<u64>); 44] = [
         (
             "cawsfs_fetch_cache_hit_bytes_total",
             "counter",
@@ -423,6 +429,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Requests that failed after their retries.",
             f.map(|f| f.failed_requests),
+        ),
+        (
+            "cawsfs_fetch_retries_total",
+            "counter",
+            "Attempts made again after a transient failure (5xx, 429, timeouts, connection errors).",
+            f.map(|f| f.retries),
         ),
         (
             "cawsfs_fetch_part_hits_total",

@@ -58,7 +58,7 @@ pub(crate) fn side_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, ImportErr
 
 /// The module directories a sentence-transformers `modules.json` names (`"path"` of
 /// each module, one plain path component; the model itself is `""`).
-fn module_dirs(modules: &[u8]) -> Vec<String> {
+pub(crate) fn module_dirs(modules: &[u8]) -> Vec<String> {
     let Ok(Value::Array(mods)) = serde_json::from_slice::<Value>(modules) else {
         return Vec::new();
     };
@@ -77,12 +77,8 @@ fn kept_files(dir: &Path, prefix: &str) -> Result<Vec<(String, PathBuf)>, Import
         let Some(name) = entry.file_name().to_str().map(str::to_string) else {
             continue;
         };
-        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
         let full = format!("{prefix}{name}");
-        let kept = ext.is_some_and(|e| KEPT_EXTENSIONS.contains(&e.as_str()))
-            && !NOT_KEPT.contains(&name.as_str())
-            && !name.starts_with('.')
-            && check_hf_file_name(&full).is_ok();
+        let kept = is_side_file(&name, &full);
         // `metadata` follows a symbolic link (Hugging Face caches are made of them).
         if kept && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file()) {
             out.push((full, entry.path()));
@@ -92,6 +88,15 @@ fn kept_files(dir: &Path, prefix: &str) -> Result<Vec<(String, PathBuf)>, Import
         }
     }
     Ok(out)
+}
+
+/// Whether file `name`, kept as `full` (`prefix` + name), is a side file to keep.
+pub(crate) fn is_side_file(name: &str, full: &str) -> bool {
+    let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
+    ext.is_some_and(|e| KEPT_EXTENSIONS.contains(&e.as_str()))
+        && !NOT_KEPT.contains(&name)
+        && !name.starts_with('.')
+        && check_hf_file_name(full).is_ok()
 }
 
 /// Side files larger than this are refused: they are tokenizers and configs, not weights.

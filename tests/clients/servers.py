@@ -89,6 +89,16 @@ class S3Server:
              f"{self.endpoint}/{bucket}/{key}"], check=True, capture_output=True)
         return f"s3://{bucket}/{key}"
 
+    def put_tree(self, bucket, prefix, src):
+        """Upload every file under the directory `src` as `prefix/RELATIVE/PATH` (eight
+        uploads at a time); returns the prefix's URL, ending in `/`."""
+        from concurrent.futures import ThreadPoolExecutor
+        src = Path(src)
+        files = [p for p in src.rglob("*") if p.is_file()]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda p: self.put(bucket, f"{prefix}/{p.relative_to(src)}", p), files))
+        return f"s3://{bucket}/{prefix}/"
+
 
 class HttpServer:
     """nginx serving `root` (with Range, ETag and Last-Modified, as it does for files);

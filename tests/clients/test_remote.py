@@ -4,8 +4,11 @@ archive by range and serve exactly what the local archive serves. A replaced obj
 a server that goes away, wrong credentials: EIO or one line, never wrong bytes."""
 import errno
 import os
+import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -194,6 +197,49 @@ def test_http_archives_export_and_verify(cawsfs, archives, model_gguf, reference
     assert (work / "d-remote.gguf").read_bytes() == (work / "d-local.gguf").read_bytes()
 
 
+def test_npy_dirs_under_prefixes(cawsfs, model_gguf, reference, s3, http, work):
+    """An npy-dir in object storage is a prefix: one listing pins every file (no HEAD
+    each), the mount serves what the local directory serves and fetches about what it
+    reads. cawsfs's own directory (cawsfs.json names every file) and a Squish one
+    written by numpy (matched against the listing) over S3; cawsfs's own over plain
+    HTTP too (nginx cannot list: its files are named by cawsfs.json and HEADed)."""
+    ours, squish = work / "ours", work / "squish"
+    run([cawsfs, "convert", model_gguf, "--to", "npy-dir", "-o", ours])
+    run([sys.executable, Path(__file__).parent / "make_npydir.py", reference, squish])
+    for name, d in (("ours", ours), ("squish", squish)):
+        run([cawsfs, "export", d, "--format", "gguf", "-o", work / f"{name}.gguf"])
+        s3.put_tree("models", f"npy/{name}", d)
+    for name, d, url in (("ours", ours, "s3://models/npy/ours/"),
+                         ("squish", squish, "s3://models/npy/squish")):
+        want = (work / f"{name}.gguf").read_bytes()
+        files = [p for p in d.rglob("*") if p.is_file()]
+        stored = sum(p.stat().st_size for p in files)
+        m = Mount(cawsfs, url, work / f"mnt-{name}", "--no-disk-cache")
+        try:
+            assert (m.mp / "model.gguf").read_bytes() == want, name
+            f = m.stat()["fetch"]
+            assert f["url"] == url.rstrip("/") + "/", f
+            # Every data file is opened once (cawsfs.json may carry the side files).
+            assert len(files) - 8 <= f["objects"] <= len(files), (f, len(files))
+            assert stored * 0.9 < f["object_bytes"] <= stored, (f, stored)
+            assert f["failed_requests"] == 0 and f["retries"] == 0, f
+            # Every byte was needed once; read-ahead stops at each file's end.
+            opened = f["object_bytes"]
+            assert opened * 0.9 < f["bytes_fetched"] <= opened * 1.1, f
+            assert "retries 0" in run([cawsfs, "stat", m.mp]).stdout
+        finally:
+            m.close()
+    # Plain HTTP: no listing, so only a directory that names its files.
+    shutil.copytree(ours, http.root / "ours")
+    shutil.copytree(squish, http.root / "squish")
+    base = f"http://{http.host}:{http.port}"
+    run([cawsfs, "verify", f"{base}/ours/"])
+    run([cawsfs, "export", f"{base}/ours/", "--format", "gguf", "-o", work / "h.gguf"])
+    assert (work / "h.gguf").read_bytes() == (work / "ours.gguf").read_bytes()
+    e = one_line_error([cawsfs, "inspect", f"{base}/squish/"])
+    assert f"{base}/squish/" in e and "does not list" in e, e
+
+
 def one_line_error(cmd, env=None, limit=60):
     t0 = time.time()
     p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
@@ -215,8 +261,9 @@ def test_bad_remote_sources_get_one_line(cawsfs, archives, s3, http, work):
     assert "s3://models/missing.cawsf" in e and "no such object" in e, e
     e = one_line_error([cawsfs, "inspect", http.put("x", src).replace("/x", "/nothing-here")])
     assert "no such object" in e, e
+    # A prefix is an npy-dir only with a manifest.
     e = one_line_error([cawsfs, "inspect", "s3://models/"], env=s3.env())
-    assert "names no object" in e, e
+    assert "s3://models/" in e and "no manifest.json" in e, e
     # Nothing listens there: refused at once, retried a bounded number of times.
     dead = s3.env(AWS_ENDPOINT_URL="http://127.0.0.1:9", CAWSFS_FETCH_RETRIES="2",
                   CAWSFS_FETCH_RETRY_TIMEOUT_S="5")
@@ -302,6 +349,8 @@ def test_injected_faults_never_give_wrong_bytes(cawsfs, archives, reference, htt
         f = m.stat()["fetch"]
         if mode == "503":
             assert not failed and f["failed_requests"] == 0, (failed, f)
+            # Every 503 was an attempt made again (HEADs pass the proxy untouched).
+            assert f["retries"] == proxy.injected, (f, proxy.injected)
         if mode == "flip":
             # Each flipped answer fails a block's checksum and is fetched again.
             assert f["refetched_blocks"] > 0, f

@@ -162,8 +162,11 @@ impl Container {
         // In the file: `check_toc` bounded every section by its length.
         let mut stored = self.file.read_head(rec.offset, rec.size as usize)?;
         if let Some(o) = self.file.remote() {
-            // Damaged on the way (or in the fetch cache): fetched once more.
-            if xxhash_rust::xxh3::xxh3_64(&stored) != rec.xxh3 {
+            // Damaged on the way (or in the fetch cache): fetched again, a few times.
+            for _ in 0..crate::archive::file::REFETCHES {
+                if xxhash_rust::xxh3::xxh3_64(&stored) == rec.xxh3 {
+                    break;
+                }
                 o.forget(rec.offset, rec.size);
                 stored = self.file.read_head(rec.offset, rec.size as usize)?;
             }

@@ -6,6 +6,7 @@
 //! a small LRU shared by the directory.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -14,7 +15,9 @@ use super::frames::{walk_frames, zst_header, Frame};
 use super::npy::{self, Dtype};
 use super::{NpyDir, TENSOR_DIR};
 use crate::archive::container::{invalid, BlobFault};
-use crate::archive::file::ArchiveFile;
+use crate::archive::dir::ArchiveDir;
+use crate::archive::file::{ArchiveFile, ONCE};
+use crate::archive::remote::RemoteObject;
 use crate::archive::ArchiveError;
 
 /// Decompressed foreign `.npy.zst` files kept in memory (NPYDIR.md §4).
@@ -48,6 +51,23 @@ impl DataFile {
     pub(super) fn is_zst(&self) -> bool {
         !matches!(self.storage, Storage::Plain(_))
     }
+
+    /// Where row block `b` (data bytes `lo..hi`) lies in the object, when the file is
+    /// one and the block is read by range: (the object, offset, length).
+    pub(super) fn remote_range(
+        &self,
+        b: usize,
+        (lo, hi): (u64, u64),
+    ) -> Option<(&RemoteObject, u64, u64)> {
+        match &self.storage {
+            Storage::Plain(file) => Some((file.remote()?, self.header.data_offset + lo, hi - lo)),
+            Storage::Framed { file, frames } => {
+                let (o, n) = frames[b];
+                Some((file.remote()?, o, n as u64))
+            }
+            Storage::Whole { .. } => None,
+        }
+    }
 }
 
 /// Decompressed foreign files, least recently used first out.
@@ -67,31 +87,60 @@ impl WholeCache {
 
 /// Opens the data files of one directory; numbers the foreign zst files for the LRU.
 pub(super) struct Opener<'a> {
+    pub src: &'a ArchiveDir,
+    /// `src`'s path, for messages.
     pub dir: &'a Path,
-    pub next_whole: usize,
+    pub next_whole: AtomicUsize,
 }
 
+/// Threads opening the files of a directory in object storage: each open waits on a
+/// request, so they overlap requests rather than share cores.
+const REMOTE_OPENERS: usize = 16;
+
 impl Opener<'_> {
+    /// `f` over `items`, in order; a directory in object storage opens them side by
+    /// side (a local one in order, so the first bad file is the one named).
+    pub(super) fn each<T: Sync, R: Send>(
+        &self,
+        items: &[T],
+        f: impl Fn(&Self, &T) -> Result<R, ArchiveError> + Sync,
+    ) -> Result<Vec<R>, ArchiveError> {
+        use rayon::prelude::*;
+        if !self.src.is_remote() {
+            return items.iter().map(|t| f(self, t)).collect();
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(REMOTE_OPENERS)
+            .thread_name(|i| format!("cawsfs-open-{i}"))
+            .build()
+            .map_err(|e| invalid(self.dir, format!("starting threads to open it: {e}")))?;
+        pool.install(|| items.par_iter().map(|t| f(self, t)).collect())
+    }
+
     /// Open `tensors/{name}` (`.npy` or `.npy.zst`), check its dtype is one of `dtypes`
     /// and its length; `framed` = Some(block data lengths) for a cawsfs-framed zst.
     pub(super) fn open(
-        &mut self,
+        &self,
         name: &str,
         dtypes: &[Dtype],
         framed: Option<&[u64]>,
     ) -> Result<DataFile, ArchiveError> {
         let rel = format!("{TENSOR_DIR}/{name}");
         let path = self.dir.join(&rel);
-        let file = ArchiveFile::open(&path)?;
+        let file = self.src.open_file(&rel)?;
         let file_len = file.len();
         if file_len == 0 {
             return Err(invalid(&path, "empty file"));
         }
         let zst = name.ends_with(".zst");
         let (header, storage) = if !zst {
-            let head = file.read_head(0, file_len.min(12) as usize)?;
+            // Headers are short (numpy pads them to 64 or 128 bytes): one read, usually.
+            let mut head = file.read_head(0, file_len.min(ONCE as u64) as usize)?;
             let hl = npy::header_len(&head).map_err(|e| invalid(&path, e))?;
-            let head = file.read_head(0, file_len.min(hl) as usize)?;
+            if hl > head.len() as u64 {
+                head = file.read_head(0, file_len.min(hl) as usize)?;
+            }
+            head.truncate(hl as usize);
             let header = npy::parse(&head).map_err(|e| invalid(&path, e))?;
             (header, Storage::Plain(file))
         } else {
@@ -138,7 +187,7 @@ impl Opener<'_> {
     /// The header and storage of a `.npy.zst`: its frames walked, its decompressed size
     /// checked against the npy header, and its framing as `framed` says.
     fn open_zst(
-        &mut self,
+        &self,
         path: &Path,
         file: ArchiveFile,
         framed: Option<&[u64]>,
@@ -174,10 +223,9 @@ impl Opener<'_> {
             Some(lens) => framed_storage(path, file, &frames, &header, lens)?,
             None => {
                 check_whole(path, &frames, expect)?;
-                self.next_whole += 1;
                 Storage::Whole {
                     file,
-                    id: self.next_whole,
+                    id: self.next_whole.fetch_add(1, Ordering::Relaxed) + 1,
                 }
             }
         };
@@ -236,7 +284,7 @@ fn check_whole(path: &Path, frames: &[Frame], expect: u64) -> Result<(), Archive
 
 /// `tensors/{name}` as a shape file: (shape, file length, XXH3-64 of the whole file).
 pub(super) fn read_shape_file(
-    op: &mut Opener,
+    op: &Opener,
     name: &str,
 ) -> Result<(Vec<u64>, u64, u64), ArchiveError> {
     let f = op.open(name, &[Dtype::I64, Dtype::I32], None)?;

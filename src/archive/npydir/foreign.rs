@@ -10,42 +10,44 @@ use serde_json::Value;
 use super::files::{read_shape_file, Opener};
 use super::geometry::{check_quant, Geo, Geometry};
 use super::npy::Dtype;
-use super::{file_len, read_small, Entry, Opened, MANIFEST, TENSOR_DIR};
+use super::{read_small, Entry, Opened, MANIFEST, TENSOR_DIR};
 use crate::archive::container::invalid;
+use crate::archive::dir::ArchiveDir;
 use crate::archive::ArchiveError;
+use crate::import::hf::{is_side_file, module_dirs};
+use crate::model::MAX_HF_FILES;
 use crate::model::{ModelDesc, SourceType, TensorDesc};
 
 /// The suffixes of the files one tensor may have (NPYDIR.md §2).
 const SUFFIXES: &[&str] = &["__q4", "__s4", "__q", "__s", "__pt", "__shape"];
 
 pub(super) fn open_foreign(
-    op: &mut Opener,
+    op: &Opener,
     manifest: &[(String, String)],
     files: &HashSet<String>,
 ) -> Result<Opened, ArchiveError> {
     let dir = op.dir;
     let mpath = dir.join(MANIFEST);
     let cfg = dir.join("config.json");
-    if !cfg.is_file() {
+    if !op.src.is_file("config.json") {
         return Err(invalid(
             dir,
             "config.json is missing: an npy-dir needs the model's config.json and tokenizer files beside manifest.json",
         ));
     }
     let mut hf_files = BTreeMap::new();
-    let mut parts = vec![(MANIFEST.to_string(), file_len(&mpath))];
-    let side = crate::import::hf::side_files(dir).map_err(|e| invalid(dir, e.to_string()))?;
-    for (name, p) in side {
+    let mut parts = vec![(MANIFEST.to_string(), op.src.len(MANIFEST))];
+    for name in side_files(op.src)? {
         if name == MANIFEST {
             continue;
         }
-        let b = read_small(&p)?;
+        let b = read_small(op.src, &name)?;
         parts.push((name.clone(), b.len() as u64));
         hf_files.insert(name, b);
     }
     let config: Value = serde_json::from_slice(&hf_files["config.json"])
         .map_err(|e| invalid(&cfg, format!("not valid JSON: {e}")))?;
-    let mut items = Vec::new();
+    let mut named = Vec::new();
     let mut seen = HashSet::new();
     for (a, b) in manifest {
         let (name, key) = match (has_any(files, a), has_any(files, b)) {
@@ -67,8 +69,11 @@ pub(super) fn open_foreign(
         if !seen.insert(name.clone()) {
             return Err(invalid(&mpath, format!("tensor {name} is listed twice")));
         }
-        items.push(open_foreign_tensor(op, name, key, files)?);
+        named.push((name, key));
     }
+    let mut items = op.each(&named, |op, (name, key)| {
+        open_foreign_tensor(op, name, key, files)
+    })?;
     items.sort_by_key(|(t, _)| crate::import::hf::sort_key(&t.name));
     let (tensors, entries): (Vec<TensorDesc>, Vec<Entry>) = items.into_iter().unzip();
     let arch = crate::import::hf::arch_from_config(&cfg, &config, &tensors)
@@ -92,7 +97,7 @@ pub(super) fn open_foreign(
 }
 
 fn open_foreign_tensor(
-    op: &mut Opener,
+    op: &Opener,
     name: &str,
     key: &str,
     files: &HashSet<String>,
@@ -100,7 +105,7 @@ fn open_foreign_tensor(
     let dir = op.dir;
     let get = |s: &str| pick(files, key, s);
     let shape_file = get("__shape");
-    let shape_of = |op: &mut Opener| -> Result<(Vec<u64>, u64), ArchiveError> {
+    let shape_of = |op: &Opener| -> Result<(Vec<u64>, u64), ArchiveError> {
         let f = shape_file.as_ref().ok_or_else(|| {
             invalid(
                 &dir.join(TENSOR_DIR),
@@ -178,11 +183,49 @@ fn open_foreign_tensor(
             files,
             stored_bytes: stored,
             shape_part: shape_file.map(|f| {
-                let len = file_len(&dir.join(TENSOR_DIR).join(&f));
-                (format!("{TENSOR_DIR}/{f}"), len)
+                let rel = format!("{TENSOR_DIR}/{f}");
+                (rel.clone(), op.src.len(&rel))
             }),
         },
     ))
+}
+
+/// The model's side files (configs, tokenizer, sentence-transformers modules) as Hugging
+/// Face directories keep them (`import::hf`'s rules), sorted, by their names here.
+fn side_files(src: &ArchiveDir) -> Result<Vec<String>, ArchiveError> {
+    let kept = |sub: &str| -> Result<Vec<String>, ArchiveError> {
+        let lead = if sub.is_empty() {
+            String::new()
+        } else {
+            format!("{sub}/")
+        };
+        Ok(src
+            .names(sub)?
+            .into_iter()
+            .map(|n| (format!("{lead}{n}"), n))
+            .filter(|(full, n)| is_side_file(n, full) && src.is_file(full))
+            .map(|(full, _)| full)
+            .collect())
+    };
+    let mut out = kept("")?;
+    if out.iter().any(|n| n == "modules.json") {
+        for sub in module_dirs(&read_small(src, "modules.json")?) {
+            if src.is_dir(&sub) {
+                out.extend(kept(&sub)?);
+            }
+        }
+    }
+    out.sort();
+    if out.len() > MAX_HF_FILES {
+        return Err(invalid(
+            src.path(),
+            format!(
+                "{} side files (configs, tokenizers ...) is more than the {MAX_HF_FILES} a model may keep",
+                out.len()
+            ),
+        ));
+    }
+    Ok(out)
 }
 
 /// The name in `tensors/` of `{key}{suffix}`: `.npy` if present, else `.npy.zst`.

@@ -25,7 +25,7 @@ mod sidecar;
 mod tests;
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -33,7 +33,9 @@ use rayon::prelude::*;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::archive::container::{invalid, io_error as io_err};
+use crate::archive::container::{invalid, BlobFault};
+use crate::archive::dir::ArchiveDir;
+use crate::archive::file::REFETCHES;
 use crate::archive::{
     check_read, rel_err_of, BlockMemo, Kind, ReadCounterSnapshot, ReadCounters, Store,
     TensorSummary,
@@ -61,21 +63,9 @@ const MAX_SMALL_FILE: u64 = 256 << 20;
 /// Files in `tensors/` and zstd frames in one file, at most.
 const MAX_FILES: usize = 1 << 20;
 
-/// A JSON or side file, refused above [`MAX_SMALL_FILE`].
-fn read_small(path: &Path) -> Result<Vec<u8>, ArchiveError> {
-    let meta = std::fs::metadata(path).map_err(|e| io_err(path, e))?;
-    if !meta.is_file() {
-        // A FIFO would block the read forever.
-        return Err(invalid(path, "not a regular file"));
-    }
-    let len = meta.len();
-    if len > MAX_SMALL_FILE {
-        return Err(invalid(
-            path,
-            format!("{len} bytes is too large for a metadata file"),
-        ));
-    }
-    std::fs::read(path).map_err(|e| io_err(path, e))
+/// A JSON or side file of the directory, refused above [`MAX_SMALL_FILE`].
+fn read_small(src: &ArchiveDir, rel: &str) -> Result<Vec<u8>, ArchiveError> {
+    src.read_small(rel, MAX_SMALL_FILE)
 }
 
 /// `safe_key` as Squish computes it.
@@ -120,7 +110,7 @@ struct BlockError {
 
 /// An opened npy-dir. Implements [`Store`].
 pub struct NpyDir {
-    path: PathBuf,
+    src: ArchiveDir,
     model: ModelDesc,
     entries: Vec<Entry>,
     parts: Vec<(String, u64)>,
@@ -139,21 +129,18 @@ pub struct NpyDir {
 /// size; without checksums also each part's mtime and inode, the best a foreign
 /// directory offers short of hashing all its bytes.
 fn dir_identity(
-    dir: &Path,
+    src: &ArchiveDir,
     parts: &[(String, u64)],
     checksummed: bool,
 ) -> Result<u128, ArchiveError> {
-    use std::os::unix::fs::MetadataExt;
     let mut b = b"npy-dir".to_vec();
     for name in [MANIFEST, SIDECAR] {
-        let p = dir.join(name);
-        match std::fs::read(&p) {
-            Ok(bytes) => {
-                b.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-                b.extend_from_slice(&bytes);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => b.push(0),
-            Err(e) => return Err(crate::archive::container::io_error(&p, e)),
+        if src.is_file(name) {
+            let bytes = read_small(src, name)?;
+            b.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            b.extend_from_slice(&bytes);
+        } else {
+            b.push(0);
         }
     }
     for (name, size) in parts {
@@ -162,10 +149,8 @@ fn dir_identity(
         b.extend_from_slice(&size.to_le_bytes());
         if !checksummed {
             // A part that cannot be stat'ed fails its reads later; here it only marks.
-            if let Ok(m) = std::fs::metadata(dir.join(name)) {
-                b.extend_from_slice(&m.mtime().to_le_bytes());
-                b.extend_from_slice(&m.mtime_nsec().to_le_bytes());
-                b.extend_from_slice(&m.ino().to_le_bytes());
+            if let Some(s) = src.stamp(name) {
+                b.extend_from_slice(&s);
             }
         }
     }
@@ -177,9 +162,9 @@ pub fn is_npy_dir(path: &Path) -> bool {
     path.join(MANIFEST).is_file()
 }
 
-fn parse_manifest(dir: &Path) -> Result<Vec<(String, String)>, ArchiveError> {
-    let path = dir.join(MANIFEST);
-    let bytes = read_small(&path)?;
+fn parse_manifest(src: &ArchiveDir) -> Result<Vec<(String, String)>, ArchiveError> {
+    let path = src.at(MANIFEST);
+    let bytes = read_small(src, MANIFEST)?;
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| invalid(&path, format!("not valid JSON: {e}")))?;
     let obj = v
@@ -199,37 +184,40 @@ fn parse_manifest(dir: &Path) -> Result<Vec<(String, String)>, ArchiveError> {
         .collect()
 }
 
-fn list_tensor_files(dir: &Path) -> Result<HashSet<String>, ArchiveError> {
-    let tdir = dir.join(TENSOR_DIR);
-    let rd = std::fs::read_dir(&tdir).map_err(|e| io_err(&tdir, e))?;
-    let mut out = HashSet::new();
-    for e in rd {
-        let e = e.map_err(|e| io_err(&tdir, e))?;
-        if let Some(n) = e.file_name().to_str() {
-            out.insert(n.to_string());
-        }
-        if out.len() > MAX_FILES {
-            return Err(invalid(&tdir, "too many files"));
-        }
+fn list_tensor_files(src: &ArchiveDir) -> Result<HashSet<String>, ArchiveError> {
+    let names = src.names(TENSOR_DIR)?;
+    if names.len() > MAX_FILES {
+        return Err(invalid(&src.at(TENSOR_DIR), "too many files"));
     }
-    Ok(out)
-}
-
-/// Size of a file for `parts` (0 when its metadata cannot be read).
-fn file_len(p: &Path) -> u64 {
-    std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+    Ok(names.into_iter().collect())
 }
 
 impl NpyDir {
-    pub fn open(dir: &Path) -> Result<NpyDir, ArchiveError> {
-        let manifest = parse_manifest(dir)?;
-        let files = list_tensor_files(dir)?;
-        let mut op = Opener { dir, next_whole: 0 };
-        let side = dir.join(SIDECAR);
-        let o = if side.is_file() {
-            open_with_sidecar(&mut op, &side, &manifest)?
+    /// Open the npy-dir at `path`: a directory, or a prefix in object storage
+    /// (`s3://BUCKET/DIR/`, docs/REMOTE.md).
+    pub fn open(path: &Path) -> Result<NpyDir, ArchiveError> {
+        Self::open_in(ArchiveDir::open(path)?)
+    }
+
+    fn open_in(src: ArchiveDir) -> Result<NpyDir, ArchiveError> {
+        if !src.is_file(MANIFEST) {
+            return Err(invalid(
+                src.path(),
+                "holds no manifest.json, so it is not an npy-dir (a .cawsf or delta archive is named by its file or key)",
+            ));
+        }
+        let manifest = parse_manifest(&src)?;
+        let op = Opener {
+            src: &src,
+            dir: src.path(),
+            next_whole: Default::default(),
+        };
+        let o = if src.is_file(SIDECAR) {
+            open_with_sidecar(&op, &src.at(SIDECAR), &manifest)?
         } else {
-            open_foreign(&mut op, &manifest, &files)?
+            // Only a directory without cawsfs.json is matched against its listing.
+            let files = list_tensor_files(&src)?;
+            open_foreign(&op, &manifest, &files)?
         };
         let mut parts = o.parts;
         for e in &o.entries {
@@ -239,9 +227,9 @@ impl NpyDir {
             parts.extend(e.shape_part.clone());
         }
         parts.sort();
-        let identity = dir_identity(dir, &parts, o.checksummed)?;
+        let identity = dir_identity(&src, &parts, o.checksummed)?;
         Ok(NpyDir {
-            path: dir.to_path_buf(),
+            src,
             model: o.model,
             entries: o.entries,
             parts,
@@ -271,9 +259,25 @@ impl NpyDir {
                 file: f.rel.clone(),
                 err,
             };
-            let bytes = self
-                .data_slice(f, b, r)
-                .map_err(|fault| fail(fault.into_read_error(name, b, &f.rel)))?;
+            let mut refetched = 0;
+            let bytes = loop {
+                let got = self.data_slice(f, b, r);
+                let bad = match (&got, &f.sums) {
+                    (Ok(bytes), Some(sums)) => xxh3_64(bytes) != sums[b],
+                    (Err(BlobFault::Corrupt(_)), _) => true,
+                    _ => false,
+                };
+                // From an object, bad bytes were damaged on the way or in the fetch
+                // cache: they are dropped and fetched again, a few times.
+                match f.remote_range(b, r) {
+                    Some((o, off, len)) if bad && refetched < REFETCHES => {
+                        o.forget(off, len);
+                        refetched += 1;
+                    }
+                    _ => break got,
+                }
+            };
+            let bytes = bytes.map_err(|fault| fail(fault.into_read_error(name, b, &f.rel)))?;
             if let Some(sums) = &f.sums {
                 let computed = xxh3_64(&bytes);
                 if computed != sums[b] {
@@ -415,7 +419,7 @@ impl RowSource for NpyDir {
         // A changed file has logged itself once; a line per read would bury it.
         let fail = |be: BlockError| {
             if !matches!(be.err, ReadError::Changed(_)) {
-                tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+                tracing::error!("{}: {}: {}", self.src.path().display(), be.file, be.err);
             }
             be.err
         };
@@ -504,7 +508,7 @@ impl RowSource for NpyDir {
             let last = (first + g.rows_per_block).min(g.rows);
             let parts = self.block_bytes(tensor, b as usize).map_err(|be| {
                 if !matches!(be.err, ReadError::Changed(_)) {
-                    tracing::error!("{}: {}: {}", self.path.display(), be.file, be.err);
+                    tracing::error!("{}: {}: {}", self.src.path().display(), be.file, be.err);
                 }
                 be.err
             })?;
@@ -529,7 +533,10 @@ impl Store for NpyDir {
         Kind::NpyDir
     }
     fn path(&self) -> &Path {
-        &self.path
+        self.src.path()
+    }
+    fn fetch_stats(&self) -> Option<crate::archive::remote::FetchSnapshot> {
+        self.src.fetch_stats()
     }
     fn model(&self) -> &ModelDesc {
         &self.model

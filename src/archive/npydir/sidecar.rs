@@ -15,9 +15,10 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::files::{header_bytes, read_shape_file, DataFile, Opener};
 use super::geometry::{check_quant, Geo, Geometry};
 use super::npy::Dtype;
-use super::{file_len, read_small, Entry, Opened};
+use super::{read_small, Entry, Opened};
 use super::{MANIFEST, ROUTING_FILE, SIDECAR, SIDECAR_FORMAT, TENSOR_DIR};
 use crate::archive::container::{hex64, invalid, parse_hex64};
+use crate::archive::dir::ArchiveDir;
 use crate::archive::ArchiveError;
 use crate::model::{check_hf_file_name, SourceType, TensorDesc, MAX_HF_FILES};
 
@@ -61,8 +62,9 @@ pub fn seal_sidecar(body: &impl Serialize) -> serde_json::Result<Vec<u8>> {
 }
 
 /// The body of the `cawsfs.json` at `side`, after its format, version and checksum.
-pub(super) fn read_sidecar(side: &Path) -> Result<Sidecar, ArchiveError> {
-    let bytes = read_small(side)?;
+pub(super) fn read_sidecar(src: &ArchiveDir) -> Result<Sidecar, ArchiveError> {
+    let side = &src.at(SIDECAR);
+    let bytes = read_small(src, SIDECAR)?;
     let env: Envelope = serde_json::from_slice(&bytes)
         .map_err(|e| invalid(side, format!("not a valid cawsfs.json: {e}")))?;
     if env.format != SIDECAR_FORMAT {
@@ -152,19 +154,19 @@ fn check_sum(
 }
 
 pub(super) fn open_with_sidecar(
-    op: &mut Opener,
+    op: &Opener,
     side: &Path,
     manifest: &[(String, String)],
 ) -> Result<Opened, ArchiveError> {
     let dir = op.dir;
-    let sc = read_sidecar(side)?;
+    let sc = read_sidecar(op.src)?;
     let model = serde_json::from_value(sc.model).map_err(|e| format!("model: {e}"));
     let mut model = model
         .and_then(|m| crate::archive::container::model_from_meta(m, BTreeMap::new()))
         .map_err(|e| invalid(side, e))?;
     let mut parts = vec![
-        (MANIFEST.to_string(), file_len(&dir.join(MANIFEST))),
-        (SIDECAR.to_string(), file_len(side)),
+        (MANIFEST.to_string(), op.src.len(MANIFEST)),
+        (SIDECAR.to_string(), op.src.len(SIDECAR)),
     ];
     if sc.hf_files.len() > MAX_HF_FILES {
         let n = sc.hf_files.len();
@@ -176,7 +178,7 @@ pub(super) fn open_with_sidecar(
     for (name, sum) in &sc.hf_files {
         check_hf_file_name(name).map_err(|e| invalid(side, e))?;
         let p = dir.join(name);
-        let bytes = read_small(&p)?;
+        let bytes = read_small(op.src, name)?;
         check_sum(&p, side, "file", &bytes, Some(sum))?;
         parts.push((name.clone(), bytes.len() as u64));
         model.hf_files.insert(name.clone(), bytes);
@@ -185,7 +187,7 @@ pub(super) fn open_with_sidecar(
         None => Vec::new(),
         Some(sum) => {
             let p = dir.join(ROUTING_FILE);
-            let bytes = read_small(&p)?;
+            let bytes = read_small(op.src, ROUTING_FILE)?;
             check_sum(&p, side, "file", &bytes, Some(sum))?;
             parts.push((ROUTING_FILE.to_string(), bytes.len() as u64));
             bytes
@@ -205,10 +207,10 @@ pub(super) fn open_with_sidecar(
         .iter()
         .map(|(a, b)| (a.as_str(), b.as_str()))
         .collect();
-    let mut entries = Vec::with_capacity(sc.tensors.len());
-    for (st, t) in sc.tensors.iter().zip(&model.tensors) {
-        entries.push(open_side_tensor(op, side, &listed, st, t)?);
-    }
+    let pairs: Vec<(&SideTensor, &TensorDesc)> = sc.tensors.iter().zip(&model.tensors).collect();
+    let entries = op.each(&pairs, |op, (st, t)| {
+        open_side_tensor(op, side, &listed, st, t)
+    })?;
     Ok(Opened {
         model,
         entries,
@@ -229,7 +231,7 @@ fn tensor_err(side: &Path, st: &SideTensor, m: String) -> ArchiveError {
 type Layout = (&'static [&'static str], Geo, [&'static [Dtype]; 2]);
 
 fn open_side_tensor(
-    op: &mut Opener,
+    op: &Opener,
     side: &Path,
     listed: &HashSet<(&str, &str)>,
     st: &SideTensor,
@@ -360,7 +362,7 @@ fn side_file<'a>(
 
 /// The shape file matches its checksum and the model's shape; returns its length.
 fn check_shape_file(
-    op: &mut Opener,
+    op: &Opener,
     side: &Path,
     st: &SideTensor,
     sf: &SideFile,
@@ -418,7 +420,7 @@ fn side_layout(side: &Path, st: &SideTensor, cols: u64) -> Result<Layout, Archiv
 /// Opens the data file of `role` (the `idx`-th of the layout) as framed per row block,
 /// with its block checksums and its header checked against cawsfs.json.
 fn open_side_data(
-    op: &mut Opener,
+    op: &Opener,
     side: &Path,
     st: &SideTensor,
     role: &str,

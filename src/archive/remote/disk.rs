@@ -18,7 +18,7 @@ use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
@@ -45,6 +45,20 @@ fn options() -> Option<&'static FetchCacheOptions> {
     OPTIONS.get().and_then(|o| o.as_ref())
 }
 
+/// What the entries of one archive's objects share: the counters `stat` shows and the
+/// room left under the bound. The first entry opened applies the bound (evicting the
+/// least recently used entries) and sizes the room; the archive's other objects (the
+/// files of an npy-dir) draw on it without scanning the directory again.
+#[derive(Default)]
+pub struct DiskGroup {
+    pub hit_bytes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub bad_parts: AtomicU64,
+    room: AtomicU64,
+    sized: Mutex<bool>,
+    full_reported: AtomicBool,
+}
+
 /// One object's entry in the fetch cache.
 pub struct DiskParts {
     data: File,
@@ -55,22 +69,17 @@ pub struct DiskParts {
     /// How much of `KEY.parts` has been read into `present`: records appended since
     /// (by this process or another mount of the object) are read when a part is missed.
     read_to: Mutex<u64>,
-    /// Bytes this process may still write before the entry would pass the bound.
-    room: AtomicU64,
-    full_reported: AtomicBool,
     bad_reported: AtomicBool,
-    pub hit_bytes: AtomicU64,
-    pub written_bytes: AtomicU64,
-    pub bad_parts: AtomicU64,
+    group: Arc<DiskGroup>,
 }
 
 impl DiskParts {
     /// The entry of the object `identity` names (its URL and pin) of `len` bytes, made
     /// if new; None without a fetch cache, or when the directory cannot be used (logged
     /// once: the mount works without it).
-    pub fn open(identity: &str, len: u64) -> Option<DiskParts> {
+    pub fn open(identity: &str, len: u64, group: &Arc<DiskGroup>) -> Option<DiskParts> {
         let opts = options()?;
-        match Self::open_in(&opts.dir, opts.max_bytes, identity, len) {
+        match Self::open_in(&opts.dir, opts.max_bytes, identity, len, group) {
             Ok(d) => Some(d),
             Err(e) => {
                 tracing::warn!(
@@ -82,7 +91,13 @@ impl DiskParts {
         }
     }
 
-    fn open_in(dir: &Path, max_bytes: u64, identity: &str, len: u64) -> std::io::Result<Self> {
+    fn open_in(
+        dir: &Path,
+        max_bytes: u64,
+        identity: &str,
+        len: u64,
+        group: &Arc<DiskGroup>,
+    ) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let key = format!("{:032x}", xxh3_128(identity.as_bytes()));
         let data_path = dir.join(format!("{key}.data"));
@@ -129,9 +144,15 @@ impl DiskParts {
         }
         let read_to = records.metadata()?.len();
         // Keep the directory within its bound: the least recently opened entries go.
-        let used = evict_to(dir, max_bytes, &key)?;
-        let mine = data.metadata()?.blocks() * 512;
-        let room = max_bytes.saturating_sub(used.saturating_add(mine));
+        let mut sized = group.sized.lock().unwrap();
+        if !*sized {
+            let used = evict_to(dir, max_bytes, &key)?;
+            let mine = data.metadata()?.blocks() * 512;
+            let room = max_bytes.saturating_sub(used.saturating_add(mine));
+            group.room.store(room, Ordering::Relaxed);
+            *sized = true;
+        }
+        drop(sized);
         // Opening counts as use for the eviction order.
         let _ = records.set_modified(std::time::SystemTime::now());
         Ok(DiskParts {
@@ -140,12 +161,8 @@ impl DiskParts {
             data_path,
             present: Mutex::new(present),
             read_to: Mutex::new(read_to),
-            room: AtomicU64::new(room),
-            full_reported: AtomicBool::new(false),
             bad_reported: AtomicBool::new(false),
-            hit_bytes: AtomicU64::new(0),
-            written_bytes: AtomicU64::new(0),
-            bad_parts: AtomicU64::new(0),
+            group: group.clone(),
         })
     }
 
@@ -196,7 +213,7 @@ impl DiskParts {
         let ok = self.data.read_exact_at(&mut buf, offset).is_ok() && xxh3_64(&buf) == want;
         if !ok {
             self.present.lock().unwrap().remove(&part);
-            self.bad_parts.fetch_add(1, Ordering::Relaxed);
+            self.group.bad_parts.fetch_add(1, Ordering::Relaxed);
             if !self.bad_reported.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     "fetch cache {}: part {part} failed its checksum; fetched again",
@@ -205,7 +222,9 @@ impl DiskParts {
             }
             return None;
         }
-        self.hit_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        self.group
+            .hit_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
         Some(buf)
     }
 
@@ -216,12 +235,12 @@ impl DiskParts {
             return;
         }
         let n = bytes.len() as u64;
-        if self
-            .room
+        let g = &self.group;
+        if g.room
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(n))
             .is_err()
         {
-            if !self.full_reported.swap(true, Ordering::Relaxed) {
+            if !g.full_reported.swap(true, Ordering::Relaxed) {
                 tracing::info!(
                     "fetch cache {}: at its size bound; further parts are not kept",
                     self.data_path.display()
@@ -239,7 +258,7 @@ impl DiskParts {
         });
         if written.is_ok() {
             self.present.lock().unwrap().insert(part, hash);
-            self.written_bytes.fetch_add(n, Ordering::Relaxed);
+            g.written_bytes.fetch_add(n, Ordering::Relaxed);
         }
     }
 }
@@ -282,16 +301,20 @@ fn evict_to(dir: &Path, max_bytes: u64, keep: &str) -> std::io::Result<u64> {
 mod tests {
     use super::*;
 
+    fn open(dir: &Path, max: u64, id: &str, len: u64) -> DiskParts {
+        DiskParts::open_in(dir, max, id, len, &Arc::default()).unwrap()
+    }
+
     #[test]
     fn parts_survive_reopen_and_bad_bytes_are_not_served() {
         let tmp = tempfile::tempdir().unwrap();
-        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        let d = open(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000);
         assert!(!d.has(0));
         d.write(0, 0, &[7u8; 600]);
         d.write(1, 600, &[9u8; 400]);
         assert_eq!(d.read(1, 600, 400).unwrap(), vec![9u8; 400]);
         drop(d);
-        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        let d = open(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000);
         assert_eq!(d.read(0, 0, 600).unwrap(), vec![7u8; 600]);
         // A flipped byte: not served, forgotten (the caller fetches again).
         let data = std::fs::read_dir(tmp.path())
@@ -303,15 +326,15 @@ mod tests {
         f.write_all_at(&[8], 650).unwrap();
         assert!(d.read(1, 600, 400).is_none());
         assert!(!d.has(1));
-        assert_eq!(d.bad_parts.load(Ordering::Relaxed), 1);
+        assert_eq!(d.group.bad_parts.load(Ordering::Relaxed), 1);
         // Another pin of the same URL is another entry; a torn record is ignored.
-        let e = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 2", 1000).unwrap();
+        let e = open(tmp.path(), 1 << 30, "s3://b/k etag 2", 1000);
         assert!(!e.has(0));
         drop(d);
         let parts = data.with_extension("parts");
         let mut r = OpenOptions::new().append(true).open(&parts).unwrap();
         r.write_all(&[1, 2, 3]).unwrap();
-        let d = DiskParts::open_in(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000).unwrap();
+        let d = open(tmp.path(), 1 << 30, "s3://b/k etag 1", 1000);
         assert!(d.has(0));
         assert_eq!(
             std::fs::metadata(&parts).unwrap().len() as usize,
@@ -322,8 +345,8 @@ mod tests {
     #[test]
     fn two_openers_share_what_each_keeps() {
         let tmp = tempfile::tempdir().unwrap();
-        let a = DiskParts::open_in(tmp.path(), 1 << 30, "x", 1 << 20).unwrap();
-        let b = DiskParts::open_in(tmp.path(), 1 << 30, "x", 1 << 20).unwrap();
+        let a = open(tmp.path(), 1 << 30, "x", 1 << 20);
+        let b = open(tmp.path(), 1 << 30, "x", 1 << 20);
         a.write(2, 2 * 1000, &[5u8; 1000]);
         assert!(b.has(2));
         assert_eq!(b.read(2, 2 * 1000, 1000).unwrap(), vec![5u8; 1000]);
@@ -334,15 +357,15 @@ mod tests {
     fn the_bound_holds() {
         let tmp = tempfile::tempdir().unwrap();
         let len = 64 << 20;
-        let d = DiskParts::open_in(tmp.path(), 8 << 20, "a", len).unwrap();
+        let d = open(tmp.path(), 8 << 20, "a", len);
         for p in 0..64u64 {
             d.write(p, p << 20, &vec![1u8; 1 << 20]);
         }
-        let written = d.written_bytes.load(Ordering::Relaxed);
+        let written = d.group.written_bytes.load(Ordering::Relaxed);
         assert!(written <= 8 << 20 && written > 0, "{written}");
         drop(d);
         // A second object: the first one's entry is evicted to make room.
-        let e = DiskParts::open_in(tmp.path(), 8 << 20, "b", len).unwrap();
+        let e = open(tmp.path(), 8 << 20, "b", len);
         e.write(0, 0, &vec![2u8; 1 << 20]);
         let total: u64 = std::fs::read_dir(tmp.path())
             .unwrap()

@@ -22,29 +22,33 @@
 //! and jitter by `object_store` itself ([`retry_config`]); when the attempts are spent
 //! that read fails with EIO, and the next read tries again.
 
-use std::collections::HashMap;
-use std::num::NonZeroUsize;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
 
 use crate::archive::ArchiveError;
 
 mod disk;
+mod prefix;
+mod shared;
 mod stats;
 mod upload;
 use disk::DiskParts;
 pub use disk::{configure as configure_fetch_cache, FetchCacheOptions};
+pub use prefix::RemotePrefix;
+use shared::{CountingConnector, PartKey, Shared};
 pub use stats::FetchSnapshot;
-use stats::FetchStats;
 pub use upload::upload;
 
 /// The unit of fetching and of the in-memory part cache.
 pub const PART: u64 = 256 << 10;
+/// The same for the files of an npy-dir: opening one reads its header, and a part of
+/// each of hundreds of files must still fit in [`MEMORY`].
+pub const PART_DIR: u64 = 64 << 10;
 /// The longest single GET: adjacent missing parts coalesce up to this.
 pub const MAX_REQUEST: u64 = 8 << 20;
 /// Fetched parts kept in memory (read-ahead lands here until it is read).
@@ -52,10 +56,16 @@ pub const MEMORY: u64 = 64 << 20;
 /// The first read-ahead window of a stream, and the most it grows to.
 pub const READAHEAD_MIN: u64 = 1 << 20;
 pub const READAHEAD_MAX: u64 = 32 << 20;
+/// The most for each file of an npy-dir: hundreds of files share [`MEMORY`], and the
+/// daemon reading ahead in a view reads several of them at once.
+pub const READAHEAD_MAX_DIR: u64 = 4 << 20;
 /// Requests in flight per object at most, for reads waiting and for read-ahead each
 /// (so a reader never queues behind read-ahead); more wait their turn before they
 /// start, so a queue never counts against a request's timeout.
 const IN_FLIGHT: usize = 4;
+/// The same for the files of an npy-dir under a prefix: its requests are small (a row
+/// block of one file, a header at open), so more of them keep a link busy.
+const IN_FLIGHT_DIR: usize = 16;
 /// Streams of sequential reads followed at once (FUSE threads and prefetch workers
 /// each read their own run of the archive).
 const STREAMS: usize = 8;
@@ -153,14 +163,24 @@ fn one_line(e: &object_store::Error) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// A store for a URL's bucket or host, and its counter of transient failures.
+type StoreFor = (Arc<dyn ObjectStore>, Arc<AtomicU64>);
+
 /// The store and the object's path in it, from a URL.
-fn store_for(url: &url::Url) -> Result<(Arc<dyn ObjectStore>, object_store::path::Path), String> {
+fn store_for(url: &url::Url) -> Result<(StoreFor, object_store::path::Path), String> {
     let key = url.path().trim_start_matches('/');
     if key.is_empty() || key.ends_with('/') {
         return Err("names no object (a key is needed after the bucket or host)".into());
     }
     let location =
         object_store::path::Path::parse(key).map_err(|e| format!("bad object path: {e}"))?;
+    Ok((client_for(url)?, location))
+}
+
+/// The store serving a URL's bucket (s3) or host (http, https).
+fn client_for(url: &url::Url) -> Result<StoreFor, String> {
+    let transient = Arc::new(AtomicU64::new(0));
+    let counting = CountingConnector(transient.clone());
     let store: Arc<dyn ObjectStore> = match url.scheme() {
         "s3" => {
             let bucket = url.host_str().ok_or("no bucket in the URL")?;
@@ -169,7 +189,8 @@ fn store_for(url: &url::Url) -> Result<(Arc<dyn ObjectStore>, object_store::path
             let mut b = object_store::aws::AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry_config())
-                .with_client_options(client_options());
+                .with_client_options(client_options())
+                .with_http_connector(counting);
             for (k, v) in super::aws_profile::settings() {
                 b = b.with_config(k, v);
             }
@@ -188,12 +209,13 @@ fn store_for(url: &url::Url) -> Result<(Arc<dyn ObjectStore>, object_store::path
             let b = object_store::http::HttpBuilder::new()
                 .with_url(base)
                 .with_retry(retry_config())
-                .with_client_options(client_options().with_allow_http(true));
+                .with_client_options(client_options().with_allow_http(true))
+                .with_http_connector(counting);
             Arc::new(b.build().map_err(|e| one_line(&e))?)
         }
         s => return Err(format!("unsupported scheme {s}:// (s3, http, https)")),
     };
-    Ok((store, location))
+    Ok((store, transient))
 }
 
 /// `--endpoint` (set by the CLI in CAWSFS_S3_ENDPOINT) or the standard variables.
@@ -205,6 +227,24 @@ fn endpoint() -> Option<String> {
     ]
     .iter()
     .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+}
+
+/// HEAD `location`: the object's size and pin.
+fn head(
+    store: &Arc<dyn ObjectStore>,
+    location: &object_store::path::Path,
+) -> Result<ObjectMeta, String> {
+    let opts = GetOptions {
+        head: true,
+        ..Default::default()
+    };
+    runtime()
+        .block_on(async { store.get_opts(location, opts).await })
+        .map(|r| r.meta)
+        .map_err(|e| match e {
+            object_store::Error::NotFound { .. } => "no such object".to_string(),
+            e => one_line(&e),
+        })
 }
 
 /// The result a waiting reader gets for one part.
@@ -253,11 +293,6 @@ impl Pending {
     }
 }
 
-struct Parts {
-    ready: lru::LruCache<u64, Bytes>,
-    loading: HashMap<u64, Arc<Pending>>,
-}
-
 /// A stream of sequential reads: where it ends, how far ahead it is fetched, its window.
 #[derive(Clone, Copy)]
 struct Stream {
@@ -268,25 +303,24 @@ struct Stream {
 }
 
 struct Inner {
+    /// What the archive's objects share (client, parts in memory, slots, counters).
+    shared: Arc<Shared>,
+    /// This object's number in the archive (its parts' keys in memory).
+    id: u64,
     display: String,
-    store: Arc<dyn ObjectStore>,
     location: object_store::path::Path,
     len: u64,
     etag: Option<String>,
     version: Option<String>,
     /// The modification time at open (seconds, nanoseconds): the pin without an ETag.
     modified: (i64, u32),
-    parts: Mutex<Parts>,
     streams: Mutex<(Vec<Stream>, u64)>,
-    stats: FetchStats,
-    slots: [tokio::sync::Semaphore; 2],
     disk: Option<DiskParts>,
     changed: AtomicBool,
-    failing: AtomicBool,
-    bad_reported: AtomicBool,
 }
 
-/// An object opened for range reads (see the module's text).
+/// An object opened for range reads (see the module's text); clones share it.
+#[derive(Clone)]
 pub struct RemoteObject {
     inner: Arc<Inner>,
 }
@@ -295,51 +329,48 @@ impl RemoteObject {
     /// HEAD the object and pin it. `path` is the URL as the user gave it.
     pub fn open(path: &Path) -> Result<RemoteObject, ArchiveError> {
         let (url, display) = parse(path)?;
-        let (store, location) = store_for(&url).map_err(|r| invalid(&display, r))?;
-        let head = GetOptions {
-            head: true,
-            ..Default::default()
-        };
-        let meta = runtime()
-            .block_on(async { store.get_opts(&location, head).await })
-            .map_err(|e| match e {
-                object_store::Error::NotFound { .. } => invalid(&display, "no such object"),
-                e => invalid(&display, one_line(&e)),
-            })?
-            .meta;
-        let ready = (MEMORY / PART) as usize;
+        let ((store, transient), location) = store_for(&url).map_err(|r| invalid(&display, r))?;
+        let meta = head(&store, &location).map_err(|r| invalid(&display, r))?;
+        let shared = Arc::new(Shared::new(
+            display.clone(),
+            store,
+            transient,
+            IN_FLIGHT,
+            PART,
+            READAHEAD_MAX,
+        ));
+        Ok(RemoteObject::pinned(&shared, display, meta))
+    }
+
+    /// The object `meta` describes (from a HEAD or a listing), pinned as it says, one
+    /// of the objects that share `shared`.
+    fn pinned(shared: &Arc<Shared>, display: String, meta: ObjectMeta) -> RemoteObject {
         let modified = (
             meta.last_modified.timestamp(),
             meta.last_modified.timestamp_subsec_nanos(),
         );
         // The pin names the fetch cache's entry: a changed object is another entry.
         let identity = format!(
-            "{display}\n{:?}\n{:?}\n{modified:?}\n{}",
-            meta.e_tag, meta.version, meta.size
+            "{display}\n{:?}\n{:?}\n{modified:?}\n{}\n{}",
+            meta.e_tag, meta.version, meta.size, shared.part
         );
-        let disk = DiskParts::open(&identity, meta.size);
-        Ok(RemoteObject {
+        let disk = DiskParts::open(&identity, meta.size, &shared.disk);
+        shared.object_bytes.fetch_add(meta.size, Ordering::Relaxed);
+        RemoteObject {
             inner: Arc::new(Inner {
+                id: shared.next_id.fetch_add(1, Ordering::Relaxed),
+                shared: shared.clone(),
                 display,
-                store,
-                location,
+                location: meta.location,
                 len: meta.size,
                 modified,
                 etag: meta.e_tag,
                 version: meta.version,
-                parts: Mutex::new(Parts {
-                    ready: lru::LruCache::new(NonZeroUsize::new(ready).unwrap()),
-                    loading: HashMap::new(),
-                }),
                 streams: Mutex::new((Vec::new(), 0)),
-                stats: FetchStats::default(),
-                slots: [(); 2].map(|_| tokio::sync::Semaphore::new(IN_FLIGHT)),
                 disk,
                 changed: AtomicBool::new(false),
-                failing: AtomicBool::new(false),
-                bad_reported: AtomicBool::new(false),
             }),
-        })
+        }
     }
 
     /// The object's size when it was opened.
@@ -356,26 +387,44 @@ impl RemoteObject {
         &self.inner.display
     }
 
+    /// The counters of the archive this object belongs to (all its objects).
     pub fn snapshot(&self) -> FetchSnapshot {
-        let s = &self.inner.stats;
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        FetchSnapshot {
-            url: self.inner.display.clone(),
-            object_bytes: self.inner.len,
-            requests: l(&s.requests),
-            bytes_fetched: l(&s.bytes),
-            failed_requests: l(&s.failed),
-            part_hits: l(&s.part_hits),
-            part_misses: l(&s.part_misses),
-            readahead_bytes: l(&s.readahead_bytes),
-            refetched_blocks: l(&s.refetched),
-            latency_p50_us: s.percentile(0.5),
-            latency_p90_us: s.percentile(0.9),
-            latency_p99_us: s.percentile(0.99),
-            fetch_cache_hit_bytes: self.inner.disk.as_ref().map_or(0, |d| l(&d.hit_bytes)),
-            fetch_cache_written_bytes: self.inner.disk.as_ref().map_or(0, |d| l(&d.written_bytes)),
-            fetch_cache_bad_parts: self.inner.disk.as_ref().map_or(0, |d| l(&d.bad_parts)),
+        self.inner.shared.snapshot()
+    }
+
+    /// [`RemoteObject::read_into`] of a few bytes read once (a header at open): unless
+    /// their part is at hand, one GET of just those bytes, kept nowhere. Opening an
+    /// npy-dir reads a header from each of hundreds of files; whole parts of them
+    /// would push out of memory the parts reads are about to use.
+    pub fn read_once(&self, offset: u64, buf: &mut [u8]) -> Result<(), Failure> {
+        let inner = &self.inner;
+        let ps = inner.shared.part;
+        let end = offset + buf.len() as u64;
+        let at_hand = buf.is_empty() || end > inner.len || {
+            let part = offset / ps;
+            (end - 1) / ps == part
+                && (inner
+                    .shared
+                    .parts
+                    .lock()
+                    .unwrap()
+                    .ready
+                    .contains(&(inner.id, part))
+                    || inner.disk.as_ref().is_some_and(|d| d.has(part)))
+        };
+        if at_hand {
+            return self.read_into(offset, buf);
         }
+        let shared = &inner.shared;
+        let got = runtime().block_on(async {
+            let _slot = shared.slots[0].acquire().await;
+            let t0 = Instant::now();
+            let got = inner.get(offset, end).await;
+            shared.stats.record(end - offset, t0.elapsed(), got.is_ok());
+            got
+        })?;
+        buf.copy_from_slice(&got);
+        Ok(())
     }
 
     /// Fill `buf` with the object's bytes at `offset` (the caller checked the range
@@ -385,6 +434,8 @@ impl RemoteObject {
             return Ok(());
         }
         let inner = &self.inner;
+        let shared = &inner.shared;
+        let id = inner.id;
         let end = offset + buf.len() as u64;
         if end > inner.len {
             return Err(Failure::Fetch(format!(
@@ -393,24 +444,25 @@ impl RemoteObject {
                 inner.len
             )));
         }
-        let (first, last) = (offset / PART, (end - 1) / PART);
+        let part_size = shared.part;
+        let (first, last) = (offset / part_size, (end - 1) / part_size);
         let mut have: Vec<(u64, Bytes)> = Vec::new();
         let mut waits: Vec<(u64, Arc<Pending>)> = Vec::new();
         let mut claimed: Vec<u64> = Vec::new();
         let on_disk = |part| inner.disk.as_ref().is_some_and(|d| d.has(part));
         let mut from_disk: Vec<u64> = Vec::new();
-        let claim = |p: &mut Parts, part, waits: &mut Vec<_>, claimed: &mut Vec<u64>| {
+        let claim = |p: &mut shared::Parts, part, waits: &mut Vec<_>, claimed: &mut Vec<u64>| {
             let w = Pending::new();
-            p.loading.insert(part, w.clone());
+            p.loading.insert((id, part), w.clone());
             waits.push((part, w));
             claimed.push(part);
         };
         {
-            let mut p = inner.parts.lock().unwrap();
+            let mut p = shared.parts.lock().unwrap();
             for part in first..=last {
-                if let Some(b) = p.ready.get(&part) {
+                if let Some(b) = p.ready.get(&(id, part)) {
                     have.push((part, b.clone()));
-                } else if let Some(w) = p.loading.get(&part) {
+                } else if let Some(w) = p.loading.get(&(id, part)) {
                     waits.push((part, w.clone()));
                 } else if on_disk(part) {
                     from_disk.push(part);
@@ -426,26 +478,31 @@ impl RemoteObject {
         let mut bad = Vec::new();
         for part in from_disk {
             let d = inner.disk.as_ref().expect("parts on disk have a disk");
-            match d.read(part, part * PART, inner.part_len(part)) {
+            match d.read(part, part * part_size, inner.part_len(part)) {
                 Some(b) => {
                     let b = Bytes::from(b);
-                    inner.parts.lock().unwrap().ready.put(part, b.clone());
+                    shared
+                        .parts
+                        .lock()
+                        .unwrap()
+                        .ready
+                        .put((id, part), b.clone());
                     have.push((part, b));
                 }
                 None => bad.push(part),
             }
         }
         if !bad.is_empty() {
-            let mut p = inner.parts.lock().unwrap();
+            let mut p = shared.parts.lock().unwrap();
             for part in bad {
-                match p.loading.get(&part) {
+                match p.loading.get(&(id, part)) {
                     Some(w) => waits.push((part, w.clone())),
                     None => claim(&mut p, part, &mut waits, &mut claimed),
                 }
             }
             claimed.sort_unstable();
         }
-        let s = &inner.stats;
+        let s = &shared.stats;
         s.part_hits.fetch_add(memory_hits, Ordering::Relaxed);
         s.part_misses
             .fetch_add(waits.len() as u64, Ordering::Relaxed);
@@ -455,7 +512,7 @@ impl RemoteObject {
             have.push((part, w.wait()?));
         }
         for (part, bytes) in have {
-            let p0 = part * PART;
+            let p0 = part * part_size;
             let from = offset.max(p0);
             let to = end.min(p0 + bytes.len() as u64);
             buf[(from - offset) as usize..(to - offset) as usize]
@@ -465,33 +522,23 @@ impl RemoteObject {
     }
 }
 
-impl Drop for RemoteObject {
-    fn drop(&mut self) {
-        let s = self.snapshot();
-        tracing::debug!(
-            "{}: {} requests, {} bytes fetched ({} read ahead), {} failed, parts {} hits {} misses, latency p50 {} us p99 {} us",
-            s.url, s.requests, s.bytes_fetched, s.readahead_bytes, s.failed_requests,
-            s.part_hits, s.part_misses, s.latency_p50_us, s.latency_p99_us
-        );
-    }
-}
-
 impl RemoteObject {
     /// Drop the parts behind `offset..offset + len` from memory and the fetch cache,
     /// so the next read fetches them again: their bytes failed a block's checksum.
     pub fn forget(&self, offset: u64, len: u64) {
         let inner = &self.inner;
-        inner.stats.refetched.fetch_add(1, Ordering::Relaxed);
-        if !inner.bad_reported.swap(true, Ordering::Relaxed) {
+        inner.shared.stats.refetched.fetch_add(1, Ordering::Relaxed);
+        if !inner.shared.bad_reported.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 "{}: {len} bytes at {offset} failed their block's checksum as fetched; fetching them again",
                 inner.display
             );
         }
-        let (first, last) = (offset / PART, (offset + len.max(1) - 1) / PART);
-        let mut p = inner.parts.lock().unwrap();
+        let ps = inner.shared.part;
+        let (first, last) = (offset / ps, (offset + len.max(1) - 1) / ps);
+        let mut p = inner.shared.parts.lock().unwrap();
         for part in first..=last {
-            p.ready.pop(&part);
+            p.ready.pop(&(inner.id, part));
             if let Some(d) = &inner.disk {
                 d.forget(part);
             }
@@ -501,7 +548,7 @@ impl RemoteObject {
 
 /// Fetch `parts` (claimed, sorted) as runs of adjacent parts, each run one request.
 fn spawn_runs(inner: &Arc<Inner>, parts: &[u64], ahead: bool) {
-    let per = (MAX_REQUEST / PART).max(1);
+    let per = (MAX_REQUEST / inner.shared.part).max(1);
     let mut i = 0;
     while i < parts.len() {
         let mut j = i + 1;
@@ -519,7 +566,8 @@ impl Inner {
     /// Read-ahead: a read that continues one of the recent streams extends it, and the
     /// parts past what that stream has fetched are claimed and fetched in the background.
     fn follow(this: &Arc<Inner>, first: u64, last: u64) {
-        let nparts = this.len.div_ceil(PART);
+        let ps = this.shared.part;
+        let nparts = this.len.div_ceil(ps);
         let (from, to) = {
             let mut g = this.streams.lock().unwrap();
             let (streams, clock) = &mut *g;
@@ -531,7 +579,7 @@ impl Inner {
                 .find(|s| first + 1 >= s.next && first <= s.next);
             let s = match hit {
                 Some(s) => {
-                    s.window = (s.window * 2).min(READAHEAD_MAX);
+                    s.window = (s.window * 2).min(this.shared.readahead_max);
                     s
                 }
                 None => {
@@ -551,7 +599,7 @@ impl Inner {
             };
             s.used = now;
             s.next = last + 1;
-            let want = (last + 1 + s.window / PART).min(nparts);
+            let want = (last + 1 + s.window / ps).min(nparts);
             let from = s.fetched_to.max(last + 1);
             if want <= from {
                 return;
@@ -561,11 +609,12 @@ impl Inner {
         };
         let mut claimed = Vec::new();
         {
-            let mut p = this.parts.lock().unwrap();
+            let mut p = this.shared.parts.lock().unwrap();
             for part in from..to {
+                let key: PartKey = (this.id, part);
                 let on_disk = this.disk.as_ref().is_some_and(|d| d.has(part));
-                if !on_disk && !p.ready.contains(&part) && !p.loading.contains_key(&part) {
-                    p.loading.insert(part, Pending::new());
+                if !on_disk && !p.ready.contains(&key) && !p.loading.contains_key(&key) {
+                    p.loading.insert(key, Pending::new());
                     claimed.push(part);
                 }
             }
@@ -575,22 +624,25 @@ impl Inner {
 
     /// One GET of `n` parts from `first`; every claimed part is finished either way.
     async fn fetch_run(self: Arc<Self>, first: u64, n: u64, ahead: bool) {
-        let start = first * PART;
-        let end = ((first + n) * PART).min(self.len);
-        let slot = self.slots[ahead as usize].acquire().await;
+        let ps = self.shared.part;
+        let start = first * ps;
+        let end = ((first + n) * ps).min(self.len);
+        let shared = &self.shared;
+        let slot = shared.slots[ahead as usize].acquire().await;
         let t0 = Instant::now();
         let got = self.get(start, end).await;
         drop(slot);
-        self.stats.record(end - start, t0.elapsed(), got.is_ok());
+        shared.stats.record(end - start, t0.elapsed(), got.is_ok());
         if got.is_ok() && ahead {
-            self.stats
+            shared
+                .stats
                 .readahead_bytes
                 .fetch_add(end - start, Ordering::Relaxed);
         }
         match &got {
             Ok(_) => {
-                if self.failing.swap(false, Ordering::Relaxed) {
-                    tracing::info!("{}: requests succeed again", self.display);
+                if shared.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("{}: requests succeed again", shared.display);
                 }
             }
             Err(Failure::Changed(m)) => {
@@ -599,7 +651,7 @@ impl Inner {
                 }
             }
             Err(Failure::Fetch(m)) => {
-                if !self.failing.swap(true, Ordering::Relaxed) {
+                if !shared.failing.swap(true, Ordering::Relaxed) {
                     tracing::error!(
                         "{}: {m} (reads that need it fail until a request succeeds)",
                         self.display
@@ -609,23 +661,23 @@ impl Inner {
         }
         if let (Ok(b), Some(d)) = (&got, &self.disk) {
             for part in first..first + n {
-                let a = ((part - first) * PART) as usize;
-                let e = (a + PART as usize).min(b.len());
-                d.write(part, part * PART, &b[a..e]);
+                let a = ((part - first) * ps) as usize;
+                let e = (a + ps as usize).min(b.len());
+                d.write(part, part * ps, &b[a..e]);
             }
         }
-        let mut p = self.parts.lock().unwrap();
+        let mut p = shared.parts.lock().unwrap();
         for part in first..first + n {
-            let Some(w) = p.loading.remove(&part) else {
+            let Some(w) = p.loading.remove(&(self.id, part)) else {
                 continue;
             };
             let r = got.as_ref().map(|b| {
-                let a = (part * PART - start) as usize;
-                b.slice(a..(a + PART as usize).min(b.len()))
+                let a = (part * ps - start) as usize;
+                b.slice(a..(a + ps as usize).min(b.len()))
             });
             match r {
                 Ok(b) => {
-                    p.ready.put(part, b.clone());
+                    p.ready.put((self.id, part), b.clone());
                     w.finish(Ok(b));
                 }
                 Err(e) => w.finish(Err(e.clone())),
@@ -635,7 +687,8 @@ impl Inner {
 
     /// The length of part `part` (the last one may be short).
     fn part_len(&self, part: u64) -> usize {
-        (self.len - part * PART).min(PART) as usize
+        let ps = self.shared.part;
+        (self.len - part * ps).min(ps) as usize
     }
 
     /// The bytes `start..end`, checked to come from the pinned object.
@@ -649,7 +702,7 @@ impl Inner {
             version: self.version.clone(),
             ..Default::default()
         };
-        let r = match self.store.get_opts(&self.location, opts).await {
+        let r = match self.shared.store.get_opts(&self.location, opts).await {
             Ok(r) => r,
             Err(e @ object_store::Error::Precondition { .. }) => {
                 return Err(Failure::Changed(self.changed_msg(&one_line(&e))))
@@ -660,10 +713,8 @@ impl Inner {
             Err(e) => return Err(Failure::Fetch(one_line(&e))),
         };
         let m = &r.meta;
-        let stamp = (
-            m.last_modified.timestamp(),
-            m.last_modified.timestamp_subsec_nanos(),
-        );
+        // Whole seconds: an HTTP date has no more, a listing's time may (milliseconds).
+        let stamp = m.last_modified.timestamp();
         if m.size != self.len {
             let why = format!("its size went from {} to {} bytes", self.len, m.size);
             return Err(Failure::Changed(self.changed_msg(&why)));
@@ -673,7 +724,7 @@ impl Inner {
                 let why = format!("its ETag went from {a} to {b}");
                 return Err(Failure::Changed(self.changed_msg(&why)));
             }
-            (None, _) if stamp != self.modified => {
+            (None, _) if stamp != self.modified.0 => {
                 return Err(Failure::Changed(
                     self.changed_msg("its modification time moved"),
                 ));

@@ -1,9 +1,9 @@
-//! What one object's requests did, for `stat`'s `fetch` section (docs/CONTROL.md).
+//! What one archive's requests did, for `stat`'s `fetch` section (docs/CONTROL.md).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Counters of one object's requests, for `stat`.
+/// Counters of one archive's requests (every object of it), for `stat`.
 #[derive(Default)]
 pub(super) struct FetchStats {
     pub(super) requests: AtomicU64,
@@ -21,11 +21,18 @@ pub(super) struct FetchStats {
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct FetchSnapshot {
+    /// The archive's URL: the object, or the npy-dir's prefix.
     pub url: String,
+    /// Bytes of the objects opened, and how many (1 for a `.cawsf`).
     pub object_bytes: u64,
+    pub objects: u64,
     pub requests: u64,
     pub bytes_fetched: u64,
+    /// Requests that failed for good (their retries spent, or not retryable).
     pub failed_requests: u64,
+    /// Attempts made again after a transient failure (5xx, 429, timeouts, connection
+    /// errors), by object_store's backoff.
+    pub retries: u64,
     pub part_hits: u64,
     pub part_misses: u64,
     pub readahead_bytes: u64,

@@ -22,7 +22,7 @@ pub fn upload(src: &Path, url: &Path) -> Result<u64, ArchiveError> {
             "archives are uploaded to s3:// only (an HTTP server takes no uploads)",
         ));
     }
-    let (store, location) = store_for(&parsed).map_err(|r| invalid(&display, r))?;
+    let ((store, _), location) = store_for(&parsed).map_err(|r| invalid(&display, r))?;
     let mut file = std::fs::File::open(src).map_err(|e| crate::error::FileError::io(src, e))?;
     runtime().block_on(async {
         let fail =
