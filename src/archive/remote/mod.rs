@@ -2,14 +2,15 @@
 //! `http://…`, read by byte range through `object_store` (docs/REMOTE.md).
 //!
 //! The object is pinned at open: its size and ETag (or, without one, its modification
-//! time) from a HEAD request. Every GET carries `If-Match` and its answer is checked
+//! time) from a HEAD request, or, for the files of an npy-dir under a prefix
+//! ([`prefix`]), from the listing. Every GET carries `If-Match` and its answer is checked
 //! against the pin, so a replaced object fails reads (EIO and one log line) instead of
 //! serving a mix of two archives; the block checksums above catch the rest.
 //!
 //! Bytes are fetched in aligned parts of [`PART`] bytes, adjacent missing parts of one
 //! read coalesced into one request of at most [`MAX_REQUEST`]. Fetched parts stay in a
-//! small LRU in memory ([`MEMORY`]) with single-flight: a part being fetched is waited
-//! for, never fetched twice. A reader that continues where one of the last few streams
+//! small LRU in memory ([`MEMORY`], one per archive: [`shared`]) with single-flight: a
+//! part being fetched is waited for, never fetched twice. A reader that continues where one of the last few streams
 //! of reads ended gets read-ahead, a window that doubles from [`READAHEAD_MIN`] to
 //! [`READAHEAD_MAX`] each time the stream continues, fetched in the background.
 //!
