@@ -31,6 +31,8 @@ pub struct RemotePrefix {
     no_listing: Option<String>,
     /// Objects opened, by name: opening one again shares its parts and read-ahead.
     opened: Mutex<HashMap<String, RemoteObject>>,
+    /// Held while listing, so the threads opening files list a folder once between them.
+    listing: Mutex<()>,
 }
 
 impl RemotePrefix {
@@ -55,6 +57,7 @@ impl RemotePrefix {
             seen: Mutex::new((HashMap::new(), HashSet::new())),
             no_listing: None,
             opened: Mutex::new(HashMap::new()),
+            listing: Mutex::new(()),
         };
         match p.list("") {
             Ok(0) => return Err(invalid(&p.display, "no objects under this prefix")),
@@ -150,6 +153,7 @@ impl RemotePrefix {
 
     /// List folder `sub` once (every page); returns how many objects it holds.
     fn list(&self, sub: &str) -> Result<usize, String> {
+        let _one_at_a_time = self.listing.lock().unwrap();
         if self.seen.lock().unwrap().1.contains(sub) {
             return Ok(0);
         }
