@@ -151,6 +151,16 @@ impl ExpertMap {
             .copied()
     }
 
+    /// Bytes of `range` that lie in an expert's extents.
+    fn expert_bytes_in(&self, range: Range<u64>) -> u64 {
+        let first = self.extents.partition_point(|x| x.1 <= range.start);
+        self.extents[first..]
+            .iter()
+            .take_while(|x| x.0 < range.end)
+            .map(|x| x.1.min(range.end) - x.0.max(range.start))
+            .sum()
+    }
+
     /// Whether a sequential run `run_start .. end` is a reader going through the file
     /// (a load, a copy), not one reading the experts it uses: it has read more whole
     /// regions between boundaries than a token's experts make. A token reads each of
@@ -196,6 +206,11 @@ pub struct ExpertStats {
     pub queued_chunks: u64,
     /// Learned counts loaded at mount (steps they hold).
     pub loaded_steps: u64,
+    /// Chunk bytes reconstructed (demand and prefetch) inside the experts' extents.
+    pub loaded_expert_bytes: u64,
+    /// Chunk bytes reconstructed outside them: the infrastructure's misses (attention,
+    /// norms, routers, embeddings), which issue 15's bound adds to the routed experts.
+    pub loaded_infra_bytes: u64,
 }
 
 #[derive(Default)]
@@ -209,6 +224,8 @@ struct Counters {
     read_bytes: AtomicU64,
     queued_chunks: AtomicU64,
     loaded_steps: AtomicU64,
+    loaded_expert_bytes: AtomicU64,
+    loaded_infra_bytes: AtomicU64,
 }
 
 /// Experts of one layer.
@@ -401,6 +418,16 @@ impl Predictor {
         self.counters.queued_chunks.fetch_add(chunks, Relaxed);
     }
 
+    /// Count a chunk reconstructed over `range` of the file, as expert bytes or
+    /// infrastructure bytes.
+    pub(super) fn loaded(&self, range: Range<u64>) {
+        let experts = self.map.expert_bytes_in(range.clone());
+        let c = &self.counters;
+        c.loaded_expert_bytes.fetch_add(experts, Relaxed);
+        c.loaded_infra_bytes
+            .fetch_add(range.end - range.start - experts, Relaxed);
+    }
+
     pub(super) fn add_stats(&self, s: &mut ExpertStats) {
         let c = &self.counters;
         s.files += 1;
@@ -414,6 +441,8 @@ impl Predictor {
         s.read_bytes += c.read_bytes.load(Relaxed);
         s.queued_chunks += c.queued_chunks.load(Relaxed);
         s.loaded_steps += c.loaded_steps.load(Relaxed);
+        s.loaded_expert_bytes += c.loaded_expert_bytes.load(Relaxed);
+        s.loaded_infra_bytes += c.loaded_infra_bytes.load(Relaxed);
     }
 
     /// What was learned, in the format of docs/MOE.md ("Learned transitions"), for
@@ -543,6 +572,23 @@ mod tests {
         let bad = ExpertMap::new(2, 2, [(0, 2, 0..10)]);
         assert!(bad.unwrap_err().contains("not below 2"));
         assert!(ExpertMap::new(2, 2, []).is_err());
+    }
+
+    #[test]
+    fn reconstructed_bytes_split_into_experts_and_infrastructure() {
+        // Two experts with a gap of infrastructure between them and before them.
+        let m = ExpertMap::new(2, 1, [(0, 0, 100..200), (0, 1, 300..400)]).unwrap();
+        assert_eq!(m.expert_bytes_in(0..100), 0);
+        assert_eq!(m.expert_bytes_in(0..1000), 200);
+        assert_eq!(m.expert_bytes_in(150..350), 100);
+        assert_eq!(m.expert_bytes_in(199..300), 1);
+        assert_eq!(m.expert_bytes_in(400..500), 0);
+        let p = Predictor::new(m, ExpertMode::Learn);
+        p.loaded(0..256);
+        p.loaded(256..512);
+        let mut s = ExpertStats::default();
+        p.add_stats(&mut s);
+        assert_eq!((s.loaded_expert_bytes, s.loaded_infra_bytes), (200, 312));
     }
 
     #[test]

@@ -270,6 +270,12 @@ impl Shared {
             }
         }
         self.room_cv.notify_all();
+        if let Ok(data) = &result {
+            if let Some(p) = self.file_state(key.file).experts.get() {
+                let start = key.index * self.cfg.chunk_size;
+                p.loaded(start..start + data.len() as u64);
+            }
+        }
         let shared_result = match &result {
             Ok(d) => Ok(d.clone()),
             Err(e) => Err(clone_read_error(e)),

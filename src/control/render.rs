@@ -184,7 +184,7 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
         let pct = |r: f64| format!("{:.1}%", 100.0 * r);
         let _ = writeln!(
             out,
-            "experts  {} steps, {} after the layer before  predicted {}  read {} ({})  precision {}  recall {}  queued {} chunks{}{}",
+            "experts  {} steps, {} after the layer before  predicted {}  read {} ({})  precision {}  recall {}  queued {} chunks  reconstructed {} experts, {} other{}{}",
             x.steps,
             x.transitions,
             x.predicted,
@@ -193,6 +193,8 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             pct(x.precision),
             pct(x.recall),
             x.queued_chunks,
+            human_bytes(x.loaded_expert_bytes),
+            human_bytes(x.loaded_infra_bytes),
             if x.prefetch { "" } else { "  (learning only)" },
             if x.loaded_steps > 0 {
                 format!("  (learned before: {} steps)", x.loaded_steps)
@@ -393,7 +395,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let d = stats.device.as_ref();
     let x = stats.experts.as_ref();
     let f = stats.fetch.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 44] = [
+    let simple: [(&str, &str, &str, Option<u64>); 46] = [
         (
             "cawsfs_fetch_cache_hit_bytes_total",
             "counter",
@@ -513,6 +515,18 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Experts read in layers that followed the layer before (recall's denominator).",
             x.map(|x| x.read),
+        ),
+        (
+            "cawsfs_expert_reconstructed_bytes_total",
+            "counter",
+            "Bytes reconstructed inside the experts' extents.",
+            x.map(|x| x.loaded_expert_bytes),
+        ),
+        (
+            "cawsfs_expert_infra_reconstructed_bytes_total",
+            "counter",
+            "Bytes reconstructed outside the experts' extents (the infrastructure's misses).",
+            x.map(|x| x.loaded_infra_bytes),
         ),
         (
             "cawsfs_bytes_served_total",
@@ -808,7 +822,8 @@ mod tests {
             "experts": {"files": 1, "prefetch": true, "steps": 900, "transitions": 700,
                         "predicted": 600, "predicted_read": 450, "read": 750,
                         "read_bytes": 3221225472u64, "precision": 0.75, "recall": 0.6,
-                        "queued_chunks": 2400, "loaded_steps": 0},
+                        "queued_chunks": 2400, "loaded_steps": 0,
+                        "loaded_expert_bytes": 2147483648u64, "loaded_infra_bytes": 1048576},
             "archive": {"bytes_read": 314572800u64, "bytes_decoded": 838860800u64},
             "device": {"device": "cuda:0 (NVIDIA H100)", "gpu_batches": 340, "gpu_bytes": 1288490188u64,
                        "gpu_nanos": 250000000u64, "fallbacks": 2, "cpu_bytes": 4096,
@@ -848,7 +863,7 @@ mod tests {
             "p50 120 µs  p90 480 µs  p99 2.1 ms  max 15.0 ms",
             "loads    mean 1.5 ms  p50 1.0 ms  p90 4.1 ms  p99 8.2 ms  max 9.0 ms  (900 chunks)\n",
             "stalls   40 reads waited for reconstruction, 120.0 ms in all (mean 3.0 ms)\n",
-            "experts  900 steps, 700 after the layer before  predicted 600  read 750 (3.00 GiB)  precision 75.0%  recall 60.0%  queued 2400 chunks\n",
+            "experts  900 steps, 700 after the layer before  predicted 600  read 750 (3.00 GiB)  precision 75.0%  recall 60.0%  queued 2400 chunks  reconstructed 2.00 GiB experts, 1.00 MiB other\n",
             "device   cuda:0 (NVIDIA H100)  gpu 1.20 GiB in 340 batches (5.2 GB/s)  cpu 4.00 KiB  fallbacks 2  resident 12.0 MiB of 8.00 GiB\n",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
