@@ -10,8 +10,9 @@
 //! counts one more step, and each (expert of l, expert of l+1) pair one more
 //! transition. `P(e' | e)` = transitions / steps of `e`. The first time a step reads an
 //! expert `e` of layer l, the experts `e'` of layer l+1 with the highest `P(e' | e)`
-//! over every expert of the set so far are queued: those at or above a floor
-//! ([`MIN_P`], and twice chance), at most the model's experts per token in all. Counts are halved per expert once
+//! over every expert of the set so far are queued: those that follow [`LIFT`] times as
+//! often as `e'` is read at all (within [`MIN_P`] and [`MAX_P`]), at most the model's
+//! experts per token in all. Counts are halved per expert once
 //! its steps reach [`DECAY_AT`], so they stay bounded and follow a changing workload.
 
 use super::lock;
@@ -25,10 +26,22 @@ use xxhash_rust::xxh3::xxh3_64;
 pub const DECAY_AT: u32 = 4096;
 /// Steps of an expert before its transitions are trusted.
 pub const MIN_STEPS: u32 = 4;
-/// The least `P(e' | e)` an expert is queued for, and at least twice what chance
-/// gives (`used / experts`): with Mixtral's 2 of 8, uniform routing makes every
-/// `P(e' | e)` about 0.25, and noise lifts some above 0.3.
-pub const MIN_P: f32 = 0.3;
+/// The most a step must read of an expert for it to count as read, and how far a
+/// sequential run that began before an expert must reach into it: a quarter of the
+/// smallest expert piece, at most this. The kernel's windows reach into the experts
+/// beside the ones a token uses (a few hundred KiB where they meet), and those
+/// neighbours, taken for routing, made steps of 3 to 5 experts for 2 routed.
+pub const MIN_READ: u64 = 4 << 20;
+/// The least `P(e' | e)` an expert is queued for.
+pub const MIN_P: f32 = 0.2;
+/// `P(e' | e)` that always suffices: with many experts per token (2 of 4) twice the
+/// rate would ask for more than certainty.
+pub const MAX_P: f32 = 0.6;
+/// How many times more often than its own rate an expert must follow for it to be
+/// queued: with Mixtral's 2 of 8 and uniform routing every `P(e' | e)` is about the
+/// rate, 0.25 when the daemon sees every expert read (less when the page cache holds
+/// some), and noise lifts some a little above it.
+pub const LIFT: f32 = 2.0;
 /// The most (layers × experts × experts) a predictor keeps: 16 MiB of counts.
 pub const MAX_CELLS: u64 = 1 << 23;
 
@@ -49,14 +62,14 @@ pub struct ExpertMap {
     layers: u32,
     experts: u32,
     used: u32,
-    /// The least `P(e' | e)` queued (from [`MIN_P`] and chance).
-    min_p: f32,
     /// (start, end, unit), sorted, disjoint; unit = layer × experts + expert.
     extents: Vec<(u64, u64, u32)>,
     /// Each unit's extents.
     units: Vec<Vec<Range<u64>>>,
     /// Every extent start and end, sorted, without repeats (read-ahead fences).
     bounds: Vec<u64>,
+    /// Bytes a step must read of an expert for it to count as read ([`MIN_READ`]).
+    min_read: u64,
 }
 
 impl ExpertMap {
@@ -94,7 +107,7 @@ impl ExpertMap {
         }
         let mut units = vec![Vec::new(); (layers * experts) as usize];
         let mut bounds = Vec::with_capacity(ext.len() * 2);
-        let extents = ext
+        let extents: Vec<(u64, u64, u32)> = ext
             .into_iter()
             .map(|(l, e, r)| {
                 let unit = l * experts + e;
@@ -104,15 +117,17 @@ impl ExpertMap {
             })
             .collect();
         bounds.dedup();
+        let smallest = extents.iter().map(|x| x.1 - x.0).min();
+        let min_read = smallest.map_or(1, |s| (s / 4).clamp(1, MIN_READ));
         let used = used.clamp(1, experts);
         Ok(ExpertMap {
             layers,
             experts,
             used,
-            min_p: (2.0 * used as f32 / experts as f32).clamp(MIN_P, 0.6),
             extents,
             units,
             bounds,
+            min_read,
         })
     }
 
@@ -126,9 +141,14 @@ impl ExpertMap {
 
     /// The unit whose extent holds byte `at`.
     fn unit_at(&self, at: u64) -> Option<u32> {
+        self.extent_at(at).map(|x| x.2)
+    }
+
+    /// The extent (start, end, unit) that holds byte `at`.
+    fn extent_at(&self, at: u64) -> Option<(u64, u64, u32)> {
         let i = self.extents.partition_point(|x| x.0 <= at).checked_sub(1)?;
-        let (s, e, u) = self.extents[i];
-        (s..e).contains(&at).then_some(u)
+        let x = self.extents[i];
+        (x.0..x.1).contains(&at).then_some(x)
     }
 
     /// Where sequential read-ahead of a run of reads `run_start .. end` stops, in bytes
@@ -247,6 +267,8 @@ struct Learned {
     expected: Step,
     /// What is predicted for the layer after `cur`'s.
     ahead: Step,
+    /// Bytes read so far of experts not yet counted as read (unit, bytes).
+    pending: Vec<(u32, u64)>,
     dirty: bool,
 }
 
@@ -269,6 +291,7 @@ impl Predictor {
                 prev: Step::default(),
                 expected: Step::default(),
                 ahead: Step::default(),
+                pending: Vec::new(),
                 dirty: false,
             }),
             map,
@@ -291,9 +314,18 @@ impl Predictor {
         }
         // The kernel reads around a faulting page: the middle of a read is what it
         // was for.
-        let Some(unit) = self.map.unit_at(offset + len / 2) else {
+        let Some((start, _, unit)) = self.map.extent_at(offset + len / 2) else {
             return Vec::new();
         };
+        // The kernel's read-ahead runs on from the tensor before into an expert's first
+        // bytes (from a layer's attention into the next layer's first expert, from one
+        // expert into its neighbour): a run that began before this extent and has not
+        // gone past its first min_read bytes is that, not routing (a run's first read
+        // is the fault's own window). Taken for routing, such a read started the next
+        // layer's step early and hid the layer read in between.
+        if run_start < start && run_start < offset && offset + len < start + self.map.min_read {
+            return Vec::new();
+        }
         let (layer, expert) = (unit / self.map.experts, unit % self.map.experts);
         let mut g = lock(&self.learned);
         // The layer before the current one is done: a read of it now is the kernel's
@@ -302,19 +334,43 @@ impl Predictor {
         if self.map.layers > 2 && g.cur.layer.is_some_and(|c| c == layer + 1) {
             return Vec::new();
         }
+        if g.cur.layer == Some(layer) && g.cur.set.contains(&expert) {
+            return Vec::new();
+        }
+        // Only an expert read beyond the windows' reach counts (MIN_READ).
+        match g.pending.iter().position(|p| p.0 == unit) {
+            Some(i) if g.pending[i].1 + len >= self.map.min_read => {
+                g.pending.swap_remove(i);
+            }
+            Some(i) => {
+                g.pending[i].1 += len;
+                return Vec::new();
+            }
+            None if len >= self.map.min_read => {}
+            None => {
+                // Bounded: what a layer's neighbours leave behind is dropped as
+                // the steps move on, and a batch touches at most every expert.
+                if g.pending.len() >= 4 * self.map.experts as usize {
+                    g.pending.remove(0);
+                }
+                g.pending.push((unit, len));
+                return Vec::new();
+            }
+        }
         let bytes: u64 = self.map.units[unit as usize]
             .iter()
             .map(|r| r.end - r.start)
             .sum();
         if g.cur.layer == Some(layer) {
-            if g.cur.set.contains(&expert) {
-                return Vec::new();
-            }
             g.cur.set.push(expert);
             self.counters.read_bytes.fetch_add(bytes, Relaxed);
         } else {
             self.counters.read_bytes.fetch_add(bytes, Relaxed);
+            tracing::trace!("expert step: layer {:?} {:?}", g.cur.layer, g.cur.set);
             self.end_step(&mut g);
+            // Partial reads of layers already passed were the windows' spill.
+            let e = self.map.experts;
+            g.pending.retain(|p| p.0 / e >= layer);
             g.expected = std::mem::take(&mut g.ahead);
             g.prev = std::mem::replace(
                 &mut g.cur,
@@ -402,8 +458,23 @@ impl Predictor {
                 *b = b.max(f32::from(g.counts[row * e + to]) / n as f32);
             }
         }
+        // How often each expert of the next layer is read at all: the daemon sees only
+        // what the page cache lacks, so both that rate and P(e' | e) fall with how much
+        // the kernel holds, and a prediction is what beats the rate by LIFT.
+        let base = &g.counts[layer as usize * e * e..(layer as usize + 1) * e * e];
+        let steps: u32 = g.steps[layer as usize * e..(layer as usize + 1) * e]
+            .iter()
+            .map(|&n| u32::from(n))
+            .sum();
+        let rate = |to: usize| {
+            let n: u32 = (0..e).map(|from| u32::from(base[from * e + to])).sum();
+            n as f32 / steps.max(1) as f32
+        };
         let mut cand: Vec<u32> = (0..e as u32)
-            .filter(|&x| best[x as usize] >= self.map.min_p && !g.ahead.set.contains(&x))
+            .filter(|&x| {
+                let floor = (LIFT * rate(x as usize)).clamp(MIN_P, MAX_P);
+                best[x as usize] >= floor && !g.ahead.set.contains(&x)
+            })
             .collect();
         cand.sort_by(|a, b| best[*b as usize].total_cmp(&best[*a as usize]));
         cand.truncate(room);
@@ -543,7 +614,7 @@ mod tests {
     /// One token through every layer: expert `route(l)` of each.
     fn token(p: &Predictor, route: impl Fn(u32) -> u32) -> Vec<Vec<Range<u64>>> {
         (0..p.map.layers)
-            .map(|l| obs(p, at(&p.map, l, route(l)) + 10, 100))
+            .map(|l| obs(p, at(&p.map, l, route(l)) + 10, 300))
             .collect()
     }
 
@@ -572,6 +643,46 @@ mod tests {
         let bad = ExpertMap::new(2, 2, [(0, 2, 0..10)]);
         assert!(bad.unwrap_err().contains("not below 2"));
         assert!(ExpertMap::new(2, 2, []).is_err());
+    }
+
+    #[test]
+    fn reads_at_the_edges_of_experts_are_not_routing() {
+        // Experts of 8 MiB: a read counts once a step has read 2 MiB of an expert, or
+        // a run from before it has gone 2 MiB into it.
+        let big = 8u64 << 20;
+        let ext = (0..3u32).flat_map(|l| {
+            (0..4u32).map(move |e| {
+                let at = u64::from(l * 4 + e) * big;
+                (l, e, at..at + big)
+            })
+        });
+        let p = Predictor::new(ExpertMap::new(4, 1, ext).unwrap(), ExpertMode::Learn);
+        let x = |l: u32, e: u32| u64::from(l * 4 + e) * big;
+        let w = 128 << 10;
+        // Layer 0's attention run going on into layer 1's first expert: not a step.
+        p.observe(x(1, 0) - w, x(1, 0), w);
+        assert_eq!(stats(&p).steps, 0);
+        // Windows of 128 KiB around expert 2's edges touch experts 1 and 3 once each;
+        // expert 2 is read 2 MiB deep.
+        p.observe(x(0, 2) - w, x(0, 2) - w, w);
+        for i in 0..16 {
+            p.observe(x(0, 2), x(0, 2) + i * w, w);
+        }
+        p.observe(x(0, 3), x(0, 3), w);
+        // The next layers' steps (layer 2's ends the scored step of layer 1).
+        for i in 0..16 {
+            p.observe(x(1, 1), x(1, 1) + i * w, w);
+        }
+        for i in 0..16 {
+            p.observe(x(2, 1), x(2, 1) + i * w, w);
+        }
+        let s = stats(&p);
+        assert_eq!((s.steps, s.transitions), (3, 1), "{s:?}");
+        assert_eq!(s.read, 1, "one expert in the scored step: {s:?}");
+        let g = lock(&p.learned);
+        assert_eq!(g.steps[2], 1, "layer 0 expert 2 counted once");
+        assert_eq!(g.steps[..4].iter().sum::<u16>(), 1, "its neighbours not");
+        assert_eq!(g.counts[2 * 4 + 1], 1, "2 -> 1 learned");
     }
 
     #[test]
@@ -661,14 +772,14 @@ mod tests {
         for _ in 0..3 {
             for l in 0..4 {
                 for e in 0..3 {
-                    obs(&p, at(&p.map, l, e), 10);
+                    obs(&p, at(&p.map, l, e), 300);
                 }
             }
         }
         // (The batch's first read ends the last token's step in layer 3: one expert.)
         assert_eq!(stats(&p).read, before.read + 1);
         // Repeated reads of the same expert queue nothing more.
-        assert!(obs(&p, at(&p.map, 3, 0), 10).is_empty());
+        assert!(obs(&p, at(&p.map, 3, 0), 300).is_empty());
     }
 
     #[test]
@@ -684,8 +795,8 @@ mod tests {
         for _ in 0..500 {
             for l in 0..3 {
                 let (a, b) = (next(), next());
-                assert!(obs(&p, at(&p.map, l, a), 10).is_empty());
-                assert!(obs(&p, at(&p.map, l, b), 10).is_empty());
+                assert!(obs(&p, at(&p.map, l, a), 300).is_empty());
+                assert!(obs(&p, at(&p.map, l, b), 300).is_empty());
             }
         }
         let s = stats(&p);
@@ -711,7 +822,7 @@ mod tests {
         q.load(7, &bytes).unwrap();
         // Learned before: the first token already queues layer 1's expert 0.
         assert_eq!(
-            obs(&q, at(&q.map, 0, 0), 10),
+            obs(&q, at(&q.map, 0, 0), 300),
             vec![at(&q.map, 1, 0)..at(&q.map, 1, 0) + EXPERT]
         );
         assert_eq!(stats(&q).loaded_steps, u64::from(lock(&p.learned).steps[0]));

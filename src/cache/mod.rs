@@ -75,6 +75,7 @@ mod experts;
 mod flight;
 mod lru;
 mod prefetch;
+mod resident;
 mod stats;
 mod sync;
 mod trace;
@@ -87,6 +88,7 @@ mod shuttle_tests;
 mod tests;
 
 pub use experts::{ExpertMap, ExpertMode, ExpertStats};
+pub use resident::Residency;
 pub use stats::{CacheStats, FileStats, LatencyStats};
 pub use trace::{TraceEvent, TraceOutcome};
 
@@ -209,6 +211,9 @@ struct FileState {
     loader: Mutex<Option<ChunkLoader>>,
     /// The file's expert predictor, for a mixture of experts (experts.rs).
     experts: std::sync::OnceLock<experts::Predictor>,
+    /// Which of its pages the kernel holds, so that predicted experts queue only the
+    /// chunks it will ask for (resident.rs).
+    residency: std::sync::OnceLock<Residency>,
 }
 
 /// Everything the cache shares with its prefetch workers (they hold an `Arc` of it).
@@ -237,6 +242,8 @@ struct Shared {
 pub struct ChunkCache {
     shared: Arc<Shared>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Residency checks of predicted experts, off the read path (resident.rs).
+    checker: resident::Checker,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -352,6 +359,7 @@ impl ChunkCache {
                 shutdown: AtomicBool::new(false),
             }),
             workers: Mutex::new(Vec::new()),
+            checker: resident::Checker::default(),
         })
     }
 
@@ -719,6 +727,16 @@ impl ChunkCache {
             .is_ok()
     }
 
+    /// Let file `file`'s predicted experts queue only the chunks whose pages
+    /// `residency` says the kernel no longer holds; false if it has a check already.
+    pub fn set_residency(&self, file: u32, residency: Residency) -> bool {
+        self.shared
+            .file_state(file)
+            .residency
+            .set(residency)
+            .is_ok()
+    }
+
     /// What file `file`'s predictor learned, to keep under `key` (docs/MOE.md,
     /// "Learned transitions"); None without a predictor or when nothing changed since
     /// the last save or load.
@@ -752,6 +770,15 @@ impl ChunkCache {
         let Some(loader) = lock(&f.loader).clone() else {
             return;
         };
+        if f.residency.get().is_some() {
+            let job = resident::Job {
+                file,
+                size,
+                ranges,
+                loader,
+            };
+            return self.checker.send(&self.shared, job);
+        }
         let cs = self.shared.cfg.chunk_size;
         let mut queued = 0;
         for r in ranges {

@@ -179,12 +179,25 @@ pub fn cmd_umount(mp: &Path) -> Result<()> {
             None
         }
     };
-    let status = std::process::Command::new("fusermount3")
-        .arg("-u")
-        .arg(mp)
-        .status()
-        .or_else(|_| std::process::Command::new("umount").arg(mp).status())
-        .context("running fusermount3")?;
+    let unmount = |quiet: bool| {
+        let mut c = std::process::Command::new("fusermount3");
+        c.arg("-u");
+        if quiet {
+            c.arg("-q");
+        }
+        c.arg(mp)
+            .status()
+            .or_else(|_| std::process::Command::new("umount").arg(mp).status())
+            .context("running fusermount3")
+    };
+    // With expert prefetch the daemon opens its own file for an instant to look at its
+    // page cache: an unmount that meets that instant finds the mount busy, so a busy
+    // unmount is tried once more, and only the second failure is reported.
+    let mut status = unmount(true)?;
+    if !status.success() {
+        std::thread::sleep(Duration::from_millis(200));
+        status = unmount(false)?;
+    }
     if !status.success() {
         bail!(
             "{}: unmount failed ({status}); is a program still using it?",

@@ -3,6 +3,7 @@
 //! keyed by the archive's identity and the file's layout so that another archive or
 //! view never takes it.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::xxh3_128;
@@ -32,6 +33,10 @@ pub(super) struct Learned {
     file: u32,
     key: u128,
     path: Option<PathBuf>,
+    /// Its name in the mount.
+    name: String,
+    /// Whether its predictions are queued.
+    queues: bool,
 }
 
 /// Give every tensor file that holds experts a predictor; load what an earlier mount
@@ -94,7 +99,13 @@ pub(super) fn start(
             "{}: expert predictor over {layers} layers of {n} experts",
             e.name
         );
-        out.push(Learned { file, key, path });
+        out.push(Learned {
+            file,
+            key,
+            path,
+            name: e.name.clone(),
+            queues: opts.mode == ExpertMode::Prefetch,
+        });
     }
     out
 }
@@ -125,6 +136,54 @@ fn readahead_kb(smallest: u64) -> u32 {
     1 << kb.ilog2()
 }
 
+/// The page-aligned parts of `range` of the mounted file `path` that the page cache
+/// does not hold. The daemon opens its own file, maps it without touching a page and
+/// asks mincore(2), then closes it at once: a file it kept open would make the mount
+/// busy to `cawsfs umount`. None when it cannot tell.
+fn not_resident(path: &Path, range: Range<u64>) -> Option<Vec<Range<u64>>> {
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: the map is only passed to mincore, never read; the file is ours.
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    drop(file);
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |p| p as u64);
+    let start = range.start / page * page;
+    let end = range.end.min(map.len() as u64);
+    if start >= end {
+        return Some(Vec::new());
+    }
+    let mut pages = vec![0u8; (end - start).div_ceil(page) as usize];
+    // SAFETY: start < end <= the map's length, and `pages` has a byte per page of it.
+    // libc: nix does not wrap mincore.
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr().add(start as usize) as *mut libc::c_void,
+            (end - start) as usize,
+            pages.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    Some(missing_runs(&pages, start, page, end))
+}
+
+/// Runs of pages whose mincore byte says "not resident", as byte ranges from `start`
+/// (the last one cut at `end`).
+fn missing_runs(pages: &[u8], start: u64, page: u64, end: u64) -> Vec<Range<u64>> {
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for (i, _) in pages.iter().enumerate().filter(|(_, b)| *b & 1 == 0) {
+        let at = start + i as u64 * page;
+        match out.last_mut() {
+            Some(last) if last.end == at => last.end = (at + page).min(end),
+            _ => out.push(at..(at + page).min(end)),
+        }
+    }
+    out
+}
+
 /// Write `bytes` to `path` whole or not at all (a crash leaves the old file).
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
@@ -141,6 +200,17 @@ impl MountFs {
     /// The kernel read-ahead this mount should have, in KiB (docs/MOE.md).
     pub fn kernel_readahead_kb(&self) -> u32 {
         self.readahead_kb
+    }
+
+    /// Let each file whose predictions are queued queue only the chunks the kernel no
+    /// longer holds, looked up in the page cache of its file under `mountpoint`
+    /// (docs/MOE.md, "One step ahead"). Call once the mount is live.
+    pub fn check_residency(&self, mountpoint: &Path) {
+        for l in self.experts.iter().filter(|l| l.queues) {
+            let path = mountpoint.join(&l.name);
+            self.cache
+                .set_residency(l.file, Box::new(move |r| not_resident(&path, r)));
+        }
     }
 
     /// Keep on disk what the expert predictors learned since the last save (cheap when
@@ -160,6 +230,16 @@ impl MountFs {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pages_not_resident_become_byte_runs() {
+        use super::missing_runs;
+        assert_eq!(missing_runs(&[1, 1, 1], 0, 4096, 12288), vec![]);
+        assert_eq!(
+            missing_runs(&[0, 0, 1, 0, 1, 0], 8192, 4096, 8192 + 5 * 4096 + 100),
+            vec![8192..16384, 20480..24576, 28672..28772]
+        );
+    }
+
     #[test]
     fn readahead_is_a_sixteenth_of_the_smallest_piece_within_bounds() {
         use super::readahead_kb;

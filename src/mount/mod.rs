@@ -127,6 +127,7 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
     }
     let session = session::mount(fs.clone(), archive_path, mountpoint, opts)
         .map_err(|e| mount_err(format!("mount failed: {e}")))?;
+    fs.check_residency(&canon);
 
     let handler = Arc::new(ControlHandler::new(fs.clone(), mountpoint.to_path_buf()));
     if let Some(n) = opts.pin_infra_layers {
