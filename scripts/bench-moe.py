@@ -19,10 +19,12 @@ Cases, interleaved (A B C D A B C D ...), medians over --runs:
            reconstructed again; the predictor learns and scores, queues nothing
   on       --no-disk-cache --expert-prefetch on: the same, predicted experts queued
 
-The daemon and llama.cpp run in the same memory cgroup (v1 or v2) of --limit-mib, so
-the daemon's cache (--cache-mib) comes out of the same memory as llama.cpp's page
-cache; the page cache is dropped before every run. Per generated token, from the
-daemon's counters between llama.cpp's first output and its exit: reads that waited
+llama.cpp runs in a memory cgroup (v1 or v2) of --limit-mib and the daemon outside it,
+as issue 15 has it; with --daemon-inside the daemon runs in the same cgroup, so its
+cache (--cache-mib) comes out of the same memory as llama.cpp's page cache. The page
+cache is dropped before every run. Per generated token, from the daemon's counters
+between llama.cpp's first generated token and its exit (the prompt's batch, which
+reads most experts of every layer, is left out): reads that waited
 for reconstruction (stalls), bytes reconstructed, and the bytes of the experts the
 reads touched (each expert's extents once per layer step), and the daemon's CPU time
 over that wall time (cores busy reconstructing). The predictor is trained
@@ -72,7 +74,13 @@ def counters(s, pid=None):
             "read_bytes": x.get("read_bytes", 0),
             "predicted": x.get("predicted", 0),
             "predicted_scored": x.get("predicted_scored", 0), "predicted_read": x.get("predicted_read", 0),
-            "read": x.get("read", 0)}
+            "read": x.get("read", 0), "hits": c.get("hits", 0),
+            "prefetch_hits": c.get("prefetch_hits", 0), "coalesced": c.get("coalesced", 0),
+            "misses": c.get("misses", 0), "prefetch_loads": c.get("prefetch_loads", 0),
+            "prefetch_skipped": c.get("prefetch_skipped", 0),
+            "prefetch_dropped": c.get("prefetch_dropped", 0),
+            "queued_chunks": x.get("queued_chunks", 0),
+            "infra": x.get("loaded_infra_bytes", 0)}
 
 
 def generate(cg, model, prompt, a, mp=None, pid=None):
@@ -83,7 +91,15 @@ def generate(cg, model, prompt, a, mp=None, pid=None):
                      "-p", prompt])
     err = open("/tmp/bench-moe-llama.log", "w+")
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err)
-    # The prompt is echoed once the model is loaded: what follows is generation.
+    # The prompt is echoed once the model is loaded, then evaluated as one batch that
+    # reads most experts of every layer; the first generated token follows it. What
+    # comes after that is generation alone, one token per step: the window measured.
+    seen = b""
+    while not seen.rstrip().endswith(prompt.split()[-1].encode()):
+        b = p.stdout.read(1)
+        if not b:
+            break
+        seen += b
     p.stdout.read(1)
     t0 = time.perf_counter()
     before = counters(stat(mp), pid) if mp else None
@@ -95,18 +111,23 @@ def generate(cg, model, prompt, a, mp=None, pid=None):
     wall = time.perf_counter() - t0
     err.seek(0)
     log = err.read()
-    tps = float(re.search(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", log).group(1))
+    m = re.search(r"(?<!prompt )eval time =.*?/\s*(\d+) runs.*?([\d.]+) tokens per second", log)
+    tps = float(m.group(2))
     delta = {k: after[k] - before[k] for k in after} if mp else None
     if delta:
         delta["wall"] = wall
+        # The steps in the window: every generated token but the first.
+        delta["tokens"] = int(m.group(1))
     return tps, delta
 
 
 class Mount:
     def __init__(self, cg, archive, mp, env, *args):
+        """The daemon runs in `cg` (None: where this script runs)."""
         os.makedirs(mp, exist_ok=True)
         self.mp = mp
-        out = subprocess.run(cg.enter_cmd([CAWSFS, "mount", archive, mp, *args]), check=True,
+        argv = [CAWSFS, "mount", archive, mp, *args]
+        out = subprocess.run(cg.enter_cmd(argv) if cg else argv, check=True,
                              capture_output=True, text=True, env={**os.environ, **env}).stdout
         self.pid = int(re.search(r"pid (\d+)", out).group(1))
 
@@ -139,6 +160,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="file,mount,learn,on")
+    ap.add_argument("--daemon-inside", action="store_true",
+                    help="run the daemon in llama.cpp's memory cgroup too")
+    ap.add_argument("--pin-infra", action="store_true",
+                    help="learn and on pin the infrastructure (--pin-infra --pin-infra-layers 0)")
     ap.add_argument("--out")
     a = ap.parse_args()
     work, archive, gguf = make_inputs(a)
@@ -147,10 +172,11 @@ def main():
     state = os.path.join(work, "state")
     subprocess.run(["rm", "-rf", state])
     common = ["--cache-size", f"{a.cache_mib}MiB"]
+    pin = ["--pin-infra", "--pin-infra-layers", "0"] if a.pin_infra else []
     mounts = {
         "mount": (["--disk-cache", os.path.join(state, "tier")], {}),
-        "learn": (["--no-disk-cache", "--expert-prefetch", "learn"], {"CAWSFS_CACHE": state}),
-        "on": (["--no-disk-cache", "--expert-prefetch", "on"], {"CAWSFS_CACHE": state}),
+        "learn": (["--no-disk-cache", "--expert-prefetch", "learn", *pin], {"CAWSFS_CACHE": state}),
+        "on": (["--no-disk-cache", "--expert-prefetch", "on", *pin], {"CAWSFS_CACHE": state}),
     }
     cg = Cgroup("cawsfs-bench-moe", a.limit_mib * MiB)
     res = {c: [] for c in cases}
@@ -159,7 +185,7 @@ def main():
         # unmount) and the predictors learn, from another prompt.
         for c in [c for c in ("mount", "learn") if c in cases] + (["on"] if "learn" not in cases and "on" in cases else []):
             args, env = mounts[c]
-            m = Mount(cg, archive, mp, env, *common, *args)
+            m = Mount(cg if a.daemon_inside else None, archive, mp, env, *common, *args)
             try:
                 generate(cg, os.path.join(mp, "model.gguf"), TRAIN_PROMPT, a, mp, m.pid)
             finally:
@@ -171,7 +197,7 @@ def main():
                     tps, d = generate(cg, gguf, PROMPT, a)
                 else:
                     args, env = mounts[c]
-                    m = Mount(cg, archive, mp, env, *common, *args)
+                    m = Mount(cg if a.daemon_inside else None, archive, mp, env, *common, *args)
                     try:
                         tps, d = generate(cg, os.path.join(mp, "model.gguf"), PROMPT, a, mp,
                                           m.pid)
@@ -205,31 +231,34 @@ def render(a, res, gguf_bytes, routed):
     n = a.tokens
     out = [
         f"`scripts/bench-moe.py --affinity {a.affinity} --limit-mib {a.limit_mib} "
-        f"--cache-mib {a.cache_mib} --runs {a.runs} --tokens {n} --threads {a.threads}`, "
+        f"--cache-mib {a.cache_mib} --runs {a.runs} --tokens {n} --threads {a.threads}"
+        f"{' --pin-infra' if a.pin_infra else ''}{' --daemon-inside' if a.daemon_inside else ''}`, "
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores; nothing else "
         f"running); model.gguf {gguf_bytes / MiB:.0f} MiB, of which a token's routed experts "
         f"{routed / MiB:.0f} MiB; medians of {a.runs} runs:",
         "",
-        "| case | tokens/s | × file | stalls / token | served / token | reconstructed / token "
-        "| experts read / token | reconstructed ÷ routed | precision | recall "
-        "| daemon CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | tokens/s | × file | stalls / token | stall time / token | served / token "
+        "| reconstructed / token | of it infrastructure | experts read / token "
+        "| reconstructed ÷ (routed + infrastructure) | precision | recall | daemon CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, runs in res.items():
         tps = med(t for t, _ in runs)
         ratio = f"{tps / base:.2f}" if base else "-"
         d = [x for _, x in runs if x]
         if not d:
-            out.append(f"| {c} | {tps:.2f} | {ratio} | - | - | - | - | - | - | - | - |")
+            out.append(f"| {c} | {tps:.2f} | {ratio} |" + " - |" * 10)
             continue
-        per = lambda k: med(x[k] / n for x in d)
-        amp = med(x["loaded"] / n / routed for x in d)
+        per = lambda k: med(x[k] / x["tokens"] for x in d)
+        # Issue 15's bound: what the routed experts hold plus the infrastructure's misses.
+        amp = med(x["loaded"] / (routed * x["tokens"] + x["infra"]) for x in d)
         prec = med(x["predicted_read"] / x["predicted_scored"] for x in d
                    if x["predicted_scored"]) if any(x["predicted_scored"] for x in d) else float("nan")
         rec = med(x["predicted_read"] / x["read"] for x in d if x["read"]) if any(
             x["read"] for x in d) else float("nan")
-        out.append(f"| {c} | {tps:.2f} | {ratio} | {per('stalls'):.1f} | "
-                   f"{per('served') / MiB:.1f} MiB | {per('loaded') / MiB:.1f} MiB | {per('read_bytes') / MiB:.1f} MiB | "
+        out.append(f"| {c} | {tps:.2f} | {ratio} | {per('stalls'):.1f} | {per('stall_us') / 1e3:.0f} ms | "
+                   f"{per('served') / MiB:.1f} MiB | {per('loaded') / MiB:.1f} MiB | "
+                   f"{per('infra') / MiB:.1f} MiB | {per('read_bytes') / MiB:.1f} MiB | "
                    f"{amp:.2f} | {prec:.2f} | {rec:.2f} | "
                    f"{med(x['cpu'] / x['wall'] for x in d):.2f} cores |")
     return out
