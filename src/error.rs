@@ -34,3 +34,12 @@ impl FileError {
         }
     }
 }
+
+/// The message a caught panic carried (`catch_unwind`'s payload), for the one line that
+/// reports it.
+pub fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}

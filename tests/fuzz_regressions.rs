@@ -52,6 +52,25 @@ fn malformed_decoder_in_tokenizer_json_is_an_error_not_a_panic() {
     }
 }
 
+/// hf_json target (2026-11-28, 2.2 M executions into a new campaign): a BPE model
+/// whose merge's second token is shorter than its `continuing_subword_prefix` made
+/// tokenizers 0.22 slice a string out of bounds (`BpeBuilder::build`) and panic, with or
+/// without the model's "type". Now one error naming tokenizer.json.
+#[test]
+fn merge_shorter_than_the_subword_prefix_is_an_error_not_a_panic() {
+    for ty in ["", r#""type":"BPE","#] {
+        let input = format!(
+            r#"{{"model":{{{ty}"vocab":{{"a":0,"t":1,"at":2}},"merges":[["a","t"]],"continuing_subword_prefix":"@@@@@@@@@@"}}}}"#
+        );
+        let Err(err) = cawsfs::router::load_tokenizer(&model_with_tokenizer(input.as_bytes()))
+        else {
+            panic!("a malformed tokenizer.json loaded");
+        };
+        assert!(err.contains("tokenizer.json"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+}
+
 /// imatrix target (2026-11-27): a GGUF importance matrix whose in_sum2 tensor's first
 /// dimension times the number of counts overflows usize panicked on the multiply
 /// (`attempt to multiply with overflow` in debug builds; a wrong comparison in release)

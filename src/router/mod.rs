@@ -122,6 +122,18 @@ fn load_peak_estimate(model: &ModelDesc) -> u64 {
 /// the added tokens are added (their ids come from the model or follow it, as there).
 /// Any other model type takes tokenizers' own path unchanged.
 fn tokenizer_from_json(bytes: &[u8]) -> Result<Tokenizer, String> {
+    // tokenizers panics on some malformed models (0.22: a merge whose second token is
+    // shorter than the model's continuing_subword_prefix is sliced out of bounds in
+    // `BpeBuilder::build`). That is the file's fault, reported as any other.
+    std::panic::catch_unwind(|| parse_tokenizer(bytes)).unwrap_or_else(|p| {
+        Err(format!(
+            "the tokenizers crate failed on it ({})",
+            crate::error::panic_text(&*p)
+        ))
+    })
+}
+
+fn parse_tokenizer(bytes: &[u8]) -> Result<Tokenizer, String> {
     use serde_json::value::RawValue;
     use tokenizers::models::bpe::BPE;
 

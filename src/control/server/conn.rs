@@ -130,11 +130,7 @@ fn answer(line: &[u8], handler: &dyn Handler) -> Response {
         },
         Ok(Err(e)) => Response::error(e),
         Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".into());
+            let msg = crate::error::panic_text(&*p);
             Response::error(format!(
                 "internal error: the request handler panicked: {msg}"
             ))

@@ -128,10 +128,7 @@ pub struct BenchTiming {
 }
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panic".into())
+    crate::error::panic_text(&*p)
 }
 
 /// Makes a library findable by the name cudarc asks the dynamic loader for: where the
