@@ -356,8 +356,9 @@ pub struct MountArgs {
     pub eviction: Eviction,
     /// In a mixture of experts, learn which experts of the next layer follow the ones
     /// being read (kept between mounts; precision and recall in stat), and with `on`
-    /// queue them. Learning only by default: on a 2-core machine queueing cost 3 to 7 %
-    /// of tokens/s (docs/MOE.md).
+    /// queue them (only the pages the page cache lacks). Learning only by default: on a
+    /// 2-core machine queueing halved the reads that wait and gave 1.19 x the tokens/s
+    /// with llama.cpp on both cores, but cost 12 % of them on one (docs/MOE.md).
     #[arg(long, value_enum, default_value_t = ExpertPrefetch::Learn)]
     pub expert_prefetch: ExpertPrefetch,
     /// Pin infrastructure in model.gguf: norms and other 1-D tensors, and the first
