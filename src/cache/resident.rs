@@ -13,9 +13,10 @@ use std::sync::{Arc, Weak};
 use super::stats::bump;
 use super::{ChunkLoader, Shared};
 
-/// Which bytes of `range` of a file the page cache does not hold, in page-aligned
-/// byte ranges; None when it cannot tell (then the whole range is queued).
-pub type Residency = Box<dyn Fn(Range<u64>) -> Option<Vec<Range<u64>>> + Send + Sync>;
+/// Which bytes of `ranges` of a file the page cache does not hold, in page-aligned
+/// byte ranges; None when it cannot tell (then the whole ranges are queued). One call
+/// per prediction, so that the file is looked at once for all of its pieces.
+pub type Residency = Box<dyn Fn(&[Range<u64>]) -> Option<Vec<Range<u64>>> + Send + Sync>;
 
 /// Predictions waiting for their residency check; more are dropped (counted as
 /// dropped prefetches): a check that lags a layer behind is of no use.
@@ -66,22 +67,22 @@ fn run(weak: Weak<Shared>, rx: Receiver<Job>) {
             continue;
         };
         let cs = sh.cfg.chunk_size;
+        let missing = check(&job.ranges).unwrap_or(job.ranges);
         let mut queued = 0;
-        for r in job.ranges {
-            let missing = check(r.clone()).unwrap_or_else(|| vec![r.clone()]);
-            for m in chunk_runs(&missing, cs) {
-                queued += sh.enqueue(job.file, job.size, m, &job.loader, true);
-            }
+        for m in chunk_runs(&missing, cs) {
+            queued += sh.enqueue(job.file, job.size, m, &job.loader, true);
         }
         p.queued(queued as u64);
     }
 }
 
-/// The chunks (of `cs` bytes) that byte ranges `missing` touch, as runs of chunk
-/// indices, each chunk once.
+/// The chunks (of `cs` bytes) that byte ranges `missing` touch, in any order, as
+/// sorted runs of chunk indices, each chunk once.
 fn chunk_runs(missing: &[Range<u64>], cs: u64) -> Vec<Range<u64>> {
+    let mut sorted: Vec<&Range<u64>> = missing.iter().filter(|m| !m.is_empty()).collect();
+    sorted.sort_by_key(|m| m.start);
     let mut out: Vec<Range<u64>> = Vec::new();
-    for m in missing.iter().filter(|m| !m.is_empty()) {
+    for m in sorted {
         let c = m.start / cs..m.end.div_ceil(cs);
         match out.last_mut() {
             Some(last) if c.start <= last.end => last.end = last.end.max(c.end),
@@ -110,5 +111,10 @@ mod tests {
             vec![0..3]
         );
         assert_eq!(chunk_runs(&[5..5, 7..7], cs), vec![]);
+        // Two experts' pieces, the later one first: no run spans the gap between them.
+        assert_eq!(
+            chunk_runs(&[9 * cs..10 * cs, 2 * cs..3 * cs, 4 * cs..4 * cs + 1], cs),
+            vec![2..3, 4..5, 9..10]
+        );
     }
 }

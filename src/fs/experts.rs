@@ -136,11 +136,11 @@ fn readahead_kb(smallest: u64) -> u32 {
     1 << kb.ilog2()
 }
 
-/// The page-aligned parts of `range` of the mounted file `path` that the page cache
+/// The page-aligned parts of `ranges` of the mounted file `path` that the page cache
 /// does not hold. The daemon opens its own file, maps it without touching a page and
 /// asks mincore(2), then closes it at once: a file it kept open would make the mount
 /// busy to `cawsfs umount`. None when it cannot tell.
-fn not_resident(path: &Path, range: Range<u64>) -> Option<Vec<Range<u64>>> {
+fn not_resident(path: &Path, ranges: &[Range<u64>]) -> Option<Vec<Range<u64>>> {
     let file = std::fs::File::open(path).ok()?;
     // SAFETY: the map is only passed to mincore, never read; the file is ours.
     let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
@@ -149,25 +149,29 @@ fn not_resident(path: &Path, range: Range<u64>) -> Option<Vec<Range<u64>>> {
         .ok()
         .flatten()
         .map_or(4096, |p| p as u64);
-    let start = range.start / page * page;
-    let end = range.end.min(map.len() as u64);
-    if start >= end {
-        return Some(Vec::new());
+    let mut out = Vec::new();
+    for range in ranges {
+        let start = range.start / page * page;
+        let end = range.end.min(map.len() as u64);
+        if start >= end {
+            continue;
+        }
+        let mut pages = vec![0u8; (end - start).div_ceil(page) as usize];
+        // SAFETY: start < end <= the map's length, and `pages` has a byte per page of
+        // it. libc: nix does not wrap mincore.
+        let rc = unsafe {
+            libc::mincore(
+                map.as_ptr().add(start as usize) as *mut libc::c_void,
+                (end - start) as usize,
+                pages.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        out.extend(missing_runs(&pages, start, page, end));
     }
-    let mut pages = vec![0u8; (end - start).div_ceil(page) as usize];
-    // SAFETY: start < end <= the map's length, and `pages` has a byte per page of it.
-    // libc: nix does not wrap mincore.
-    let rc = unsafe {
-        libc::mincore(
-            map.as_ptr().add(start as usize) as *mut libc::c_void,
-            (end - start) as usize,
-            pages.as_mut_ptr(),
-        )
-    };
-    if rc != 0 {
-        return None;
-    }
-    Some(missing_runs(&pages, start, page, end))
+    Some(out)
 }
 
 /// Runs of pages whose mincore byte says "not resident", as byte ranges from `start`
