@@ -22,7 +22,7 @@ TEXT = "/usr/share/common-licenses/GPL-3"
 # The causal models that get that tokenizer (llama.cpp needs a vocabulary to load one);
 # BERT gets a WordPiece one trained on the same text.
 WITH_TOKENIZER = ("gpt2", "qwen3", "phi3", "gemma2", "phi3-long", "mixtral", "qwen2moe",
-                  "olmoe")
+                  "qwen3moe", "olmoe")
 
 # Large enough that an archive's own metadata is a small part of it (the default codec
 # plans bits per weight for the whole archive), small enough to make in a second.
@@ -66,6 +66,13 @@ def recipes():
         "qwen2moe": (tf.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=128,
                                        shared_expert_intermediate_size=256), "float16", None),
+        # Qwen3-MoE: Qwen3's attention (per-head Q and K norms, head_dim its own key),
+        # no shared expert, the chosen experts' weights renormalized (llama.cpp always
+        # does for qwen3moe; Qwen3-30B-A3B's config says so too).
+        "qwen3moe": (tf.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=64,
+                                       num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=128, norm_topk_prob=True,
+                                       tie_word_embeddings=False), "bfloat16", None),
         "olmoe": (tf.OlmoeConfig(**COMMON, num_key_value_heads=4, num_experts=4,
                                  num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
                                  bos_token_id=None), "float32", None),

@@ -1,5 +1,5 @@
 //! GGUF importer: a llama.cpp GGUF file (architectures `llama` (Mixtral too),
-//! `qwen2`, `qwen3`, `qwen2moe`, `olmoe`, `phi3`, `gemma2`, `gpt2` and `bert`) seen as
+//! `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `olmoe`, `phi3`, `gemma2`, `gpt2` and `bert`) seen as
 //! a [`ModelDesc`] in Hugging Face conventions.
 //!
 //! - Architecture hyper-parameters come from the `{arch}.*` metadata keys.
@@ -99,6 +99,7 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         "llama" if m.u32_opt("llama.expert_count")?.unwrap_or(0) > 0 => "mixtral",
         "llama" => "llama",
         "qwen2moe" => "qwen2_moe",
+        "qwen3moe" => "qwen3_moe",
         "olmoe" => "olmoe",
         "qwen2" => "qwen2",
         "qwen3" => "qwen3",
@@ -108,7 +109,7 @@ fn arch_config(file: &GgufFile) -> Result<ArchConfig, String> {
         "bert" => "bert",
         other => {
             return Err(format!(
-                "unsupported architecture {other} (llama, qwen2, qwen3, qwen2moe, olmoe, phi3, gemma2, gpt2 and bert import)"
+                "unsupported architecture {other} (llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, phi3, gemma2, gpt2 and bert import)"
             ))
         }
     };
@@ -445,7 +446,7 @@ mod tests {
 
     /// A Qwen2-MoE stack of 3 experts (Q8_0, 8 rows of 32 each) becomes three tensors
     /// under their Hugging Face names, each its own rows' bytes; a Mixtral is a llama
-    /// with `expert_count`.
+    /// with `expert_count`; a qwen3moe is a Qwen3-MoE.
     #[test]
     fn expert_stacks_split_into_experts() {
         let dir = tempfile::tempdir().unwrap();
@@ -510,6 +511,25 @@ mod tests {
         assert_eq!(
             s.desc().tensors[1].name,
             "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+        );
+        // Qwen3-MoE: llama.cpp's qwen3moe, transformers' qwen3_moe.
+        let mut meta = llama_meta("qwen3moe");
+        meta.push(("qwen3moe.expert_count".into(), GgufValue::U32(2)));
+        let p = write(
+            dir.path(),
+            meta,
+            vec![(
+                "blk.1.ffn_gate_exps.weight".into(),
+                vec![32, 4, 2],
+                GgmlType::F16,
+            )],
+            |_, _| {},
+        );
+        let s = GgufSource::open(&p).unwrap();
+        assert_eq!(s.desc().arch.model_type, "qwen3_moe");
+        assert_eq!(
+            s.desc().tensors[1].name,
+            "model.layers.1.mlp.experts.1.gate_proj.weight"
         );
     }
 

@@ -406,7 +406,13 @@ fn expert_meta(
         ),
     ];
     for (names, key) in keys {
-        if key.starts_with("expert_") && key.contains("feed_forward") && arch != "qwen2moe" {
+        // llama.cpp reads the expert widths for the Qwen MoE models only (its
+        // converter writes them from Qwen2MoeModel, which Qwen3MoeModel extends).
+        if key.starts_with("expert_")
+            && key.contains("feed_forward")
+            && arch != "qwen2moe"
+            && arch != "qwen3moe"
+        {
             continue;
         }
         if let Some(n) = get(names)? {

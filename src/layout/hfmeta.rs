@@ -144,12 +144,13 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
         "gemma2" => ("Gemma2ForCausalLM", false),
         "mixtral" => ("MixtralForCausalLM", false),
         "qwen2_moe" => ("Qwen2MoeForCausalLM", true),
+        "qwen3_moe" => ("Qwen3MoeForCausalLM", false),
         "olmoe" => ("OlmoeForCausalLM", false),
         "gpt2" => return Ok(gpt2_config(model)),
         "bert" => return Ok(bert_config(model)),
         other => {
             return Err(LayoutError::Unsupported(format!(
-                "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2, gpt2, bert, mixtral, qwen2_moe and olmoe are supported"
+                "config.json for model type {other:?}: only llama, mistral, qwen2, qwen3, phi3, gemma2, gpt2, bert, mixtral, qwen2_moe, qwen3_moe and olmoe are supported"
             )))
         }
     };
@@ -225,8 +226,8 @@ fn config_json(model: &ModelDesc) -> Result<Value, LayoutError> {
 }
 
 /// A mixture of experts' keys, from the GGUF expert keys under transformers' names;
-/// routing as llama.cpp runs it (Mixtral renormalizes the chosen experts' weights,
-/// Qwen2-MoE and OLMoE do not).
+/// routing as llama.cpp runs it (Mixtral and Qwen3-MoE renormalize the chosen experts'
+/// weights, Qwen2-MoE and OLMoE do not).
 fn moe_config(
     model: &ModelDesc,
     c: &mut serde_json::Map<String, Value>,
@@ -241,7 +242,7 @@ fn moe_config(
     };
     let experts = match a.model_type.as_str() {
         "mixtral" => "num_local_experts",
-        "qwen2_moe" | "olmoe" => "num_experts",
+        "qwen2_moe" | "qwen3_moe" | "olmoe" => "num_experts",
         _ => return Ok(()),
     };
     c.insert(experts.into(), json!(count("expert_count")?));
@@ -249,18 +250,26 @@ fn moe_config(
         "num_experts_per_tok".into(),
         json!(count("expert_used_count")?),
     );
-    if a.model_type == "qwen2_moe" {
+    if a.model_type == "qwen2_moe" || a.model_type == "qwen3_moe" {
         let ff = count("expert_feed_forward_length")?;
         c.insert("moe_intermediate_size".into(), json!(ff));
-        let shared = gguf_key(model, "expert_shared_feed_forward_length")
-            .and_then(GgufValue::as_u64)
-            .unwrap_or(0);
-        c.insert("shared_expert_intermediate_size".into(), json!(shared));
+        if a.model_type == "qwen2_moe" {
+            let shared = gguf_key(model, "expert_shared_feed_forward_length")
+                .and_then(GgufValue::as_u64)
+                .unwrap_or(0);
+            c.insert("shared_expert_intermediate_size".into(), json!(shared));
+        }
         c.insert("decoder_sparse_step".into(), json!(1));
         c.insert("mlp_only_layers".into(), json!([]));
     }
-    if a.model_type != "mixtral" {
-        c.insert("norm_topk_prob".into(), json!(false));
+    match a.model_type.as_str() {
+        "mixtral" => {}
+        "qwen3_moe" => {
+            c.insert("norm_topk_prob".into(), json!(true));
+        }
+        _ => {
+            c.insert("norm_topk_prob".into(), json!(false));
+        }
     }
     Ok(())
 }

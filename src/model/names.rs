@@ -7,13 +7,15 @@
 
 /// Hugging Face `model_type`s whose tensors this module can name for llama.cpp, and
 /// the GGUF `general.architecture` of each.
-pub const GGUF_ARCHS: [(&str, &str); 11] = [
+pub const GGUF_ARCHS: [(&str, &str); 12] = [
     ("llama", "llama"),
     ("mistral", "llama"),
     // Mixture-of-experts: Mixtral is a llama with experts; Qwen2-MoE adds a shared
-    // expert; OLMoE normalizes Q and K over the whole projection.
+    // expert; Qwen3-MoE is Qwen3's attention with experts (no shared one); OLMoE
+    // normalizes Q and K over the whole projection.
     ("mixtral", "llama"),
     ("qwen2_moe", "qwen2moe"),
+    ("qwen3_moe", "qwen3moe"),
     ("olmoe", "olmoe"),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
@@ -93,8 +95,9 @@ const LLAMA: Naming = Naming {
     ],
 };
 
-/// Qwen2-MoE and OLMoE: the llama layout (OLMoE's Q and K norms span the whole
-/// projections) with a router, experts, and Qwen2-MoE's shared expert behind its gate.
+/// Qwen2-MoE, Qwen3-MoE and OLMoE: the llama layout (Qwen3-MoE's Q and K norms are
+/// per head, OLMoE's span the whole projections) with a router, experts, and
+/// Qwen2-MoE's shared expert behind its gate.
 const QWEN_MOE: Naming = Naming {
     optional_prefix: "",
     layer_prefix: "model.layers.",
@@ -248,7 +251,7 @@ const NAMINGS: [&Naming; 5] = [&LLAMA, &PHI3, &BERT, &GPT2, &QWEN_MOE];
 fn naming(gguf_arch: &str) -> Option<&'static Naming> {
     match gguf_arch {
         "llama" | "qwen2" | "qwen3" => Some(&LLAMA),
-        "qwen2moe" | "olmoe" => Some(&QWEN_MOE),
+        "qwen2moe" | "qwen3moe" | "olmoe" => Some(&QWEN_MOE),
         "bert" => Some(&BERT),
         "phi3" => Some(&PHI3),
         "gemma2" => Some(&GEMMA2),
@@ -496,7 +499,8 @@ mod tests {
             gguf_to_hf("llama", "blk.0.ffn_up.weight").unwrap(),
             "model.layers.0.mlp.up_proj.weight"
         );
-        // Experts: Mixtral's and Qwen2-MoE's / OLMoE's names, stacked per layer.
+        // Experts: Mixtral's and Qwen2-MoE's / Qwen3-MoE's / OLMoE's names, stacked per
+        // layer.
         for (arch, n, g, e) in [
             (
                 "llama",
@@ -515,6 +519,12 @@ mod tests {
                 "model.layers.1.mlp.experts.0.up_proj.weight",
                 "blk.1.ffn_up_exps.weight",
                 0,
+            ),
+            (
+                "qwen3moe",
+                "model.layers.47.mlp.experts.127.gate_proj.weight",
+                "blk.47.ffn_gate_exps.weight",
+                127,
             ),
             (
                 "olmoe",
@@ -564,6 +574,25 @@ mod tests {
         assert_eq!(
             gguf_to_hf("qwen2moe", "blk.1.ffn_gate_inp.weight").unwrap(),
             "model.layers.1.mlp.gate.weight"
+        );
+        // Qwen3-MoE: Qwen3's per-head Q/K norms, the Qwen router, no Q/K permutation.
+        assert_eq!(gguf_arch_of("qwen3_moe"), Some("qwen3moe"));
+        assert_eq!(
+            gguf_to_hf("qwen3moe", "blk.1.ffn_gate_inp.weight").unwrap(),
+            "model.layers.1.mlp.gate.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_in("qwen3moe", "model.layers.0.self_attn.k_norm.weight").unwrap(),
+            "blk.0.attn_k_norm.weight"
+        );
+        assert_eq!(
+            rope_permute_heads(
+                Some("qwen3moe"),
+                "model.layers.0.self_attn.q_proj.weight",
+                4,
+                2
+            ),
+            None
         );
         assert_eq!(
             gguf_to_hf("llama", "blk.1.ffn_gate_inp.weight").unwrap(),

@@ -1,5 +1,6 @@
 """Any architecture transformers can load: tiny random BERT, GPT-2, Qwen3, Gemma2, Phi3,
-OPT and Llama (with a SentencePiece vocabulary) models made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
+OPT and Llama (with a SentencePiece vocabulary) models, and mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE), made by scripts/make-arch-models.py (f32, f16 and bf16 sources, one of them
 sharded), and the real all-MiniLM-L6-v2 (an int64 `position_ids` among its tensors),
 converted exactly and with the default codec, mounted, and read back by transformers."""
 import contextlib
@@ -15,9 +16,9 @@ from safetensors.torch import load, load_file
 from conftest import PROMPT, ROOT, TEXT, run, run_status
 
 ARCHS = ["bert", "gpt2", "qwen3", "gemma2", "phi3", "opt", "llama-spm", "phi3-long",
-         "mixtral", "qwen2moe", "olmoe"]
+         "mixtral", "qwen2moe", "qwen3moe", "olmoe"]
 # Mixtures of experts: model.gguf stacks each layer's experts into one 3-D tensor.
-MOE_ARCHS = ["mixtral", "qwen2moe", "olmoe"]
+MOE_ARCHS = ["mixtral", "qwen2moe", "qwen3moe", "olmoe"]
 # The architectures whose mount serves model.gguf too (not OPT: llama.cpp has none).
 GGUF_ARCHS = ["qwen3", "phi3", "gemma2", "bert", "gpt2", "llama-spm", "phi3-long", *MOE_ARCHS]
 # The architectures whose GGUF files import.
@@ -601,6 +602,63 @@ def test_moe_experts_stack_in_every_archive_kind(cawsfs, converted, arch_models,
             got = greedy(llama_bin, mp / "model.gguf")
         want = greedy(llama_bin, export)
         assert got == want and len(got) > len(PROMPT) + 20, (kind, got, want)
+
+
+def llama_cpp_convert(llama_bin, src, out):
+    """llama.cpp's own convert_hf_to_gguf.py (from the source the tests build) at f32.
+    The tiny models' tokenizers are trained here, so the converter does not know their
+    pre-tokenizer by its hash: it is told "default", which changes no tensor and no
+    architecture key."""
+    import sys
+    root = llama_bin.parent.parent
+    shim = ("import runpy, sys\n"
+            "import conversion.base as b\n"
+            "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(src)!r}, '--outfile', {str(out)!r},"
+            " '--outtype', 'f32']\n"
+            f"runpy.run_path({str(root / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
+    run([sys.executable, "-c", shim],
+        env=dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'gguf-py'}"))
+
+
+@pytest.mark.parametrize("name", MOE_ARCHS)
+def test_moe_matches_llama_cpps_converter(cawsfs, converted, arch_models, llama_bin, work,
+                                          name):
+    """Against llama.cpp's own converter, both ways: the exact archive's f32 model.gguf
+    holds the converter's tensors bit for bit under its names, with its expert keys;
+    and the converter's file, imported, serves model.safetensors with the source's
+    per-expert tensors (values equal: the source's bf16/f16 widened to f32)."""
+    import gguf
+    import numpy as np
+    ref = work / "ref.gguf"
+    llama_cpp_convert(llama_bin, arch_models[name], ref)
+    r = gguf.GGUFReader(ref)
+    arch = r.fields["general.architecture"].contents()
+    want = {t.name: t.data.copy() for t in r.tensors}
+    want_keys = {k: f.contents() for k, f in r.fields.items() if ".expert_" in k}
+    del r
+    gc.collect()
+    assert any("_exps." in n for n in want) and f"{arch}.expert_count" in want_keys
+    with mounted(cawsfs, converted[name, "exact"], work / "x", "--gguf-type", "f32") as (mp, _):
+        r = gguf.GGUFReader(mp / "model.gguf")
+        got_keys = {k: f.contents() for k, f in r.fields.items() if ".expert_" in k}
+        got = {t.name: t for t in r.tensors}
+        assert sorted(got) == sorted(want)
+        for n, data in want.items():
+            assert np.array_equal(got[n].data, data), n
+        del r, got
+        gc.collect()
+    assert got_keys == want_keys
+    archive = work / "ref.cawsf"
+    run([cawsfs, "convert", ref, "-o", archive, "--passthrough", "*"])
+    source = load_file(os.path.join(arch_models[name], "model.safetensors"))
+    with mounted(cawsfs, archive, work / "g") as (mp, _):
+        served = load((mp / "model.safetensors").read_bytes())
+    experts = [n for n in source if ".experts." in n]
+    assert len(experts) == 3 * 4 * 2, experts
+    assert sorted(served) == sorted(source)
+    for n, t in source.items():
+        assert torch.equal(served[n].float(), t.float()), n
 
 
 def greedy(llama_bin, gguf):
