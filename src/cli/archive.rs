@@ -64,6 +64,7 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
             "gguf_view": plan.as_ref().map(|_| view.to_string()),
             "gguf_notes": plan.as_ref().map_or_else(Vec::new, |p| layout::gguf_notes(m, p)),
             "gguf_missing": no_gguf,
+            "experts": expert_summary(m, |i| ar.tensor_summary(i).stored_bytes),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -140,6 +141,21 @@ pub fn cmd_inspect(path: &Path, json: bool, blocks: bool, view: layout::GgufView
         );
     }
     println!("total tensor bytes: {total}");
+    if let Some(x) = expert_summary(m, |i| ar.tensor_summary(i).stored_bytes) {
+        let per_token = x
+            .per_token
+            .map_or_else(String::new, |k| format!(", {k} per token"));
+        println!(
+            "experts: {} layers x {}{per_token}; stored {} ({:.1}% of tensor bytes), one expert {}..{}; everything else (infrastructure) {}",
+            x.layers,
+            x.per_layer,
+            super::control::human(x.stored_bytes),
+            x.stored_bytes as f64 * 100.0 / total.max(1) as f64,
+            super::control::human(x.min_expert_bytes),
+            super::control::human(x.max_expert_bytes),
+            super::control::human(total.saturating_sub(x.stored_bytes)),
+        );
+    }
     let Some(plan) = plan else {
         println!("model.gguf: not served: {}", no_gguf.unwrap_or_default());
         return Ok(());
@@ -350,4 +366,40 @@ pub fn cmd_apply(path: &Path, tensor: &str, x: &Path, output: Option<&Path>) -> 
         }
     }
     Ok(())
+}
+
+/// How a mixture of experts' experts are stored, for `inspect`.
+#[derive(serde::Serialize)]
+struct ExpertSummary {
+    /// Layers that hold experts, and the most experts one of them holds.
+    layers: usize,
+    per_layer: usize,
+    per_token: Option<u32>,
+    /// Stored bytes of all experts' tensors, and of the smallest and largest expert
+    /// (its gate, up and down matrices together).
+    stored_bytes: u64,
+    min_expert_bytes: u64,
+    max_expert_bytes: u64,
+}
+
+/// None for a dense model.
+fn expert_summary(
+    m: &cawsfs::model::ModelDesc,
+    bytes: impl Fn(usize) -> u64,
+) -> Option<ExpertSummary> {
+    let x = layout::ExpertTensors::of(m);
+    let experts = x.per_expert(bytes);
+    let mut per_layer = std::collections::BTreeMap::<u32, usize>::new();
+    for ((l, _), _) in &experts {
+        *per_layer.entry(*l).or_insert(0) += 1;
+    }
+    let sizes = || experts.iter().map(|(_, b)| *b);
+    Some(ExpertSummary {
+        layers: per_layer.len(),
+        per_layer: per_layer.values().copied().max()?,
+        per_token: x.per_token,
+        stored_bytes: sizes().sum(),
+        min_expert_bytes: sizes().min()?,
+        max_expert_bytes: sizes().max()?,
+    })
 }

@@ -143,7 +143,7 @@ pub fn cmd_materialize(
     Ok(())
 }
 
-fn human(n: u64) -> String {
+pub(super) fn human(n: u64) -> String {
     bytesize::ByteSize::b(n).display().iec().to_string()
 }
 

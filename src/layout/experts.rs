@@ -24,3 +24,44 @@ pub fn expert_extents(model: &ModelDesc, file: &VirtualFile) -> ExpertExtents {
         .collect();
     (extents, hfmeta::experts_per_token(model))
 }
+
+/// A mixture of experts as an archive holds it, for `inspect`: every expert tensor
+/// as `(tensor index, layer, expert)`, and how many experts a token uses.
+pub struct ExpertTensors {
+    pub tensors: Vec<(usize, u32, u32)>,
+    pub per_token: Option<u32>,
+}
+
+impl ExpertTensors {
+    /// The experts of `model`; `tensors` is empty for a dense model.
+    pub fn of(model: &ModelDesc) -> Self {
+        let Some(arch) = model.arch.gguf_arch.as_deref() else {
+            return ExpertTensors {
+                tensors: Vec::new(),
+                per_token: None,
+            };
+        };
+        let tensors = model
+            .tensors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                let (_, e) = names::hf_expert_to_gguf_in(arch, &t.name)?;
+                Some((i, names::layer_of(&t.name)?, e))
+            })
+            .collect();
+        ExpertTensors {
+            tensors,
+            per_token: hfmeta::experts_per_token(model),
+        }
+    }
+
+    /// `(layer, expert) → sum of bytes(tensor)` over each expert's tensors, sorted.
+    pub fn per_expert(&self, bytes: impl Fn(usize) -> u64) -> Vec<((u32, u32), u64)> {
+        let mut m = std::collections::BTreeMap::new();
+        for &(i, l, e) in &self.tensors {
+            *m.entry((l, e)).or_insert(0) += bytes(i);
+        }
+        m.into_iter().collect()
+    }
+}

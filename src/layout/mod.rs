@@ -30,7 +30,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-pub use self::experts::{expert_extents, ExpertExtents};
+pub use self::experts::{expert_extents, ExpertExtents, ExpertTensors};
 pub use self::gguf::gguf_pre_tokenizer_name;
 pub use self::preset::{fallback, preset_types, Preset, PresetModel, PresetTensor};
 pub use self::view::{

@@ -1369,7 +1369,8 @@ fn phi3_longrope_factors_are_checked_and_made_tensors() {
 
 /// Mixtral: a layer's experts are one 3-D GGUF tensor, `ne = [cols, rows, n_expert]`,
 /// expert `e`'s rows at index `e`, in expert order whatever the archive's order; the
-/// router is F32 in a quantized view; a stack missing an expert is refused in one line.
+/// router is F32 in a quantized view; a stack missing an expert is refused in one line;
+/// each expert's tensors are found by layer and number.
 #[test]
 fn moe_experts_are_stacked_in_expert_order() {
     let mut model = test_model(true);
@@ -1435,6 +1436,13 @@ fn moe_experts_are_stacked_in_expert_order() {
     assert_eq!(ty("blk.0.ffn_gate_inp.weight").ty, GgmlType::F32);
     let stack = ty("blk.1.ffn_down_exps.weight");
     assert_eq!((stack.ty, stack.parts.len()), (GgmlType::Q8_0, 3));
+    // `inspect`'s view of them: 2 layers of 3 experts, each its three matrices.
+    let x = super::ExpertTensors::of(&model);
+    assert_eq!((x.tensors.len(), x.per_token), (18, None));
+    let per = x.per_expert(|i| model.tensors[i].numel());
+    let keys: Vec<(u32, u32)> = per.iter().map(|(k, _)| *k).collect();
+    assert_eq!(keys, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+    assert!(per.iter().all(|(_, n)| *n == 3 * 96 * 64));
     // Without expert 1 of layer 0's w2, no GGUF view, in one line.
     model
         .tensors
