@@ -17,12 +17,17 @@ pub fn expert_extents(model: &ModelDesc, file: &VirtualFile) -> ExpertExtents {
         .tensor_ranges()
         .into_iter()
         .filter_map(|(i, a, b)| {
-            let name = &model.tensors.get(i)?.name;
-            let (_, e) = names::hf_expert_to_gguf_in(arch, name)?;
-            Some((names::layer_of(name)?, e, a..b))
+            let (l, e) = layer_and_expert(arch, &model.tensors.get(i)?.name)?;
+            Some((l, e, a..b))
         })
         .collect();
     (extents, hfmeta::experts_per_token(model))
+}
+
+/// The layer and expert number of an expert tensor; None for any other tensor.
+fn layer_and_expert(arch: &str, name: &str) -> Option<(u32, u32)> {
+    let (_, e) = names::hf_expert_to_gguf_in(arch, name)?;
+    Some((names::layer_of(name)?, e))
 }
 
 /// A mixture of experts as an archive holds it, for `inspect`: every expert tensor
@@ -46,8 +51,8 @@ impl ExpertTensors {
             .iter()
             .enumerate()
             .filter_map(|(i, t)| {
-                let (_, e) = names::hf_expert_to_gguf_in(arch, &t.name)?;
-                Some((i, names::layer_of(&t.name)?, e))
+                let (l, e) = layer_and_expert(arch, &t.name)?;
+                Some((i, l, e))
             })
             .collect();
         ExpertTensors {
