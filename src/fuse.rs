@@ -269,8 +269,7 @@ impl Filesystem for FuseAdapter {
 
     // The answers below are what a read-only filesystem without extended attributes
     // gives; fuser's defaults would answer ENOSYS and log a multi-line
-    // "[Not Implemented]" warning each time (an ioctl on every Python `open()`, a
-    // flush on every close until the kernel stops asking).
+    // "[Not Implemented]" warning each time (an ioctl on every Python `open()`).
 
     fn flush(
         &self,
@@ -280,7 +279,11 @@ impl Filesystem for FuseAdapter {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        // Nothing is ever written, so a close has nothing to flush. ENOSYS (without
+        // fuser's warning) makes the kernel stop sending FLUSH for the mount's life, and
+        // close() then returns 0 at once instead of waiting for a round trip here (0.2 ms
+        // of every open and close of a warm passthrough file on the 2-core VM).
+        reply.error(Errno::ENOSYS);
     }
 
     fn ioctl(
