@@ -16,8 +16,10 @@ the median of the pairs' ratios (the first pass: the ratio of medians); "file" i
    pass through another build's default mount (e.g. one from before the tier existed,
    built in a git worktree).
 2. After a restart (umount, mount with default options: the tier is whole, opens are
-   passthrough): sequential read bytes/s, cold (page cache dropped) and warm.
-3. Warm llama.cpp generation tokens/s (llama-completion, 128 tokens) with 1 thread and
+   passthrough): sequential read bytes/s, cold (page cache dropped) and warm (each
+   warm sample the mean of 8 reads).
+3. Warm llama.cpp generation tokens/s (llama-completion, 128 tokens, end of text
+   ignored so that every sample generates all of them) with 1 thread and
    with every core, `--token-runs` pairs (default: max(runs, 15)).
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
@@ -50,8 +52,13 @@ CACHE = os.environ.get("CAWSFS_CACHE", os.path.expanduser("~/.cache/cawsfs"))
 MiB = 1 << 20
 PROMPT = "The capital of France is"
 # Tokens per warm generation: long enough that one sample is a few seconds of decoding,
-# not the ~1 s that 64 tokens took, where the host's hiccups decide the median.
+# not the ~1 s that 64 tokens took, where the host's hiccups decide the median. Every one
+# is generated (`--ignore-eos`): the test model ends its answer after about 20 tokens,
+# which made each sample a quarter of a second.
 TOKENS = 128
+# Reads of the whole file per warm-read sample: one read of the test model's view takes
+# ~16 ms, where a scheduler hiccup moves a single sample by 10 %.
+WARM_READS = 8
 GGUF = "model.gguf"
 
 
@@ -103,7 +110,7 @@ def llama(bin_dir, model, threads, n):
     t = time.perf_counter()
     out = subprocess.run(
         [os.path.join(bin_dir, "llama-completion"), "-m", model, "-t", str(threads), "-no-cnv",
-         "--no-warmup", "--temp", "0", "-n", str(n), "-p", PROMPT],
+         "--no-warmup", "--temp", "0", "--ignore-eos", "-n", str(n), "-p", PROMPT],
         capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t
     if out.returncode != 0:
@@ -150,8 +157,11 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tok
         cm, cf, r = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
         rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
                      f"{size / MiB / cf:.0f} MiB/s", f"{1 / r:.2f}"))
+        def warm(p):
+            return sum(read_all(p) for _ in range(WARM_READS)) / WARM_READS
+
         read_all(served), read_all(exported)
-        wm, wf, r = paired(runs, lambda: read_all(served), lambda: read_all(exported), "warm read s")
+        wm, wf, r = paired(runs, lambda: warm(served), lambda: warm(exported), "warm read s")
         rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
                      f"{size / MiB / wf:.0f} MiB/s", f"{1 / r:.2f}"))
         for threads in sorted({1, os.cpu_count() or 1}) if tokens else ():
