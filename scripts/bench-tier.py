@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The disk tier and FUSE passthrough against the exported file, measured in one run.
 
-  scripts/bench-tier.py [--archive PATH] [--runs 5] [--load-only] [--baseline BIN]
+  scripts/bench-tier.py [--archive PATH] [--runs 6] [--load-only] [--baseline BIN]
                         [--token-runs N] [--out docs/MOUNT.md [--section tier]]
 
 Every comparison is paired and interleaved (mount, file, file, mount, ...) and reports
@@ -20,7 +20,8 @@ the median of the pairs' ratios (the first pass: the ratio of medians); "file" i
    warm sample the mean of 8 reads).
 3. Warm llama.cpp generation tokens/s (llama-completion, 128 tokens, end of text
    ignored so that every sample generates all of them) with 1 thread and
-   with every core, `--token-runs` pairs (default: max(runs, 15)).
+   with every core, `--token-runs` pairs (default: max(runs, 16); odd counts of pairs
+   are rounded up, --runs too).
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
    `--load-only` leaves 3 out (for a large model, whose warm generation adds minutes
@@ -126,7 +127,10 @@ def paired(runs, a, b, what=""):
     median of the pairs' a/b). The pairs' ratio is what the table reports: each pair
     ran back to back, so it cancels the host's speed drifting by ±10-20 % from one
     minute to the next, which a ratio of the two medians does not. Every sample is
-    printed to stderr."""
+    printed to stderr. An odd `runs` is rounded up: the first read of a cold pair can be
+    the faster or the slower one by a third (seen on the 1 B model), and an extra pair of
+    one order then decides the median."""
+    runs += runs % 2
     xs, ys = [], []
     for i in range(runs):
         if i % 2 == 0:
@@ -181,13 +185,14 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tok
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--archive")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--load-only", action="store_true")
-    ap.add_argument("--token-runs", type=int, help="pairs of llama.cpp generations (default: max(runs, 15))")
+    ap.add_argument("--token-runs", type=int, help="pairs of llama.cpp generations (default: max(runs, 16))")
     ap.add_argument("--out")
     ap.add_argument("--section", default="tier")
     ap.add_argument("--baseline", help="another build's cawsfs binary: its first pass too")
     a = ap.parse_args()
+    a.runs += a.runs % 2  # even: each order of a pair as often as the other (see paired)
     if os.geteuid() != 0:
         sys.exit("bench-tier: needs root (it drops the page cache)")
     work = os.path.join(CACHE, "bench-tier", os.path.splitext(os.path.basename(a.archive))[0] if a.archive else "demo")
@@ -267,7 +272,8 @@ def main():
             m.close()
 
     # 2-3. After a restart: passthrough.
-    token_runs = a.token_runs or max(a.runs, 15)
+    token_runs = a.token_runs or max(a.runs, 16)
+    token_runs += token_runs % 2
     rows += passthrough_rows(archive, mp, tier, exported, bin_dir, a.runs, token_runs,
                              tokens=not a.load_only)
 
