@@ -421,7 +421,7 @@ fn gguf_layout_names_order_types_and_permutation() {
 }
 
 #[test]
-fn gguf_permuted_small_read_asks_for_whole_heads_only() {
+fn gguf_permuted_small_read_asks_only_for_its_source_rows() {
     let model = test_model(false);
     let src = Mock::new(&model, 5);
     let seen = Seen::default();
@@ -435,11 +435,13 @@ fn gguf_permuted_small_read_asks_for_whole_heads_only() {
         .tensor_index("model.layers.1.self_attn.q_proj.weight")
         .unwrap();
     let (_, s, _) = f.tensor_ranges().into_iter().find(|r| r.0 == q).unwrap();
-    // GGUF rows 17..19 of q (head 1 of 4, hd = 16): HF rows 16..32 are needed.
+    // GGUF rows 17..19 of q (head 1 of 4, hd = 16) are HF rows 24 and 17: one from
+    // each half of the head, and only those (reading the whole head decoded its blocks
+    // again for the window after).
     let mut buf = vec![0u8; 2 * 256];
     src.take_calls();
     f.read_at(&src, s + 17 * 256, &mut buf).unwrap();
-    assert_eq!(src.take_calls(), vec![(q, 16, 32)]);
+    assert_eq!(src.take_calls(), vec![(q, 17, 18), (q, 24, 25)]);
     let mut expect = encode_all(src.row(q, 16 + 8), FloatType::F32);
     expect.extend(encode_all(src.row(q, 16 + 1), FloatType::F32));
     assert_eq!(buf, expect);
@@ -1453,5 +1455,19 @@ fn moe_experts_are_stacked_in_expert_order() {
     assert!(
         msg.contains("blk.0.ffn_down_exps.weight") && !msg.contains('\n'),
         "{msg}"
+    );
+}
+
+#[test]
+fn permuted_windows_read_one_run_per_half_they_touch() {
+    // 2 heads of 8 rows (halves of 4): GGUF row 2i of a head is its row i, 2i + 1 is
+    // row 4 + i.
+    assert_eq!(super::source_runs(0..16, 16, 2), vec![(0, 16)]);
+    assert_eq!(super::source_runs(0..8, 16, 2), vec![(0, 8)]);
+    assert_eq!(super::source_runs(0..3, 16, 2), vec![(0, 2), (4, 5)]);
+    // Rows 5..8 of head 0 are its rows 6, 3, 7; rows 8..11 are head 1's 8, 12, 9.
+    assert_eq!(
+        super::source_runs(5..11, 16, 2),
+        vec![(3, 4), (6, 10), (12, 13)]
     );
 }
