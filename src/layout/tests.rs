@@ -9,6 +9,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::gguf::{self as g, HeaderOut};
 use super::*;
+use crate::gguf::quantize::quantize;
 use crate::gguf::{GgmlType, GgufArray, GgufValue};
 use crate::model::{ArchConfig, SourceType};
 use crate::test_support::{self, tensor as td, tiny_arch};
@@ -1462,12 +1463,12 @@ fn moe_experts_are_stacked_in_expert_order() {
 fn permuted_windows_read_one_run_per_half_they_touch() {
     // 2 heads of 8 rows (halves of 4): GGUF row 2i of a head is its row i, 2i + 1 is
     // row 4 + i.
-    assert_eq!(super::source_runs(0..16, 16, 2), vec![(0, 16)]);
-    assert_eq!(super::source_runs(0..8, 16, 2), vec![(0, 8)]);
-    assert_eq!(super::source_runs(0..3, 16, 2), vec![(0, 2), (4, 5)]);
+    assert_eq!(super::read::source_runs(0..16, 16, 2), vec![(0, 16)]);
+    assert_eq!(super::read::source_runs(0..8, 16, 2), vec![(0, 8)]);
+    assert_eq!(super::read::source_runs(0..3, 16, 2), vec![(0, 2), (4, 5)]);
     // Rows 5..8 of head 0 are its rows 6, 3, 7; rows 8..11 are head 1's 8, 12, 9.
     assert_eq!(
-        super::source_runs(5..11, 16, 2),
+        super::read::source_runs(5..11, 16, 2),
         vec![(3, 4), (6, 10), (12, 13)]
     );
 }
