@@ -52,6 +52,27 @@ fn malformed_decoder_in_tokenizer_json_is_an_error_not_a_panic() {
     }
 }
 
+/// hf_json target (2026-11-29, 8.0 M executions into the campaign against the fixes
+/// above): a number out of range ("1e999") inside "decoder" passed the JSON check
+/// (skipping a value does not read its numbers) and made tokenizers panic ("Helper")
+/// again; caught, but with the panic's message on stderr. Now refused before tokenizers
+/// sees it.
+#[test]
+fn number_out_of_range_in_the_decoder_is_an_error_before_tokenizers() {
+    let input = br#"{"decoder":{"type":"ByteLevel","trim_offsets":1e999}}"#;
+    let Err(err) = cawsfs::router::load_tokenizer(&model_with_tokenizer(input)) else {
+        panic!("a tokenizer.json with a number out of range loaded");
+    };
+    assert!(
+        err.contains("tokenizer.json") && err.contains("decoder"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("tokenizers crate failed"),
+        "tokenizers saw it: {err}"
+    );
+}
+
 /// hf_json target (2026-11-28, 2.2 M executions into a new campaign): a BPE model
 /// whose merge's second token is shorter than its `continuing_subword_prefix` made
 /// tokenizers 0.22 slice a string out of bounds (`BpeBuilder::build`) and panic, with or

@@ -101,6 +101,17 @@ pub fn load_tokenizer(model: &ModelDesc) -> Result<Tokenizer, String> {
     // 31 MB of heap for a moment).
     serde_json::from_slice::<serde::de::IgnoredAny>(&bytes)
         .map_err(|e| format!("tokenizer.json does not load: not valid JSON: {e}"))?;
+    // Skipping a value does not read its numbers, and one out of range in "decoder"
+    // panics there too (found by fuzzing): the decoder is small, so it is parsed whole.
+    #[derive(serde::Deserialize)]
+    struct Decoder<'a> {
+        #[serde(borrow)]
+        decoder: Option<&'a serde_json::value::RawValue>,
+    }
+    if let Ok(Decoder { decoder: Some(d) }) = serde_json::from_slice::<Decoder>(&bytes) {
+        serde_json::from_str::<serde_json::Value>(d.get())
+            .map_err(|e| format!("tokenizer.json does not load: decoder: {e}"))?;
+    }
     tokenizer_from_json(&bytes).map_err(|e| format!("tokenizer.json does not load: {e}"))
 }
 
