@@ -17,11 +17,14 @@ the median of the pairs' ratios (the first pass: the ratio of medians); "file" i
    built in a git worktree).
 2. After a restart (umount, mount with default options: the tier is whole, opens are
    passthrough): sequential read bytes/s, cold (page cache dropped) and warm (each
-   warm sample the mean of 8 reads).
+   warm sample the mean of 8 reads; both files dropped and read again before each
+   pair).
 3. Warm llama.cpp generation tokens/s (llama-completion, 128 tokens, end of text
    ignored so that every sample generates all of them) with 1 thread and
    with every core, `--token-runs` pairs (default: max(runs, 16); odd counts of pairs
-   are rounded up, --runs too).
+   are rounded up, --runs too), the page cache of both files made anew before each
+   pair; the MiB of each run's model mapping the kernel mapped with 2 MiB pages goes to
+   stderr.
 4. Restart then load: umount, drop the page cache, mount and generate 8 tokens, wall
    time, against generating from the exported file after dropping the page cache.
    `--load-only` leaves 3 out (for a large model, whose warm generation adds minutes
@@ -106,21 +109,46 @@ def read_all(path):
     return time.perf_counter() - t
 
 
-def llama(bin_dir, model, threads, n):
-    """(generation tokens/s, process wall seconds)."""
+def pmd_mapped_mib(pid, name):
+    """MiB of `name`'s mappings in process `pid` mapped with PMD (2 MiB) pages: how much
+    of the model the kernel could map huge, which follows the page cache's folio sizes
+    and moves tokens/s by ~10 % on this model (docs/MOUNT.md, "Where the pages land")."""
+    total, inside = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                    inside = line.rstrip().endswith(name)
+                elif inside and line.startswith("FilePmdMapped:"):
+                    total += int(line.split()[1])
+    except OSError:
+        return None
+    return total / 1024
+
+
+def llama(bin_dir, model, threads, n, probe_after=None):
+    """(generation tokens/s, process wall seconds, MiB of the model PMD-mapped
+    `probe_after` seconds in, or None)."""
     t = time.perf_counter()
-    out = subprocess.run(
+    p = subprocess.Popen(
         [os.path.join(bin_dir, "llama-completion"), "-m", model, "-t", str(threads), "-no-cnv",
          "--no-warmup", "--temp", "0", "--ignore-eos", "-n", str(n), "-p", PROMPT],
-        capture_output=True, text=True, timeout=600)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pmd = None
+    if probe_after is not None:
+        try:
+            p.wait(timeout=probe_after)
+        except subprocess.TimeoutExpired:
+            pmd = pmd_mapped_mib(p.pid, os.path.basename(model))
+    out, err = p.communicate(timeout=600)
     wall = time.perf_counter() - t
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-completion failed: {out.stderr[-500:]}")
-    tps = float(re.search(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", out.stderr).group(1))
-    return tps, wall
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-completion failed: {err[-500:]}")
+    tps = float(re.search(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", err).group(1))
+    return tps, wall, pmd
 
 
-def paired(runs, a, b, what=""):
+def paired(runs, a, b, what="", before=None):
     """Run a() and b() interleaved `runs` times, in the order a b, b a, a b, ... so that
     neither always goes first (on the bench VM a "cold" read also depends on what the
     host still caches of each file, which drifts during a run); (median a, median b,
@@ -129,10 +157,12 @@ def paired(runs, a, b, what=""):
     minute to the next, which a ratio of the two medians does not. Every sample is
     printed to stderr. An odd `runs` is rounded up: the first read of a cold pair can be
     the faster or the slower one by a third (seen on the 1 B model), and an extra pair of
-    one order then decides the median."""
+    one order then decides the median. `before(i)` runs before pair `i`, unmeasured."""
     runs += runs % 2
     xs, ys = [], []
     for i in range(runs):
+        if before:
+            before(i)
         if i % 2 == 0:
             xs.append(a())
             ys.append(b())
@@ -164,14 +194,34 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tok
         def warm(p):
             return sum(read_all(p) for _ in range(WARM_READS)) / WARM_READS
 
-        read_all(served), read_all(exported)
-        wm, wf, r = paired(runs, lambda: warm(served), lambda: warm(exported), "warm read s")
+        def fresh(i):
+            """Both files read into a freshly dropped page cache, in the pair's order.
+            Where a file's pages land decides its warm speed for as long as they stay
+            (docs/MOUNT.md, "Where the pages land"): ±10 % between two runs of the same
+            files, one way for a whole run; placed anew before every pair, that luck
+            spreads over the pairs instead of deciding the run."""
+            drop_page_cache()
+            for p in (served, exported) if i % 2 == 0 else (exported, served):
+                read_all(p)
+
+        wm, wf, r = paired(runs, lambda: warm(served), lambda: warm(exported), "warm read s",
+                           before=fresh)
         rows.append(("sequential read, warm page cache", f"{size / MiB / wm:.0f} MiB/s",
                      f"{size / MiB / wf:.0f} MiB/s", f"{1 / r:.2f}"))
         for threads in sorted({1, os.cpu_count() or 1}) if tokens else ():
-            tm, tf, r = paired(token_runs, lambda: llama(bin_dir, served, threads, TOKENS)[0],
-                               lambda: llama(bin_dir, exported, threads, TOKENS)[0],
-                               f"tokens/s, {threads} thread(s)")
+            pmds = {served: [], exported: []}
+
+            def gen(model):
+                tps, _, pmd = llama(bin_dir, model, threads, TOKENS, probe_after=1.0)
+                pmds[model].append(pmd)
+                return tps
+
+            tm, tf, r = paired(token_runs, lambda: gen(served), lambda: gen(exported),
+                               f"tokens/s, {threads} thread(s)", before=fresh)
+            print(f"PMD-mapped MiB, {threads} thread(s): mount "
+                  f"{' '.join(f'{x:.0f}' if x is not None else '-' for x in pmds[served])} | file "
+                  f"{' '.join(f'{x:.0f}' if x is not None else '-' for x in pmds[exported])}",
+                  file=sys.stderr)
             rows.append((f"warm llama.cpp tokens/s, {threads} thread(s), {token_runs} pairs",
                          f"{tm:.1f}", f"{tf:.1f}", f"{r:.3f}"))
         st = m.stat()
