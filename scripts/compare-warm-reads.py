@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Warm whole-file reads of several files, each round from a freshly filled page cache.
+
+  scripts/compare-warm-reads.py [--rounds 10] FILE FILE...
+
+Each round drops the page cache (root), reads every file once (order alternating
+between rounds), then times 8 whole reads of each (`open`, 1 MiB `read`s, `close`).
+Prints each file's median and its median ratio of time to the second file's, per
+round. docs/MOUNT.md ("Where the pages land") used it on a mounted `model.gguf`, the
+exported file and the tier's data file behind the mount.
+"""
+
+import argparse
+import statistics
+import subprocess
+import time
+
+MiB = 1 << 20
+READS = 8
+
+
+def read_all(path):
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(MiB):
+            pass
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args()
+    if len(a.files) < 2:
+        ap.error("give at least two files")
+    res = {p: [] for p in a.files}
+    for r in range(a.rounds):
+        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        order = a.files if r % 2 == 0 else a.files[::-1]
+        for p in order:
+            read_all(p)
+        for p in order:
+            res[p].append(sum(read_all(p) for _ in range(READS)) / READS)
+    base = a.files[1]
+    for p in a.files:
+        ratio = statistics.median(x / y for x, y in zip(res[p], res[base]))
+        print(f"{p}: median {statistics.median(res[p]) * 1000:.2f} ms, "
+              f"{ratio:.3f}x {base}'s time; rounds "
+              + " ".join(f"{x * 1000:.1f}" for x in res[p]))
+
+
+if __name__ == "__main__":
+    main()
