@@ -240,6 +240,7 @@ impl MountFs {
             None => Vec::new(),
         };
         let readahead_kb = experts::kernel_readahead_kb(archive.model(), &entries);
+        pack_in_background(&entries);
         if opts.prefetch_threads > 0 {
             cache.start_prefetcher(opts.prefetch_threads);
         }
@@ -547,6 +548,19 @@ impl MountFs {
     /// Time since the filesystem was built (the mount's uptime).
     pub fn uptime(&self) -> std::time::Duration {
         self.started.elapsed()
+    }
+}
+
+/// Compress the tensor files' headers in memory (see `layout::VirtualFile::pack`) on a
+/// thread of their own, so that the mount comes up without waiting for it.
+fn pack_in_background(entries: &[Entry]) {
+    let files: Vec<VirtualFile> = entries.iter().map(|e| e.file.clone()).collect();
+    let pack = move || files.iter().for_each(VirtualFile::pack);
+    let spawned = std::thread::Builder::new()
+        .name("pack".into())
+        .spawn(pack.clone());
+    if spawned.is_err() {
+        pack();
     }
 }
 

@@ -196,7 +196,7 @@ impl Builder {
     }
     fn bytes(&mut self, b: Vec<u8>) -> Result<(), LayoutError> {
         self.fingerprint.update(&b);
-        let b = packed::Packed::new(b);
+        let b = packed::Packed::raw(b);
         self.push(b.len() as u64, PieceKind::Bytes(b))
     }
     fn zeros(&mut self, len: u64) -> Result<(), LayoutError> {
@@ -388,7 +388,21 @@ impl VirtualFile {
         let mut b = Builder::default();
         // A Vec's length always fits u64; push cannot overflow from 0.
         let _ = b.bytes(bytes);
-        b.finish(name)
+        let f = b.finish(name);
+        // Made when first asked for (the metadata files), so off a restart's path.
+        f.pack();
+        f
+    }
+
+    /// Compress the file's literal bytes (its header) in memory, if that has not been
+    /// done: a layout holds them raw when built, so that a mount is up without waiting
+    /// for the compression; the mount packs them in the background.
+    pub fn pack(&self) {
+        for p in &self.inner.pieces {
+            if let PieceKind::Bytes(b) = &p.kind {
+                b.pack();
+            }
+        }
     }
 
     /// XXH3-64 over [`BYTES_VERSION`] and what the file is made of: its literal bytes
