@@ -137,4 +137,19 @@ mod tests {
         assert_eq!(format!("{l:?}"), format!("{v:?}"));
         assert!(StrList::EMPTY.is_empty());
     }
+
+    #[test]
+    fn escaped_strings_and_other_sources_parse() {
+        let json = r#"["a\"b", "\u00e9\n", "plain", ""]"#;
+        let want = ["a\"b", "é\n", "plain", ""];
+        let from_str: StrList = serde_json::from_str(json).unwrap();
+        assert_eq!(from_str.iter().collect::<Vec<_>>(), want);
+        // A reader hands strings over one by one, never borrowed from the input.
+        let from_reader: StrList = serde_json::from_reader(json.as_bytes()).unwrap();
+        assert_eq!(from_reader, from_str);
+        let value = serde_json::from_str::<serde_json::Value>(json).unwrap();
+        assert_eq!(serde_json::from_value::<StrList>(value).unwrap(), from_str);
+        let e = serde_json::from_str::<StrList>(r#"["a", 1]"#).unwrap_err();
+        assert!(e.to_string().contains("expected a string"), "{e}");
+    }
 }
