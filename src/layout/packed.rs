@@ -17,7 +17,7 @@ const LEVEL: i32 = 1;
 
 /// Literal bytes, raw until [`Packed::pack`] compresses them. A mount's GGUF header is
 /// packed in the background once the mount is up: compressing it at setup was more than
-/// half of the time a restart spent building the layouts (test model: 15.2 ms, 6.6 ms
+/// half of the time a restart spent building the layouts (test model: 15.4 ms, 6.4 ms
 /// without; docs/MOUNT.md, "Disk tier"), for bytes that a file served by passthrough
 /// never reads through the daemon.
 #[derive(Debug)]
