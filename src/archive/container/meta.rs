@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::value::RawValue;
 
 use crate::model::{check_hf_file_name, ModelDesc, MAX_HF_FILES};
@@ -42,41 +42,147 @@ pub struct MetaIn<K> {
 
 impl<K: DeserializeOwned> MetaIn<K> {
     /// Parses META's bytes; `check` sees `format` and `version` before the rest is
-    /// parsed (a wrong kind is reported as that, not as a missing key). The common keys,
-    /// the kind's keys and `model` are each parsed straight from the bytes: one struct
-    /// with the kind's keys `#[serde(flatten)]`ed copied the whole document (mostly a
-    /// GGUF vocabulary: 1.3 MB for a 49 k-token model) into serde's generic buffer
-    /// first, and took 3× as long (20 ms of a 28 ms archive open).
+    /// parsed (a wrong kind is reported as that, not as a missing key). One pass reads
+    /// the common keys and `model` (mostly a GGUF vocabulary: 1.3 MB for a 49 k-token
+    /// model) and keeps the kind's keys as raw text, parsed after: one struct with the
+    /// kind's keys `#[serde(flatten)]`ed copied the whole document into serde's generic
+    /// buffer first (3× as long), and parsing the common keys, the kind's keys and
+    /// `model` each from the whole text scanned the vocabulary three times.
     pub fn parse(
         bytes: &[u8],
         check: impl FnOnce(&str, u32) -> Result<(), String>,
     ) -> Result<Self, String> {
-        #[derive(Deserialize)]
-        struct Common<'a> {
-            format: String,
-            version: u32,
-            #[serde(borrow)]
-            model: &'a RawValue,
-            #[serde(default)]
-            hf_files: BTreeMap<String, serde_json::Value>,
-            checksum_index: BTreeMap<String, String>,
-            #[serde(default)]
-            extra: serde_json::Value,
-        }
-        let invalid = |e: serde_json::Error| format!("META is not valid: {e}");
-        let c: Common = serde_json::from_slice(bytes).map_err(invalid)?;
-        check(&c.format, c.version)?;
-        let kind = serde_json::from_slice(bytes).map_err(invalid)?;
-        let model = serde_json::from_str(c.model.get())
-            .map_err(|e| format!("META is not valid: model: {e}"))?;
+        let text = std::str::from_utf8(bytes)
+            .map_err(|e| format!("META is not valid: not UTF-8 text ({e})"))?;
+        let (mut check_err, mut at) = (None, None);
+        let top = {
+            let mut de = serde_json::Deserializer::from_str(text);
+            let top = serde::Deserializer::deserialize_map(
+                &mut de,
+                TopVisitor {
+                    check: Some(check),
+                    check_err: &mut check_err,
+                    at: &mut at,
+                },
+            )
+            .and_then(|top| de.end().map(|()| top));
+            match (top, check_err) {
+                (_, Some(e)) => return Err(e),
+                (top, None) => top.map_err(|e| match at {
+                    Some(key) => format!("META is not valid: {key}: {e}"),
+                    None => format!("META is not valid: {e}"),
+                })?,
+            }
+        };
+        let kind = K::deserialize(serde::de::value::MapDeserializer::new(top.rest.into_iter()))
+            .map_err(|e: serde_json::Error| format!("META is not valid: {e}"))?;
         Ok(MetaIn {
-            format: c.format,
-            version: c.version,
-            model,
-            hf_files: c.hf_files,
+            format: top.format,
+            version: top.version,
+            model: top.model,
+            hf_files: top.hf_files,
             kind,
-            checksum_index: c.checksum_index,
-            extra: c.extra,
+            checksum_index: top.checksum_index,
+            extra: top.extra,
+        })
+    }
+}
+
+/// META's keys every kind has, and the kind's own as raw JSON text.
+struct Top<'a> {
+    format: String,
+    version: u32,
+    model: ModelDesc,
+    hf_files: BTreeMap<String, serde_json::Value>,
+    checksum_index: BTreeMap<String, String>,
+    extra: serde_json::Value,
+    rest: Vec<(String, &'a RawValue)>,
+}
+
+/// Reads META's top-level object in one pass. `check` runs on `format` and `version`
+/// before `model` is parsed (or at the end, were `model` to come first); its error
+/// goes to `check_err` and ends the parse. `at` names the key whose value failed to
+/// parse (serde_json's message already says where).
+struct TopVisitor<'e, F> {
+    check: Option<F>,
+    check_err: &'e mut Option<String>,
+    at: &'e mut Option<String>,
+}
+
+impl<F: FnOnce(&str, u32) -> Result<(), String>> TopVisitor<'_, F> {
+    fn run_check<E: serde::de::Error>(
+        &mut self,
+        format: &Option<String>,
+        version: Option<u32>,
+    ) -> Result<(), E> {
+        let (Some(f), Some(v)) = (format, version) else {
+            return Ok(());
+        };
+        match self.check.take().map(|c| c(f, v)) {
+            Some(Err(e)) => {
+                *self.check_err = Some(e);
+                Err(E::custom("wrong kind"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<'de, F: FnOnce(&str, u32) -> Result<(), String>> serde::de::Visitor<'de>
+    for TopVisitor<'_, F>
+{
+    type Value = Top<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(mut self, mut map: A) -> Result<Top<'de>, A::Error> {
+        use serde::de::Error;
+        let (mut format, mut version, mut model) = (None, None, None);
+        let (mut hf_files, mut checksum_index, mut extra) = (None, None, None);
+        let mut rest: Vec<(String, &'de RawValue)> = Vec::new();
+        fn put<T, E: Error>(slot: &mut Option<T>, key: &'static str, v: T) -> Result<(), E> {
+            match slot.replace(v) {
+                Some(_) => Err(E::duplicate_field(key)),
+                None => Ok(()),
+            }
+        }
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "format" => put(&mut format, "format", map.next_value::<String>()?)?,
+                "version" => put(&mut version, "version", map.next_value::<u32>()?)?,
+                "model" => {
+                    self.run_check(&format, version)?;
+                    *self.at = Some(key);
+                    let m = map.next_value::<ModelDesc>()?;
+                    *self.at = None;
+                    put(&mut model, "model", m)?
+                }
+                "hf_files" => put(&mut hf_files, "hf_files", map.next_value()?)?,
+                "checksum_index" => put(&mut checksum_index, "checksum_index", map.next_value()?)?,
+                "extra" => put(&mut extra, "extra", map.next_value()?)?,
+                _ => {
+                    if rest.iter().any(|(k, _)| *k == key) {
+                        return Err(A::Error::custom(format_args!("duplicate field `{key}`")));
+                    }
+                    let v = map.next_value()?;
+                    rest.push((key, v));
+                }
+            }
+        }
+        let format = format.ok_or_else(|| A::Error::missing_field("format"))?;
+        let version = version.ok_or_else(|| A::Error::missing_field("version"))?;
+        self.run_check(&Some(format.clone()), Some(version))?;
+        Ok(Top {
+            format,
+            version,
+            model: model.ok_or_else(|| A::Error::missing_field("model"))?,
+            hf_files: hf_files.unwrap_or_default(),
+            checksum_index: checksum_index
+                .ok_or_else(|| A::Error::missing_field("checksum_index"))?,
+            extra: extra.unwrap_or_default(),
+            rest,
         })
     }
 }
@@ -133,6 +239,99 @@ pub fn model_from_meta(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(serde::Deserialize, Debug)]
+    struct Kind {
+        tensors: Vec<u32>,
+    }
+
+    fn parse(text: &str) -> Result<MetaIn<Kind>, String> {
+        MetaIn::<Kind>::parse(text.as_bytes(), |f, v| match (f, v) {
+            ("cawsf", 1) => Ok(()),
+            _ => Err(format!("META format {f:?} version {v}: not this kind")),
+        })
+    }
+
+    /// A META with `model` spliced in, the kind's key and the common tail.
+    fn meta(head: &str, model: &str, tail: &str) -> String {
+        format!(
+            r#"{{{head}"model":{model},"hf_files":{{}},"tensors":[1,2],{tail}"checksum_index":{{"META":"0"}},"extra":null}}"#
+        )
+    }
+
+    #[test]
+    fn one_pass_reads_every_key_and_each_error_says_it_once() {
+        let m = crate::test_support::model(crate::test_support::tiny_arch(), vec![]);
+        let model = serde_json::to_string(&m).unwrap();
+        let ok = parse(&meta(r#""format":"cawsf","version":1,"#, &model, "")).unwrap();
+        assert_eq!((ok.format.as_str(), ok.version), ("cawsf", 1));
+        assert_eq!(ok.kind.tensors, [1, 2]);
+        assert_eq!(ok.model.tensors.len(), m.tensors.len());
+        assert_eq!(ok.checksum_index.len(), 1);
+        // Keys in any order, unknown keys ignored.
+        let moved = meta(
+            r#""x":[{"y":1}],"#,
+            &model,
+            r#""version":1,"format":"cawsf","#,
+        );
+        assert_eq!(parse(&moved).unwrap().kind.tensors, [1, 2]);
+
+        let cases = [
+            // The kind is checked before `model` is read: a wrong kind says so.
+            (
+                meta(r#""format":"zip","version":1,"#, "5", ""),
+                "META format \"zip\"",
+            ),
+            (
+                meta(r#""format":"cawsf","version":2,"#, "5", ""),
+                "version 2",
+            ),
+            (
+                meta(r#""format":"cawsf","version":1,"#, "5", ""),
+                "META is not valid: model: invalid type",
+            ),
+            (
+                meta(r#""version":1,"#, &model, ""),
+                "missing field `format`",
+            ),
+            (
+                meta(
+                    r#""format":"cawsf","format":"cawsf","version":1,"#,
+                    &model,
+                    "",
+                ),
+                "duplicate field `format`",
+            ),
+            (
+                meta(r#""format":"cawsf","version":1,"tensors":[],"#, &model, ""),
+                "duplicate field `tensors`",
+            ),
+            (
+                meta(r#""format":"cawsf","version":1,"#, &model, "")
+                    .replace(r#""tensors":[1,2],"#, ""),
+                "missing field `tensors`",
+            ),
+            (
+                meta(r#""format":"cawsf","version":1,"#, &model, "") + "x",
+                "trailing characters",
+            ),
+            (
+                "[1]".to_string(),
+                "META is not valid: invalid type: sequence",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = parse(&text)
+                .err()
+                .unwrap_or_else(|| panic!("{text:.80} parsed"));
+            assert!(e.contains(want), "want {want:?}, got {e}");
+            assert_eq!(e.matches("line ").count().max(1), 1, "{e}");
+            assert_eq!(e.matches("META").count(), 1, "{e}");
+        }
+        let bad = [b"{\"format\":\"".as_slice(), &[0xff], b"\"}"].concat();
+        let e = MetaIn::<Kind>::parse(&bad, |_, _| Ok(())).err().unwrap();
+        assert!(e.contains("not UTF-8"), "{e}");
+    }
 
     #[test]
     fn side_file_names_from_meta_are_checked() {
