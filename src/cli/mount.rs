@@ -1,6 +1,6 @@
 //! `cawsfs mount` and `cawsfs umount`. Without `--foreground`, mount checks the mount
-//! point, then re-runs itself with `--foreground` as a detached daemon and waits until the mount
-//! answers on its control socket.
+//! point, then re-runs itself with `--foreground` as a detached daemon and waits until
+//! the daemon says on a pipe that the mount and its control socket answer.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -12,10 +12,17 @@ use super::args::{float_of, Eviction, ExpertPrefetch, MountArgs};
 
 pub fn cmd_mount(a: MountArgs) -> Result<()> {
     if a.foreground {
+        // Taken first: nothing has started a thread yet (a CUDA driver would).
+        let ready = ready_pipe_from_env();
         // In the daemon itself: a CUDA context does not survive the detaching fork.
         super::init_device(&a.device, true)?;
-        return cawsfs::mount::run(&a.archive, &a.mountpoint, &mount_options(&a))
-            .map_err(Into::into);
+        return cawsfs::mount::run(&a.archive, &a.mountpoint, &mount_options(&a), || {
+            if let Some(mut w) = ready {
+                // The byte is the whole message; closing the pipe follows.
+                let _ = std::io::Write::write_all(&mut w, b"1");
+            }
+        })
+        .map_err(Into::into);
     }
     // Check what is cheap to check before detaching. The archive is opened once, by the
     // daemon (opening it here too cost a restart 45 ms); its error comes back as ours.
@@ -79,9 +86,43 @@ fn expert_options(a: &MountArgs) -> Option<cawsfs::fs::ExpertOptions> {
     Some(cawsfs::fs::ExpertOptions { mode, dir })
 }
 
+/// The variable naming the write end of the pipe on which the daemon says it is
+/// serving (one byte); its closing without that byte means the daemon is gone.
+const READY_FD_VAR: &str = "CAWSFS_READY_FD";
+
+/// The daemon's end of the ready pipe, when `cawsfs mount` handed one over: the
+/// descriptor named by [`READY_FD_VAR`], taken only if it is a pipe, and kept from
+/// anything the daemon runs.
+fn ready_pipe_from_env() -> Option<std::fs::File> {
+    use std::os::fd::{BorrowedFd, FromRawFd};
+    let fd: i32 = std::env::var(READY_FD_VAR).ok()?.parse().ok()?;
+    // SAFETY: called before any thread starts (see the caller); the variable belongs
+    // to the process that set it.
+    unsafe { std::env::remove_var(READY_FD_VAR) };
+    if fd < 3 {
+        return None;
+    }
+    // SAFETY: only borrowed for the checks below; fstat fails on a closed descriptor.
+    let b = unsafe { BorrowedFd::borrow_raw(fd) };
+    let st = nix::sys::stat::fstat(b).ok()?;
+    if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
+        != nix::sys::stat::SFlag::S_IFIFO
+    {
+        return None;
+    }
+    nix::fcntl::fcntl(
+        b,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )
+    .ok()?;
+    // SAFETY: an open pipe handed to this process for it alone; owned from here on.
+    Some(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
 /// Re-run this command line with `--foreground` as a session leader logging to a file
 /// next to the socket, and wait until the mount answers (or the daemon dies, whose last
-/// log line becomes the error).
+/// log line becomes the error). The daemon says it is serving on a pipe, so a restart
+/// waits for nothing but the daemon itself.
 fn spawn_daemon(a: &MountArgs) -> Result<()> {
     let dir = cawsfs::control::socket_dir();
     cawsfs::control::ensure_private_dir(&dir)?;
@@ -95,53 +136,31 @@ fn spawn_daemon(a: &MountArgs) -> Result<()> {
     cmd.stdin(std::process::Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file);
-    // SAFETY: setsid is async-signal-safe; it detaches the daemon from our terminal
-    // (failure only means it keeps our session, as before: nothing to report from here).
+    let (ready_r, ready_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).context("creating the ready pipe")?;
+    let ready_fd = std::os::fd::AsRawFd::as_raw_fd(&ready_w);
+    cmd.env(READY_FD_VAR, ready_fd.to_string());
+    // SAFETY: setsid and fcntl are async-signal-safe. setsid detaches the daemon from
+    // our terminal (failure only means it keeps our session: nothing to report from
+    // here); the ready pipe's write end is the one descriptor of ours it inherits.
     unsafe {
         use std::os::unix::process::CommandExt;
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             let _ = nix::unistd::setsid();
+            if libc::fcntl(ready_fd, libc::F_SETFD, 0) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
     let mut child = cmd.spawn().context("starting the mount daemon")?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // Ours closed, the pipe reads end-of-file once the daemon is gone.
+    drop(ready_w);
+    let mut ready_r = std::fs::File::from(ready_r);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Some(status) = child.try_wait()? {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let last = text
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("no message");
-            // The daemon's own one-line error is the whole story; anything else (a
-            // crash) says how it ended.
-            match last.strip_prefix("cawsfs: error: ") {
-                Some(err) => bail!("{err}"),
-                None => bail!("mount daemon exited ({status}): {last}"),
-            }
-        }
-        let sock = a
-            .socket
-            .clone()
-            .unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
-        let ping = cawsfs::control::request(
-            &sock,
-            &cawsfs::control::Request::Ping,
-            std::time::Duration::from_secs(2),
-        );
-        if ping.is_ok() && cawsfs::mount::is_mounted(&a.mountpoint) {
-            println!(
-                "mounted {} at {} (pid {}, socket {}, log {})",
-                a.archive.display(),
-                a.mountpoint.display(),
-                child.id(),
-                sock.display(),
-                log.display()
-            );
-            return Ok(());
-        }
-        if std::time::Instant::now() > deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             let _ = child.kill();
             let _ = std::process::Command::new("fusermount3")
                 .arg("-u")
@@ -153,9 +172,51 @@ fn spawn_daemon(a: &MountArgs) -> Result<()> {
                 log.display()
             );
         }
-        // Short: the wait is part of every restart's time to a served file.
-        std::thread::sleep(std::time::Duration::from_millis(5));
+        let mut fds = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(&ready_r),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let ms = left.as_millis().min(u16::MAX as u128) as u16;
+        match nix::poll::poll(&mut fds, ms) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(e).context("waiting for the mount daemon"),
+        }
+        let mut byte = [0u8; 1];
+        match std::io::Read::read(&mut ready_r, &mut byte) {
+            Ok(1) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).context("waiting for the mount daemon"),
+        }
+        // End of file: the daemon exited before serving.
+        let status = child.wait()?;
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let last = text
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no message");
+        // The daemon's own one-line error is the whole story; anything else (a crash)
+        // says how it ended.
+        match last.strip_prefix("cawsfs: error: ") {
+            Some(err) => bail!("{err}"),
+            None => bail!("mount daemon exited ({status}): {last}"),
+        }
     }
+    let sock = a
+        .socket
+        .clone()
+        .unwrap_or_else(|| cawsfs::control::find_socket(&a.mountpoint));
+    println!(
+        "mounted {} at {} (pid {}, socket {}, log {})",
+        a.archive.display(),
+        a.mountpoint.display(),
+        child.id(),
+        sock.display(),
+        log.display()
+    );
+    Ok(())
 }
 
 pub fn cmd_umount(mp: &Path) -> Result<()> {

@@ -76,8 +76,15 @@ pub fn default_cache_bytes() -> u64 {
     (total / 4).max(256 << 20)
 }
 
-/// Serve until a signal or an external unmount. Returns when unmounted.
-pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<(), MountError> {
+/// Serve `archive_path` at `mountpoint` until a signal or an external unmount;
+/// returns when unmounted. `ready` runs once the mount and its control socket
+/// answer (`cawsfs mount` waits on it rather than polling the socket).
+pub fn run(
+    archive_path: &Path,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    ready: impl FnOnce(),
+) -> Result<(), MountError> {
     let mount_err = |reason: String| MountError::Mount {
         mountpoint: mountpoint.display().to_string(),
         reason,
@@ -146,11 +153,6 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
             return Err(e.into());
         }
     };
-    // Building the layouts leaves the heap fragmented with what it freed (META's JSON,
-    // the tokenizer's intermediate forms): hand those pages back before serving.
-    trim_heap();
-    let mut last_trim = std::time::Instant::now();
-    let mut last_save = last_trim;
     tracing::info!(
         "serving {} at {} (control socket {}; set up in {:?})",
         archive_path.display(),
@@ -158,6 +160,13 @@ pub fn run(archive_path: &Path, mountpoint: &Path, opts: &MountOptions) -> Resul
         server.path().display(),
         t0.elapsed()
     );
+    ready();
+    // Building the layouts leaves the heap fragmented with what it freed (META's JSON,
+    // the tokenizer's intermediate forms): hand those pages back, after `ready` so
+    // that a restart does not wait for it.
+    trim_heap();
+    let mut last_trim = std::time::Instant::now();
+    let mut last_save = last_trim;
     let unmounted = loop {
         // Freed chunks and decode buffers come back to the allocator, not the system;
         // trimming now and then keeps resident memory near what the cache holds.
