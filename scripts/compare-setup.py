@@ -2,13 +2,16 @@
 """A restart's setup, two builds against each other: mount and unmount each build in
 turn, warm page cache, and print the medians of what the daemon logs about its setup.
 
-  scripts/compare-setup.py BIN_A BIN_B [--archive PATH] [--tier DIR] [--rounds 10]
+  scripts/compare-setup.py BIN_A BIN_B [--archive PATH] [--tier DIR] [--rounds 10] [--cold]
 
 Per mount: the wall time of `cawsfs mount` (until it returns: the mount answers), and
 from the daemon's log (`CAWSFS_LOG=cawsfs=debug`) the archive's open, the GGUF and
 safetensors layouts, and the whole setup. The order alternates (A B, B A, ...). The
 archive defaults to the demo's, the tier to the bench's (`scripts/bench-tier.py` leaves
 model.gguf whole there, so the mounts are restarts whose opens are passthrough).
+`--cold` drops the page cache before each mount (root), as a restart after a reboot,
+and as `scripts/bench-tier.py` measures restart + load: the binary itself is then read
+from disk.
 """
 
 import argparse
@@ -29,7 +32,15 @@ FIELDS = {
 SCALE = {"ms": 1.0, "µs": 1e-3, "s": 1e3}
 
 
-def mount_once(binary, archive, mp, tier):
+def drop_page_cache():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def mount_once(binary, archive, mp, tier, cold):
+    if cold:
+        drop_page_cache()
     env = dict(os.environ, CAWSFS_LOG="cawsfs=debug")
     t = time.perf_counter()
     out = subprocess.run([binary, "mount", archive, mp, "--disk-cache", tier], env=env,
@@ -53,13 +64,15 @@ def main():
     ap.add_argument("--archive", default=os.path.join(CACHE, "demo", "smol.cawsf"))
     ap.add_argument("--tier", default=os.path.join(CACHE, "bench-tier", "demo", "tier"))
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each mount")
     a = ap.parse_args()
     rows = {a.a: [], a.b: []}
     with tempfile.TemporaryDirectory() as mp:
         for i in range(a.rounds):
             for binary in (a.a, a.b) if i % 2 == 0 else (a.b, a.a):
-                rows[binary].append(mount_once(binary, a.archive, mp, a.tier))
-    print(f"{a.rounds} mounts of {a.archive} each, warm page cache; medians:")
+                rows[binary].append(mount_once(binary, a.archive, mp, a.tier, a.cold))
+    cache = "cold" if a.cold else "warm"
+    print(f"{a.rounds} mounts of {a.archive} each, {cache} page cache; medians:")
     for binary, rs in rows.items():
         meds = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(f"  {binary}: " + ", ".join(f"{k} {v:.1f}" for k, v in meds.items()))
