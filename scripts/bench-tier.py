@@ -294,6 +294,11 @@ def main():
             base.append(first_pass(False, a.baseline))
         fresh.append(first_pass(True))  # the tier is whole after the last
     med = lambda runs, i: statistics.median(r[i] for r in runs)
+    for what, runs in (("no tier", plain), ("fresh tier", fresh), ("baseline", base)):
+        if runs:
+            print(f"first pass, {what}: s {' '.join(f'{r[0]:.3f}' for r in runs)}"
+                  f" | daemon CPU s {' '.join(f'{r[1]:.2f}' for r in runs)}", file=sys.stderr)
+    print(f"export CPU s: {' '.join(f'{x:.2f}' for x in exports)}", file=sys.stderr)
     first_s, cpu, decoded = med(fresh, 0), med(fresh, 1), med(fresh, 2)
     export_cpu = statistics.median(exports)
     rows.append(("first pass: sequential read of model.gguf, fresh tier vs no tier",
