@@ -96,7 +96,7 @@ struct Top<'a> {
     hf_files: BTreeMap<String, serde_json::Value>,
     checksum_index: BTreeMap<String, String>,
     extra: serde_json::Value,
-    rest: Vec<(String, &'a RawValue)>,
+    rest: BTreeMap<String, &'a RawValue>,
 }
 
 /// Reads META's top-level object in one pass. `check` runs on `format` and `version`
@@ -112,7 +112,7 @@ struct TopVisitor<'e, F> {
 impl<F: FnOnce(&str, u32) -> Result<(), String>> TopVisitor<'_, F> {
     fn run_check<E: serde::de::Error>(
         &mut self,
-        format: &Option<String>,
+        format: Option<&str>,
         version: Option<u32>,
     ) -> Result<(), E> {
         let (Some(f), Some(v)) = (format, version) else {
@@ -141,7 +141,7 @@ impl<'de, F: FnOnce(&str, u32) -> Result<(), String>> serde::de::Visitor<'de>
         use serde::de::Error;
         let (mut format, mut version, mut model) = (None, None, None);
         let (mut hf_files, mut checksum_index, mut extra) = (None, None, None);
-        let mut rest: Vec<(String, &'de RawValue)> = Vec::new();
+        let mut rest = BTreeMap::new();
         fn put<T, E: Error>(slot: &mut Option<T>, key: &'static str, v: T) -> Result<(), E> {
             match slot.replace(v) {
                 Some(_) => Err(E::duplicate_field(key)),
@@ -153,7 +153,7 @@ impl<'de, F: FnOnce(&str, u32) -> Result<(), String>> serde::de::Visitor<'de>
                 "format" => put(&mut format, "format", map.next_value::<String>()?)?,
                 "version" => put(&mut version, "version", map.next_value::<u32>()?)?,
                 "model" => {
-                    self.run_check(&format, version)?;
+                    self.run_check(format.as_deref(), version)?;
                     *self.at = Some(key);
                     let m = map.next_value::<ModelDesc>()?;
                     *self.at = None;
@@ -162,18 +162,23 @@ impl<'de, F: FnOnce(&str, u32) -> Result<(), String>> serde::de::Visitor<'de>
                 "hf_files" => put(&mut hf_files, "hf_files", map.next_value()?)?,
                 "checksum_index" => put(&mut checksum_index, "checksum_index", map.next_value()?)?,
                 "extra" => put(&mut extra, "extra", map.next_value()?)?,
-                _ => {
-                    if rest.iter().any(|(k, _)| *k == key) {
-                        return Err(A::Error::custom(format_args!("duplicate field `{key}`")));
+                // A map, not a list: a crafted META of many keys stays linear.
+                _ => match rest.entry(key) {
+                    std::collections::btree_map::Entry::Occupied(e) => {
+                        return Err(A::Error::custom(format_args!(
+                            "duplicate field `{}`",
+                            e.key()
+                        )))
                     }
-                    let v = map.next_value()?;
-                    rest.push((key, v));
-                }
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(map.next_value::<&'de RawValue>()?);
+                    }
+                },
             }
         }
         let format = format.ok_or_else(|| A::Error::missing_field("format"))?;
         let version = version.ok_or_else(|| A::Error::missing_field("version"))?;
-        self.run_check(&Some(format.clone()), Some(version))?;
+        self.run_check(Some(&format), Some(version))?;
         Ok(Top {
             format,
             version,
@@ -328,6 +333,21 @@ mod tests {
             assert_eq!(e.matches("line ").count().max(1), 1, "{e}");
             assert_eq!(e.matches("META").count(), 1, "{e}");
         }
+        // 200 000 unknown keys: parsed in linear time (a list searched per key took
+        // minutes), then the one repeated among them refused.
+        let many: String = (0..200_000).map(|i| format!("\"k{i}\":0,")).collect();
+        let t = std::time::Instant::now();
+        let text = meta(r#""format":"cawsf","version":1,"#, &model, &many);
+        assert_eq!(parse(&text).unwrap().kind.tensors, [1, 2]);
+        let e = parse(&text.replace("\"k7\":0,", "\"k8\":0,"))
+            .err()
+            .unwrap();
+        assert!(e.contains("duplicate field `k8`"), "{e}");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "{:?}",
+            t.elapsed()
+        );
         let bad = [b"{\"format\":\"".as_slice(), &[0xff], b"\"}"].concat();
         let e = MetaIn::<Kind>::parse(&bad, |_, _| Ok(())).err().unwrap();
         assert!(e.contains("not UTF-8"), "{e}");
