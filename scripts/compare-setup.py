@@ -15,6 +15,7 @@ from disk.
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import statistics
@@ -31,11 +32,12 @@ FIELDS = {
 }
 SCALE = {"ms": 1.0, "µs": 1e-3, "s": 1e3}
 
-
-def drop_page_cache():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+# The bench's own page-cache drop, so `--cold` means what bench-tier.py's restarts do.
+_spec = importlib.util.spec_from_file_location(
+    "bench_tier", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench-tier.py"))
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+drop_page_cache = _bench.drop_page_cache
 
 
 def mount_once(binary, archive, mp, tier, cold):
