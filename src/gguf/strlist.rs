@@ -2,6 +2,7 @@
 //! 49 k-token vocabulary plus its 49 k merges as `Vec<String>` cost ~5 MiB in small
 //! allocations for ~1 MiB of text, for the whole life of a mount.
 
+use serde::de::{DeserializeSeed, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -107,14 +108,35 @@ impl<'de> Deserialize<'de> for StrList {
             ) -> Result<StrList, A::Error> {
                 // The size hint comes from the input: bounded, not trusted.
                 let mut l = StrList::with_capacity(a.size_hint().unwrap_or(0).min(1 << 16));
-                while let Some(s) = a.next_element::<std::borrow::Cow<'de, str>>()? {
-                    l.push(&s);
-                }
+                while a.next_element_seed(Push(&mut l))?.is_some() {}
                 l.shrink_to_fit();
                 Ok(l)
             }
         }
         d.deserialize_seq(Seq)
+    }
+}
+
+/// One string of a sequence, appended to the list as it is read. A `Cow<str>` element
+/// became a `String` of its own first (serde's `Cow` is always owned): one allocation
+/// per token, ~100 k of them in a restart's META.
+struct Push<'l>(&'l mut StrList);
+
+impl<'de> DeserializeSeed<'de> for Push<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for Push<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<(), E> {
+        self.0.push(s);
+        Ok(())
     }
 }
 
