@@ -3,7 +3,8 @@
 //! `serde_json::Value` (an ordered map per object, an owned `String` per token and per
 //! merge), it made the GGUF and safetensors layouts of the 1 B-parameter bench model
 //! (SmolLM2's 49 k-token, 3.5 MB tokenizer.json) take 74–110 ms of every mount's setup;
-//! 57–63 ms with this.
+//! 57–63 ms with this, and 41 ms once tokens and merges went into their `StrList`s
+//! without a `String` each (docs/MOUNT.md, run 20).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -77,9 +78,27 @@ impl<'de: 'a, 'a> Deserialize<'de> for Vocab<'a> {
     }
 }
 
-/// One BPE merge as GGUF writes it, `"a b"`; tokenizer.json has that string or the
-/// pair `["a", "b"]`.
-pub(super) struct Merge<'a>(pub Cow<'a, str>);
+/// One BPE merge; GGUF writes it as `"a b"`, tokenizer.json has that string (`b` is
+/// then `None`) or the pair `["a", "b"]`. Kept in parts, borrowed where the input has
+/// no escapes: a `String` per merge was ~48 k allocations on every mount of a model
+/// with SmolLM2's tokenizer.
+pub(super) struct Merge<'a>(pub Cow<'a, str>, pub Option<Cow<'a, str>>);
+
+impl Merge<'_> {
+    /// Append `"a b"` to `out`.
+    pub fn push_to(&self, out: &mut crate::gguf::StrList, buf: &mut String) {
+        match &self.1 {
+            None => out.push(&self.0),
+            Some(b) => {
+                buf.clear();
+                buf.push_str(&self.0);
+                buf.push(' ');
+                buf.push_str(b);
+                out.push(buf);
+            }
+        }
+    }
+}
 
 impl<'de: 'a, 'a> Deserialize<'de> for Merge<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -90,10 +109,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Merge<'a> {
                 f.write_str(r#"a BPE merge ("a b" or ["a", "b"])"#)
             }
             fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Merge<'a>, E> {
-                Ok(Merge(Cow::Borrowed(v)))
+                Ok(Merge(Cow::Borrowed(v), None))
             }
             fn visit_str<E>(self, v: &str) -> Result<Merge<'a>, E> {
-                Ok(Merge(Cow::Owned(v.to_owned())))
+                Ok(Merge(Cow::Owned(v.to_owned()), None))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Merge<'a>, A::Error> {
                 use serde::de::Error;
@@ -106,7 +125,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Merge<'a> {
                 if seq.next_element::<IgnoredAny>()?.is_some() {
                     return Err(A::Error::invalid_length(3, &self));
                 }
-                Ok(Merge(Cow::Owned(format!("{a} {b}"))))
+                Ok(Merge(a, Some(b)))
             }
         }
         d.deserialize_any(V(PhantomData))
@@ -126,8 +145,13 @@ mod tests {
         assert_eq!(v[1].0, "\u{120}b");
         assert!(matches!(v[0].0, Cow::Borrowed("a")));
         assert_eq!(v[2].1, serde_json::json!(2.5));
-        let m: Vec<&str> = t.model.merges.iter().map(|m| m.0.as_ref()).collect();
-        assert_eq!(m, ["a b", "\u{120}b c"]);
+        let (mut m, mut buf) = (crate::gguf::StrList::default(), String::new());
+        t.model
+            .merges
+            .iter()
+            .for_each(|x| x.push_to(&mut m, &mut buf));
+        assert_eq!(m.iter().collect::<Vec<_>>(), ["a b", "\u{120}b c"]);
+        assert!(matches!(t.model.merges[0].0, Cow::Borrowed("a b")));
         // A Unigram vocabulary (pairs) is not a BPE one: no vocabulary, no error.
         let u = br#"{"model": {"type": "Unigram", "vocab": [["a", -1.0]]}}"#;
         let t: TokenizerJson = serde_json::from_slice(u).unwrap();

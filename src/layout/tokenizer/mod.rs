@@ -3,9 +3,11 @@
 //! GGUF) both ways, SentencePiece-style BPE with byte fallback ("llama") both ways,
 //! WordPiece ("bert") both ways; other models are refused with a clear error.
 
+use std::borrow::Cow;
+
 use serde_json::{json, Value};
 
-use crate::gguf::{GgufArray, GgufValue};
+use crate::gguf::{GgufArray, GgufValue, StrList};
 use crate::model::ModelDesc;
 
 use super::tokjson::{self, TokenizerJson};
@@ -115,7 +117,12 @@ pub(super) fn gguf_tokenizer_meta(
     let entries = token_entries(&tj)?;
     let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
     let n = tokens.len() as u64;
-    let merges: Vec<String> = tj.model.merges.iter().map(|m| m.0.to_string()).collect();
+    let mut merges = StrList::with_capacity(tj.model.merges.len());
+    let mut buf = String::new();
+    tj.model
+        .merges
+        .iter()
+        .for_each(|m| m.push_to(&mut merges, &mut buf));
 
     let pre = &tj.pre_tokenizer;
     let mut out: Vec<(String, GgufValue)> = vec![(
@@ -125,7 +132,7 @@ pub(super) fn gguf_tokenizer_meta(
     out.extend(vocab_keys("gpt2", pre_name(pre), tokens, None, types));
     out.push((
         "tokenizer.ggml.merges".into(),
-        GgufValue::Array(GgufArray::String(merges.into())),
+        GgufValue::Array(GgufArray::String(merges)),
     ));
     out.extend(special_token_ids(model, config, &tc, &entries, n));
     out.extend(bos_eos_template(model, &tj, &tc));
@@ -152,7 +159,7 @@ fn sentencepiece_meta(
     let mut rank = 0u32;
     let mut scores = Vec::with_capacity(tokens.len());
     for (tok, ty) in tokens.iter().zip(types.iter_mut()) {
-        if Some(tok.as_str()) == unk {
+        if Some(tok) == unk {
             *ty = TT_UNKNOWN;
         } else if *ty == TT_NORMAL && is_byte_token(tok) {
             *ty = TT_BYTE;
@@ -212,7 +219,7 @@ fn bos_eos_template(model: &ModelDesc, tj: &TokenizerJson, tc: &Value) -> Vec<(S
 fn vocab_keys(
     model: &str,
     pre: &str,
-    tokens: Vec<String>,
+    tokens: StrList,
     scores: Option<Vec<f32>>,
     types: Vec<i32>,
 ) -> Vec<(String, GgufValue)> {
@@ -222,7 +229,7 @@ fn vocab_keys(
         ("tokenizer.ggml.pre".into(), s(pre)),
         (
             "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens.into())),
+            GgufValue::Array(GgufArray::String(tokens)),
         ),
     ];
     if let Some(scores) = scores {
@@ -285,13 +292,13 @@ fn wordpiece_meta(
 ) -> Result<Vec<(String, GgufValue)>, LayoutError> {
     let entries = token_entries(tj)?;
     let (tokens, types) = token_table(&entries, model.arch.vocab_size)?;
-    let tokens: Vec<String> = tokens
-        .into_iter()
+    let tokens: StrList = tokens
+        .iter()
         .zip(&types)
         .map(|(t, &ty)| match t.strip_prefix("##") {
-            _ if ty == TT_CONTROL => t,
-            Some(rest) => rest.to_string(),
-            None => format!("\u{2581}{t}"),
+            _ if ty == TT_CONTROL => Cow::Borrowed(t),
+            Some(rest) => Cow::Borrowed(rest),
+            None => Cow::Owned(format!("\u{2581}{t}")),
         })
         .collect();
     let n = tokens.len() as u64;
@@ -398,7 +405,7 @@ fn token_entries<'a>(tj: &'a TokenizerJson) -> Result<Vec<TokenEntry<'a>>, Layou
 fn token_table(
     entries: &[TokenEntry],
     vocab_size: u32,
-) -> Result<(Vec<String>, Vec<i32>), LayoutError> {
+) -> Result<(StrList, Vec<i32>), LayoutError> {
     let max_id = entries.iter().map(|e| e.0).max().map_or(0, |m| m + 1);
     let n = if vocab_size > 0 {
         vocab_size as u64
@@ -410,22 +417,25 @@ fn token_table(
             "tokenizer.json: token ids up to {max_id} do not fit a vocabulary of {n}"
         )));
     }
-    let mut tokens: Vec<Option<String>> = vec![None; n as usize];
+    // Borrowed until they are appended to one list: no `String` per token.
+    let mut tokens: Vec<Option<&str>> = vec![None; n as usize];
     let mut types = vec![TT_UNUSED; n as usize];
-    for (id, content, special) in entries {
-        tokens[*id as usize] = Some(content.to_string());
-        types[*id as usize] = match special {
+    for &(id, content, special) in entries {
+        tokens[id as usize] = Some(content);
+        types[id as usize] = match special {
             None => TT_NORMAL,
             Some(true) => TT_CONTROL,
             Some(false) => TT_USER_DEFINED,
         };
     }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
-        .collect();
-    Ok((tokens, types))
+    let mut list = StrList::with_capacity(tokens.len());
+    for (i, t) in tokens.into_iter().enumerate() {
+        match t {
+            Some(t) => list.push(t),
+            None => list.push(&format!("[PAD{i}]")),
+        }
+    }
+    Ok((list, types))
 }
 
 /// `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`: tokenizer_config.json's token,
