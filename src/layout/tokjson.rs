@@ -4,7 +4,8 @@
 //! merge), it made the GGUF and safetensors layouts of the 1 B-parameter bench model
 //! (SmolLM2's 49 k-token, 3.5 MB tokenizer.json) take 74–110 ms of every mount's setup;
 //! 57–63 ms with this, and 41 ms once tokens and merges went into their `StrList`s
-//! without a `String` each (docs/MOUNT.md, run 20).
+//! without a `String` each (docs/MOUNT.md, the 1 B model "before and after a cheaper
+//! tokenizer").
 
 use std::borrow::Cow;
 use std::fmt;
