@@ -123,7 +123,7 @@ fn frames(bytes: &[u8]) -> State {
     let mut data = Vec::new();
     let mut ends = Vec::with_capacity(bytes.len().div_ceil(FRAME));
     // One context for every frame: a fresh one per frame allocates its tables anew,
-    // and with the daemon's mmap threshold each allocation is fresh zeroed pages.
+    // and with the daemon's fixed mmap threshold the large ones are fresh zeroed pages.
     let mut cctx = zstd::bulk::Compressor::new(LEVEL).ok();
     for frame in bytes.chunks(FRAME) {
         // Compressing into memory cannot fail; a frame zstd cannot shrink stays raw.

@@ -96,10 +96,15 @@ pub fn run(
     let canon = mountpoint
         .canonicalize()
         .map_err(|e| mount_err(format!("cannot resolve: {e}")))?;
-    // Scratch buffers of a few MiB (decoded rows, chunks) come and go on every miss;
-    // glibc's adaptive mmap threshold would move them into arenas that keep the memory
-    // after free, and the daemon's resident size would drift far above its budget.
-    // A fixed threshold keeps them mmap-backed, returned to the system on free.
+    // Chunks and scratch buffers (decoded rows) come and go on every miss. glibc's
+    // adaptive mmap threshold would move even multi-MiB ones into arenas that keep
+    // the memory after free, and the daemon's resident size would drift far above its
+    // budget. A fixed threshold of 2 MiB keeps larger ones mmap-backed, returned to the
+    // system on free, and smaller ones reused from the arenas (the periodic trim
+    // returns what they keep). At 128 KiB every 256 KiB chunk and every 1-2 MiB row
+    // buffer was a mapping made and unmapped per load: a first pass took 1.07x the
+    // daemon CPU on the test model, and a 1 B model read 1.3x slower with a 16 MiB
+    // cache, for 5 MiB less peak RSS (docs/MOUNT.md, "Memory", the mmap threshold).
     // Each arena keeps its own freed pages between trims: with 4 arenas a 16 MiB
     // mount peaked 4-6 MiB higher than with 2, and reading cold was no faster
     // (allocations are per block, not per byte, so the lock is not contended).
@@ -108,7 +113,7 @@ pub fn run(
     // SAFETY: mallopt only changes allocator tuning parameters.
     unsafe {
         if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 2 << 20);
         }
         if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
             libc::mallopt(libc::M_ARENA_MAX, 2);
