@@ -2,7 +2,11 @@
 """Mount each archive with a 16 MiB cache, read model.gguf once sequentially in 1 MiB
 reads, and print the rate, the daemon's peak RssAnon and its archive read counters.
 
-Usage (repo root, after cargo build --release): scripts/mount-read-rss.py ARCHIVE...
+Usage (repo root, after cargo build --release):
+  scripts/mount-read-rss.py [--no-disk-cache] ARCHIVE...
+
+With the default disk tier, a second run finds model.gguf whole there and measures
+passthrough, not reconstruction: `--no-disk-cache` measures the daemon every time.
 """
 import sys
 import threading
@@ -14,9 +18,11 @@ sys.path.insert(0, str(ROOT / "tests" / "clients"))
 from test_mount import Mount, rss_sampler  # noqa: E402
 
 cawsfs = ROOT / "target" / "release" / "cawsfs"
-for name in sys.argv[1:]:
+args = sys.argv[1:]
+extra = ["--no-disk-cache"] if "--no-disk-cache" in args else []
+for name in (a for a in args if a != "--no-disk-cache"):
     mp = Path(f"/tmp/cawsfs-rss-{Path(name).stem}")
-    m = Mount(cawsfs, name, mp, "--cache-size", "16MiB")
+    m = Mount(cawsfs, name, mp, "--cache-size", "16MiB", *extra)
     stop, peak = threading.Event(), {}
     th = threading.Thread(target=rss_sampler, args=(m.pid, stop, peak))
     th.start()
