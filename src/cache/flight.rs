@@ -6,12 +6,12 @@
 use super::lru::{Entry, State};
 use super::stats::{add, bump};
 use super::sync::{AtomicBool, Condvar, Mutex};
-use super::{io_err, lock, ChunkKey, LoadFn, Outcome, Shared};
+use super::{io_err, lock, Chunk, ChunkKey, LoadFn, Outcome, Shared};
 use crate::model::ReadError;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, PoisonError};
 
-type FlightResult = Result<Arc<[u8]>, ReadError>;
+type FlightResult = Result<Arc<Chunk>, ReadError>;
 
 /// One in-progress load that others may wait on.
 pub(super) struct Flight {
@@ -146,9 +146,8 @@ impl Shared {
             )
         })?;
         let t0 = std::time::Instant::now();
-        // `repeat_n` is TrustedLen, so this allocates the Arc once, without a copy.
-        let mut data: Arc<[u8]> = std::iter::repeat_n(0u8, len_usize).collect();
-        let buf = Arc::get_mut(&mut data).expect("fresh Arc is unique");
+        let mut data = Chunk::zeroed(len_usize);
+        let buf = &mut data[..];
         // A loader bug (a panic) fails this read with EIO instead of taking down the
         // mount's thread.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(key.index, buf)));
@@ -173,7 +172,7 @@ impl Shared {
                 ),
             ));
         }
-        Ok(data)
+        Ok(Arc::new(data))
     }
 
     /// Resident chunk, or join the in-flight load, or load it (single-flight).
@@ -183,7 +182,7 @@ impl Shared {
         len: u64,
         load: &LoadFn<'_>,
         demand: bool,
-    ) -> Result<(Arc<[u8]>, Outcome), ReadError> {
+    ) -> Result<(Arc<Chunk>, Outcome), ReadError> {
         let work = len.saturating_mul(self.cfg.load_work_factor);
         let flight = {
             let mut st = lock(&self.state);
@@ -270,8 +269,9 @@ impl Shared {
             }
         }
         self.room_cv.notify_all();
-        if let Ok(data) = &result {
-            if let Some(p) = self.file_state(key.file).experts.get() {
+        let fstate = result.is_ok().then(|| self.file_state(key.file));
+        if let (Ok(data), Some(f)) = (&result, &fstate) {
+            if let Some(p) = f.experts.get() {
                 let start = key.index * self.cfg.chunk_size;
                 p.loaded(start..start + data.len() as u64);
             }
@@ -281,6 +281,10 @@ impl Shared {
             Err(e) => Err(clone_read_error(e)),
         };
         flight.publish(shared_result);
+        // After the waiters have it, while its bytes are still in this core's caches.
+        if let (Ok(data), Some(keep)) = (&result, fstate.as_ref().and_then(|f| f.keeper.get())) {
+            keep(key.index, data);
+        }
         result.map(|d| (d, Outcome::Loaded))
     }
 }

@@ -5,13 +5,13 @@
 
 use super::flight::Flight;
 use super::stats::{add, bump, Counters};
-use super::{lock, CacheError, ChunkCache, ChunkKey, Outcome};
+use super::{lock, CacheError, Chunk, ChunkCache, ChunkKey, Outcome};
 use ::lru::LruCache;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 pub(super) struct Entry {
-    pub(super) data: Arc<[u8]>,
+    pub(super) data: Arc<Chunk>,
     /// Loaded by prefetch and not yet served to a demand read.
     pub(super) prefetched: bool,
 }
@@ -61,7 +61,7 @@ impl State {
 
     /// Resident chunk for `key`; a demand lookup promotes it and consumes its
     /// prefetch mark.
-    pub(super) fn lookup(&mut self, key: &ChunkKey, demand: bool) -> Option<(Arc<[u8]>, Outcome)> {
+    pub(super) fn lookup(&mut self, key: &ChunkKey, demand: bool) -> Option<(Arc<Chunk>, Outcome)> {
         if demand && self.hints.remove(key) {
             // The route's prediction came true: an ordinary chunk from now on.
             if let Some(e) = self.hinted.pop(key) {

@@ -12,7 +12,7 @@
 //!
 //! Design (the file that implements each part in parentheses):
 //! - **Keys** are [`ChunkKey`] `{ file, index }`; chunk `index` covers bytes
-//!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<[u8]>`, so a
+//!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<Chunk>` (page-aligned bytes, `chunk.rs`), so a
 //!   reader keeps its chunk alive while copying even if it is evicted meanwhile (the
 //!   "plus chunks being handed to readers" slack of the memory invariant).
 //! - **Budget** (`lru.rs`). One mutex guards an unbounded `lru::LruCache` of unpinned
@@ -71,6 +71,7 @@
 //!
 //! This file holds the public types, the shared state and the demand read path.
 
+mod chunk;
 mod experts;
 mod flight;
 mod lru;
@@ -87,6 +88,7 @@ mod shuttle_tests;
 #[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
+pub use chunk::{Chunk, CHUNK_ALIGN};
 pub use experts::{ExpertMap, ExpertMode, ExpertStats};
 pub use resident::Residency;
 pub use stats::{CacheStats, FileStats, LatencyStats};
@@ -115,7 +117,7 @@ pub const DEFAULT_READAHEAD_CHUNKS: u64 = 64;
 /// Default bound on queued prefetch jobs; requests beyond it are dropped (counted).
 pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;
 /// Estimated per-entry bookkeeping outside the budget: LRU node (key, value, two
-/// links) ~64 B, hash slot ~24 B, `Arc<[u8]>` header 16 B, flags/padding; rounded up.
+/// links) ~64 B, hash slot ~24 B, `Arc<Chunk>` header and fields 32 B, flags/padding; rounded up.
 pub const ENTRY_OVERHEAD_BYTES: u64 = 160;
 /// Most events one trace keeps (24 bytes each: 24 MiB at most).
 pub const TRACE_CAP: usize = 1 << 20;
@@ -130,6 +132,11 @@ pub struct ChunkKey {
 /// Fills `buf` (exactly the chunk's length) with chunk `index`'s bytes and returns how
 /// many it wrote; anything but `buf.len()` is an error. Shared with background threads.
 pub type ChunkLoader = Arc<dyn Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Send + Sync>;
+
+/// Told of each chunk a loader has just produced (its index and bytes), on the loading
+/// thread once the chunk's readers have it: the disk tier keeps a reference to write
+/// it out (fs/tiering.rs). It must not block.
+pub type Keeper = Box<dyn Fn(u64, &Arc<Chunk>) + Send + Sync>;
 
 /// Borrowed loader for demand reads (may capture non-`'static` state).
 pub type LoadFn<'a> = dyn Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Sync + 'a;
@@ -214,6 +221,8 @@ struct FileState {
     /// Which of its pages the kernel holds, so that predicted experts queue only the
     /// chunks it will ask for (resident.rs).
     residency: std::sync::OnceLock<Residency>,
+    /// Told of every chunk of this file a loader produced ([`ChunkCache::set_keeper`]).
+    keeper: std::sync::OnceLock<Keeper>,
 }
 
 /// Everything the cache shares with its prefetch workers (they hold an `Arc` of it).
@@ -254,7 +263,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The resident chunks that a read's range `offset .. end` lies in, in order.
 struct Covering {
-    chunks: Vec<Arc<[u8]>>,
+    chunks: Vec<Arc<Chunk>>,
     /// Index of the first chunk.
     first: u64,
     /// Where the range ends (clipped to the file).
@@ -392,7 +401,7 @@ impl ChunkCache {
 
     /// Chunk `key`'s bytes if resident, without touching LRU order or counting a hit
     /// (for copies made on the side, such as the disk tier's refill).
-    pub fn resident(&self, key: ChunkKey) -> Option<Arc<[u8]>> {
+    pub fn resident(&self, key: ChunkKey) -> Option<Arc<Chunk>> {
         let st = lock(&self.shared.state);
         if let Some(e) = st.pinned.get(&key).and_then(|s| s.entry.as_ref()) {
             return Some(e.data.clone());
@@ -407,6 +416,12 @@ impl ChunkCache {
     /// read ahead in the background. Without one, sequential reads are not read ahead.
     pub fn register_file(&self, file: u32, loader: ChunkLoader) {
         *lock(&self.shared.file_state(file).loader) = Some(loader);
+    }
+
+    /// Tell `keeper` of every chunk of `file` loaded from now on (demand, read-ahead
+    /// and prefetch loads alike). One per file: false when it already has one.
+    pub fn set_keeper(&self, file: u32, keeper: Keeper) -> bool {
+        self.shared.file_state(file).keeper.set(keeper).is_ok()
     }
 
     /// Serve `buf.len()` bytes of file `file` (`file_size` bytes long) at `offset`,
@@ -502,7 +517,7 @@ impl ChunkCache {
         let first = offset / cs;
         let last = (end - 1) / cs;
         let count = (last - first + 1) as usize;
-        let mut chunks: Vec<Option<Arc<[u8]>>> = vec![None; count];
+        let mut chunks: Vec<Option<Arc<Chunk>>> = vec![None; count];
         let mut missing: Vec<u64> = Vec::new();
         {
             let mut st = lock(&sh.state);
@@ -526,7 +541,7 @@ impl ChunkCache {
         }
         // The read waits for reconstruction: a stall (docs/MOE.md).
         let t_stall = Instant::now();
-        let fetch_one = |index: u64| -> Result<Arc<[u8]>, ReadError> {
+        let fetch_one = |index: u64| -> Result<Arc<Chunk>, ReadError> {
             let len = sh
                 .chunk_len(file_size, index)
                 .expect("index below chunk count");
@@ -538,7 +553,7 @@ impl ChunkCache {
         // Scoped threads, not rayon: a load may block on another load's flight, and a
         // blocked rayon worker can starve the rayon jobs that the archive's decoder
         // (running in a prefetch worker) is waiting for — a deadlock seen on a mount.
-        let loaded: Vec<Result<Arc<[u8]>, ReadError>> = if missing.len() > 1 {
+        let loaded: Vec<Result<Arc<Chunk>, ReadError>> = if missing.len() > 1 {
             sync::thread::scope(|s| {
                 let handles: Vec<_> = missing
                     .iter()

@@ -70,6 +70,52 @@ fn bad_chunk_size_is_an_error() {
 }
 
 #[test]
+fn the_keeper_sees_each_load_once_with_its_bytes_aligned_and_no_hit() {
+    let (cs, size) = (4096, 5 * 4096 + 100);
+    let c = ChunkCache::new(1 << 20, cs).unwrap();
+    let kept = Arc::new(Mutex::new(Vec::<(u64, Vec<u8>)>::new()));
+    let k = kept.clone();
+    let keeper: Keeper = Box::new(move |i, chunk| {
+        assert_eq!(chunk.as_ptr() as usize % CHUNK_ALIGN, 0);
+        k.lock().unwrap().push((i, chunk.to_vec()));
+    });
+    assert!(c.set_keeper(1, keeper));
+    assert!(
+        !c.set_keeper(1, Box::new(|_, _| {})),
+        "a second keeper is refused"
+    );
+    let calls = AtomicU64::new(0);
+    let l = loader(1, size, cs, &calls);
+    // Two demand reads of chunks 0-1, the second all hits; then a prefetch of 2..6.
+    assert_eq!(
+        read_vec(&c, 1, size, 10, 5000, &l),
+        reference(1, size)[10..5010]
+    );
+    assert_eq!(
+        read_vec(&c, 1, size, 0, 8192, &l),
+        reference(1, size)[..8192]
+    );
+    c.register_file(1, shared_loader(1, size, cs, Arc::new(AtomicU64::new(0))));
+    c.start_prefetcher(1);
+    c.prefetch_registered(1, size, 2..6);
+    assert!(c.wait_prefetch_idle(Duration::from_secs(10)));
+    let mut got = kept.lock().unwrap().clone();
+    got.sort();
+    let want: Vec<(u64, Vec<u8>)> = (0..6)
+        .map(|i| {
+            let r = reference(1, size);
+            let end = ((i + 1) * cs).min(size) as usize;
+            (i, r[(i * cs) as usize..end].to_vec())
+        })
+        .collect();
+    assert_eq!(got, want);
+    // Another file has no keeper.
+    let l2 = loader(2, size, cs, &calls);
+    read_vec(&c, 2, size, 0, 100, &l2);
+    assert_eq!(kept.lock().unwrap().len(), 6);
+}
+
+#[test]
 fn hits_misses_and_evictions_are_counted() {
     let (cs, size) = (16, 200);
     let c = ChunkCache::new(64, cs).unwrap();

@@ -234,6 +234,14 @@ impl MountFs {
                 tier: tier.clone().zip(e.tier.clone()),
             };
             cache.register_file(file_id(e.ino), Arc::new(move |idx, buf| l.load(idx, buf)));
+            // What is loaded goes to the tier as it is, without a copy.
+            if let (Some(t), Some(te)) = (&tier, &e.tier) {
+                let (t, te) = (t.clone(), te.clone());
+                cache.set_keeper(
+                    file_id(e.ino),
+                    Box::new(move |idx, chunk| t.keep(&te, idx, chunk)),
+                );
+            }
         }
         let experts = match &opts.experts {
             Some(x) => experts::start(&*archive, &entries, &cache, x),
@@ -585,7 +593,7 @@ impl Loader {
 }
 
 /// Chunk `idx` of `vf`: from the disk tier when it holds it intact, else reconstructed
-/// (and then offered to the tier's writer).
+/// (the cache then hands the chunk to the tier's writer: `FsTier::keep`).
 fn load_chunk(
     archive: &dyn Store,
     vf: &VirtualFile,
@@ -608,11 +616,5 @@ fn load_chunk(
             }
         }
     }
-    let n = vf.read_at(archive, idx * chunk_size, buf)?;
-    if let Some((t, entry)) = tier {
-        if n == buf.len() {
-            t.writer.offer(entry, idx, &buf[..n]);
-        }
-    }
-    Ok(n)
+    vf.read_at(archive, idx * chunk_size, buf)
 }

@@ -2,6 +2,7 @@
 //! passthrough decision and its verification, `materialize`, and the refill of extents
 //! the writer dropped. Reads consult it in `load_chunk` (the parent module).
 
+use crate::cache::Chunk;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -123,6 +124,14 @@ impl std::fmt::Display for Passthrough {
 }
 
 impl FsTier {
+    /// Queue a chunk the cache has just loaded for `entry`, unless it was read from
+    /// the tier (listed there): the writer keeps a reference, and a full queue drops it.
+    pub(super) fn keep(&self, entry: &Arc<tier::Entry>, idx: u64, chunk: &Arc<Chunk>) {
+        if !entry.has(idx) {
+            self.writer.offer(entry, idx, chunk.clone());
+        }
+    }
+
     pub fn writer_stats(&self) -> tier::WriterStats {
         self.writer.stats()
     }
@@ -201,7 +210,6 @@ impl MountFs {
     fn refill(&self, deadline: Option<std::time::Instant>) -> u64 {
         let Some(t) = &self.tier else { return 0 };
         let dropped = t.writer.take_dropped_when_idle();
-        let mut buf = Vec::new();
         let mut done = 0;
         for (te, x) in dropped {
             let over = match deadline {
@@ -222,8 +230,7 @@ impl MountFs {
             let Some(len) = te.extent_len(x).ok().filter(|_| !te.has(x)) else {
                 continue;
             };
-            buf.resize(len, 0);
-            match self.extent_to_tier(e, &te, x, &mut buf) {
+            match self.extent_to_tier(e, &te, x, len) {
                 Ok(()) => done += 1,
                 Err(NotQueued::Full) => break,
                 // The read path has logged what went wrong; the extent stays missing.
@@ -233,33 +240,33 @@ impl MountFs {
         done
     }
 
-    /// Queue extent `x` of `e` (`buf.len()` bytes) for the tier, waiting for room in
-    /// the writer's queue: from the chunk cache when it still holds the chunk (extents
-    /// are chunks; a copy a full queue dropped usually is), else reconstructed into
-    /// `buf`.
+    /// Queue extent `x` of `e` (`len` bytes) for the tier, waiting for room in the
+    /// writer's queue: the chunk cache's chunk when it still holds it (extents are
+    /// chunks; one a full queue dropped usually is), else reconstructed.
     fn extent_to_tier(
         &self,
         e: &Entry,
         te: &Arc<tier::Entry>,
         x: u64,
-        buf: &mut [u8],
+        len: usize,
     ) -> Result<(), NotQueued> {
         let t = self.tier.as_ref().expect("called with a tier entry");
-        let len = buf.len();
         let key = crate::cache::ChunkKey {
             file: file_id(e.ino),
             index: x,
         };
         if let Some(chunk) = self.cache.resident(key).filter(|c| c.len() == len) {
-            return if t.writer.offer_wait(te, x, &chunk) {
+            return if t.writer.offer_wait(te, x, chunk) {
                 Ok(())
             } else {
                 Err(NotQueued::Full)
             };
         }
+        // Page-aligned like the cache's chunks, so it is written with O_DIRECT.
+        let mut buf = Chunk::zeroed(len);
         match e
             .file
-            .read_at(&*self.archive, x * self.cache.chunk_size(), buf)
+            .read_at(&*self.archive, x * self.cache.chunk_size(), &mut buf)
         {
             Ok(n) if n == len => {}
             Ok(n) => {
@@ -270,7 +277,7 @@ impl MountFs {
             }
             Err(err) => return Err(NotQueued::Read(format!("{}: {err}", e.name))),
         }
-        if !t.writer.offer_wait(te, x, buf) {
+        if !t.writer.offer_wait(te, x, Arc::new(buf)) {
             return Err(NotQueued::Full);
         }
         Ok(())
@@ -429,11 +436,9 @@ impl MountFs {
     ) {
         let t = self.tier.as_ref().expect("materialize checked the tier");
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let cs = self.cache.chunk_size();
         std::thread::scope(|s| {
             for _ in 0..threads {
                 s.spawn(|| {
-                    let mut buf = vec![0u8; cs as usize];
                     while !job.failed() {
                         let Some(&(i, x)) = work.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             break;
@@ -443,7 +448,7 @@ impl MountFs {
                         let len = te.extent_len(x).unwrap_or(0);
                         // A read may have filled it meanwhile.
                         if !te.has(x) {
-                            if let Err(why) = self.extent_to_tier(e, te, x, &mut buf[..len]) {
+                            if let Err(why) = self.extent_to_tier(e, te, x, len) {
                                 job.fail(why.to_string());
                                 break;
                             }

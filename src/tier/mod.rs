@@ -14,7 +14,7 @@ use nix::fcntl::{Flock, FlockArg};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 mod writer;
-pub use writer::{Writer, WriterStats};
+pub use writer::{ExtentBytes, Writer, WriterStats};
 
 pub const MAGIC: &[u8; 8] = b"CAWSTIER";
 pub const VERSION: u32 = 1;
@@ -287,6 +287,13 @@ impl Entry {
     /// by the next [`Entry::publish`]. When every buffer is [`DIRECT_ALIGN`]ed in
     /// address and length, the run goes past the page cache in one `pwritev`.
     pub fn write_run(&self, first: u64, bufs: &[&[u8]]) -> Result<(), TierError> {
+        let sums: Vec<u64> = bufs.iter().map(|b| extent_sum(b)).collect();
+        self.write_run_summed(first, bufs, &sums)
+    }
+
+    /// [`Entry::write_run`] of extents whose checksums (`extent_sum`) the caller took.
+    fn write_run_summed(&self, first: u64, bufs: &[&[u8]], sums: &[u64]) -> Result<(), TierError> {
+        debug_assert_eq!(bufs.len(), sums.len());
         for (i, b) in (first..).zip(bufs) {
             self.check_len(i, b.len())?;
         }
@@ -299,11 +306,11 @@ impl Entry {
             }
             start_writeback(&self.data, off, at - off);
         }
-        let sums: Vec<(u64, u64)> = (first..)
-            .zip(bufs)
-            .map(|(i, b)| (i, extent_sum(b)))
-            .collect();
-        self.sums.lock().unwrap().pending.extend(sums);
+        self.sums
+            .lock()
+            .unwrap()
+            .pending
+            .extend((first..).zip(sums.iter().copied()));
         Ok(())
     }
 

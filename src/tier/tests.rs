@@ -15,6 +15,13 @@ fn extent_bytes(i: u64, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect()
 }
 
+/// Extent `i`'s bytes as a mount offers them to the writer: a page-aligned chunk.
+fn offered(i: u64, len: usize) -> crate::tier::ExtentBytes {
+    let mut c = crate::cache::Chunk::zeroed(len);
+    c.copy_from_slice(&extent_bytes(i, len));
+    std::sync::Arc::new(c)
+}
+
 /// Size 3.5 extents: the last one is short.
 const SIZE: u64 = 4096 * 3 + 2048;
 
@@ -361,10 +368,10 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
     // Room for three full extents on disk, with what the bound charges for their map.
     let w = Writer::start(1 << 20, 3 * crate::tier::disk_charge(4096)).unwrap();
     for i in 0..3 {
-        assert!(w.offer(&e, i, &extent_bytes(i, 4096)));
+        assert!(w.offer(&e, i, offered(i, 4096)));
     }
     // The fourth (2 KiB) no longer fits the bound: not queued, counted.
-    assert!(!w.offer(&e, 3, &extent_bytes(3, 2048)));
+    assert!(!w.offer(&e, 3, offered(3, 2048)));
     w.flush();
     let s = w.stats();
     assert_eq!((s.written_extents, s.written_bytes), (3, 3 * 4096));
@@ -383,14 +390,14 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
 
     // A queue smaller than one extent takes nothing, and says so.
     let w = Writer::start(1000, 1 << 30).unwrap();
-    assert!(!w.offer(&e, 3, &extent_bytes(3, 2048)));
+    assert!(!w.offer(&e, 3, offered(3, 2048)));
     assert_eq!(w.stats().dropped_extents, 1);
     // The dropped extent is handed out (once) for a refill, which may wait for room.
     let dropped = w.take_dropped_when_idle();
     assert_eq!(dropped.len(), 1);
     assert!(std::sync::Arc::ptr_eq(&dropped[0].0, &e) && dropped[0].1 == 3);
     assert!(w.take_dropped_when_idle().is_empty());
-    assert!(w.offer_wait(&e, 3, &extent_bytes(3, 2048)));
+    assert!(w.offer_wait(&e, 3, offered(3, 2048)));
     w.flush();
     assert!(e.has(3));
 }

@@ -1,8 +1,8 @@
-//! The background writer: copies of freshly reconstructed extents go into a bounded
-//! queue and one thread writes them to their entries, consecutive ones in one request
-//! of up to 4 MiB, publishing each entry's index
-//! now and then, when the queue runs dry, and at [`Writer::flush`]. A full queue drops
-//! the copy: the tier must never delay a read. Dropped extents are remembered
+//! The background writer: freshly reconstructed extents (shared, not copied) go into
+//! a bounded queue and one thread writes them to their entries, consecutive ones in
+//! one request of up to 4 MiB, publishing each entry's index now and then, when the
+//! queue runs dry, and at [`Writer::flush`]. A full queue drops
+//! the extent: the tier must never delay a read. Dropped extents are remembered
 //! ([`Writer::take_dropped_when_idle`]) so the mount can make them again once the queue
 //! is empty, and a file read whole becomes whole in the tier.
 
@@ -34,51 +34,28 @@ const DROPPED_KEPT: usize = 1 << 16;
 struct Job {
     entry: Arc<Entry>,
     extent: u64,
-    bytes: PageBuf,
+    bytes: ExtentBytes,
+    /// The extent's checksum, taken by whoever offered it.
+    sum: u64,
 }
 
-/// A copy's buffer: an anonymous mapping, so page-aligned, which lets the entry write
-/// it with `O_DIRECT`.
-struct PageBuf {
-    map: memmap2::MmapMut,
-    len: usize,
-}
+/// An extent's bytes as the writer holds them until written: shared, not copied (the
+/// mount hands over its chunk cache's chunks, which are page-aligned, so they are
+/// written with `O_DIRECT` as they are).
+pub type ExtentBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
-impl PageBuf {
-    /// A buffer holding a copy of `bytes`, reusing `spare` when it is large enough.
-    fn copy_of(bytes: &[u8], spare: Option<PageBuf>) -> std::io::Result<PageBuf> {
-        let mut buf = match spare {
-            Some(b) if b.map.len() >= bytes.len() => b,
-            _ => PageBuf {
-                map: memmap2::MmapMut::map_anon(
-                    bytes.len().next_multiple_of(super::DIRECT_ALIGN).max(1),
-                )?,
-                len: 0,
-            },
-        };
-        buf.map[..bytes.len()].copy_from_slice(bytes);
-        buf.len = bytes.len();
-        Ok(buf)
-    }
-
+impl Job {
     fn bytes(&self) -> &[u8] {
-        &self.map[..self.len]
-    }
-
-    fn capacity(&self) -> u64 {
-        self.map.len() as u64
+        (*self.bytes).as_ref()
     }
 }
 
 #[derive(Default)]
 struct Queue {
     jobs: std::collections::VecDeque<Job>,
+    /// Bytes of the queued jobs and of the offers being checksummed.
     bytes: u64,
-    /// Buffers of written jobs, for the next copies (fresh ones cost page faults on
-    /// every extent); with the queued ones they hold at most `max_bytes`.
-    spare: Vec<PageBuf>,
-    spare_bytes: u64,
-    /// Extents whose copy a full queue dropped, to be made again when it is idle.
+    /// Extents a full queue dropped, to be made again when it is idle.
     dropped: Vec<(Arc<Entry>, u64)>,
     closed: bool,
     /// Bumped by `flush` callers; the thread publishes everything and echoes it.
@@ -125,7 +102,7 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// A writer whose queue holds at most `max_queued_bytes` of copies and which writes
+    /// A writer whose queue holds at most `max_queued_bytes` of extents and which writes
     /// at most `room` bytes of new extents.
     pub fn start(max_queued_bytes: u64, room: u64) -> std::io::Result<Writer> {
         let shared = Arc::new(Shared {
@@ -147,20 +124,20 @@ impl Writer {
         })
     }
 
-    /// Queue a copy of extent `extent`'s bytes for `entry`; false when there is no room.
-    pub fn offer(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
+    /// Queue extent `extent`'s bytes for `entry`; false when there is no room.
+    pub fn offer(&self, entry: &Arc<Entry>, extent: u64, bytes: ExtentBytes) -> bool {
         self.enqueue(entry, extent, bytes, false)
     }
 
     /// Like [`Writer::offer`], but waits for room in the queue rather than dropping the
-    /// copy (for `materialize`, which fills the tier on purpose and may wait); false
+    /// extent (for `materialize`, which fills the tier on purpose and may wait); false
     /// when the size bound has no room or the writer is closing.
-    pub fn offer_wait(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8]) -> bool {
+    pub fn offer_wait(&self, entry: &Arc<Entry>, extent: u64, bytes: ExtentBytes) -> bool {
         self.enqueue(entry, extent, bytes, true)
     }
 
-    fn enqueue(&self, entry: &Arc<Entry>, extent: u64, bytes: &[u8], wait: bool) -> bool {
-        let len = bytes.len() as u64;
+    fn enqueue(&self, entry: &Arc<Entry>, extent: u64, bytes: ExtentBytes, wait: bool) -> bool {
+        let len = (*bytes).as_ref().len() as u64;
         let charge = super::disk_charge(len);
         let reserved = self
             .shared
@@ -175,55 +152,53 @@ impl Writer {
                 .fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        let mut q = self.shared.queue.lock().unwrap();
-        let full = |q: &Queue| q.bytes + len > self.shared.max_bytes;
-        // Waiting, an extent larger than the whole queue goes in alone.
-        while wait && !q.closed && q.bytes > 0 && full(&q) {
-            q = self.shared.taken.wait(q).unwrap();
-        }
-        if q.closed || (!wait && full(&q)) {
-            self.shared.room.fetch_add(charge, Ordering::Relaxed);
-            if !wait {
-                self.shared
-                    .counters
-                    .dropped_extents
-                    .fetch_add(1, Ordering::Relaxed);
-                if !q.closed && q.dropped.len() < DROPPED_KEPT {
-                    q.dropped.push((entry.clone(), extent));
-                }
+        {
+            let mut q = self.shared.queue.lock().unwrap();
+            let full = |q: &Queue| q.bytes + len > self.shared.max_bytes;
+            // Waiting, an extent larger than the whole queue goes in alone.
+            while wait && !q.closed && q.bytes > 0 && full(&q) {
+                q = self.shared.taken.wait(q).unwrap();
             }
-            return false;
-        }
-        let spare = q.spare.pop();
-        if let Some(b) = &spare {
-            q.spare_bytes -= b.capacity();
-        }
-        let copy = match PageBuf::copy_of(bytes, spare) {
-            Ok(c) => c,
-            Err(e) => {
-                drop(q);
+            if q.closed || (!wait && full(&q)) {
                 self.shared.room.fetch_add(charge, Ordering::Relaxed);
-                tracing::debug!("disk tier: no buffer for a copy ({e}); dropped");
-                self.shared
-                    .counters
-                    .dropped_extents
-                    .fetch_add(1, Ordering::Relaxed);
+                if !wait {
+                    self.shared
+                        .counters
+                        .dropped_extents
+                        .fetch_add(1, Ordering::Relaxed);
+                    if !q.closed && q.dropped.len() < DROPPED_KEPT {
+                        q.dropped.push((entry.clone(), extent));
+                    }
+                }
                 return false;
             }
-        };
-        q.bytes += len;
+            // Its room in the queue is taken now, so that a full queue costs no hash.
+            q.bytes += len;
+        }
+        // The checksum outside the lock, on the offering thread: a freshly loaded chunk
+        // is still in its caches there, where the writer would read it from memory.
+        let sum = super::extent_sum((*bytes).as_ref());
+        let mut q = self.shared.queue.lock().unwrap();
+        if q.closed {
+            q.bytes -= len;
+            drop(q);
+            self.shared.room.fetch_add(charge, Ordering::Relaxed);
+            self.shared.taken.notify_all();
+            return false;
+        }
         q.jobs.push_back(Job {
             entry: entry.clone(),
             extent,
-            bytes: copy,
+            bytes,
+            sum,
         });
         self.shared.wake.notify_one();
         true
     }
 
-    /// The extents whose copies a full queue dropped since the last call, once the
+    /// The extents a full queue dropped since the last call, once the
     /// queue is empty (none while it is not: making them again then would only compete
-    /// with fresh copies).
+    /// with fresh extents).
     pub fn take_dropped_when_idle(&self) -> Vec<(Arc<Entry>, u64)> {
         let mut q = self.shared.queue.lock().unwrap();
         if q.jobs.is_empty() {
@@ -304,7 +279,7 @@ impl Run {
     /// Whether `job` is the extent after the tail; an unaligned one (a file's short
     /// last extent) is written on its own, since it makes its whole run buffered.
     fn continued_by(&self, job: &Job) -> bool {
-        job.bytes.len % super::DIRECT_ALIGN == 0
+        job.bytes().len() % super::DIRECT_ALIGN == 0
             && self.tail.as_ref().is_some_and(|(e, i)| {
                 Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
             })
@@ -313,7 +288,7 @@ impl Run {
 
 fn run(s: &Shared) {
     // A run is at most a quarter of the queue: its bytes count against the queue's
-    // bound until written, and fresh copies must still find room.
+    // bound until written, and fresh extents must still find room.
     let run_bytes = (s.max_bytes / 4).clamp(1, RUN_BYTES);
     let mut held = Run {
         jobs: Vec::new(),
@@ -384,7 +359,7 @@ fn run(s: &Shared) {
         };
         let publish_now = match step {
             Step::Take(job) => {
-                held.bytes += job.bytes.len as u64;
+                held.bytes += job.bytes().len() as u64;
                 held.tail = Some((job.entry.clone(), job.extent));
                 held.jobs.push(job);
                 held.since = Instant::now();
@@ -426,15 +401,15 @@ fn run(s: &Shared) {
     }
 }
 
-/// Write the held run to its entry, then free its bytes in the queue (keeping buffers
-/// for the next copies while queued and spare bytes stay within the bound).
+/// Write the held run to its entry, then free its bytes in the queue.
 fn write_run(s: &Shared, held: &mut Run, dirty: &mut Vec<Arc<Entry>>) {
     let Some(first) = held.jobs.first() else {
         return;
     };
     let (entry, extent) = (first.entry.clone(), first.extent);
-    let bufs: Vec<&[u8]> = held.jobs.iter().map(|j| j.bytes.bytes()).collect();
-    match entry.write_run(extent, &bufs) {
+    let bufs: Vec<&[u8]> = held.jobs.iter().map(Job::bytes).collect();
+    let sums: Vec<u64> = held.jobs.iter().map(|j| j.sum).collect();
+    match entry.write_run_summed(extent, &bufs, &sums) {
         Ok(()) => {
             let c = &s.counters;
             c.written_bytes.fetch_add(held.bytes, Ordering::Relaxed);
@@ -450,15 +425,13 @@ fn write_run(s: &Shared, held: &mut Run, dirty: &mut Vec<Arc<Entry>>) {
             }
         }
     }
+    // The bytes go back to their owner (the chunk cache) outside the lock.
+    drop(bufs);
+    let jobs = std::mem::take(&mut held.jobs);
     let mut q = s.queue.lock().unwrap();
     q.bytes -= held.bytes;
-    for job in held.jobs.drain(..) {
-        let cap = job.bytes.capacity();
-        if q.bytes + q.spare_bytes + cap <= s.max_bytes {
-            q.spare_bytes += cap;
-            q.spare.push(job.bytes);
-        }
-    }
+    drop(q);
+    drop(jobs);
     held.bytes = 0;
     s.taken.notify_all();
 }
