@@ -7,6 +7,20 @@
 //! fresh tier added to a first pass's CPU; docs/MOUNT.md, "Disk tier").
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+/// Told of each chunk a loader has just produced (its index and bytes), on the loading
+/// thread once the chunk's readers have it: the disk tier keeps a reference to write
+/// it out (fs/tiering.rs). It must not block.
+pub type Keeper = Box<dyn Fn(u64, &Arc<Chunk>) + Send + Sync>;
+
+impl super::ChunkCache {
+    /// Tell `keeper` of every chunk of `file` loaded from now on (demand, read-ahead
+    /// and prefetch loads alike). One per file: false when it already has one.
+    pub fn set_keeper(&self, file: u32, keeper: Keeper) -> bool {
+        self.shared.file_state(file).keeper.set(keeper).is_ok()
+    }
+}
 
 /// Alignment of a chunk's first byte.
 pub const CHUNK_ALIGN: usize = 4096;

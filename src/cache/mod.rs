@@ -12,7 +12,8 @@
 //!
 //! Design (the file that implements each part in parentheses):
 //! - **Keys** are [`ChunkKey`] `{ file, index }`; chunk `index` covers bytes
-//!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<Chunk>` (page-aligned bytes, `chunk.rs`), so a
+//!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<Chunk>`
+//!   (page-aligned bytes, `chunk.rs`), so a
 //!   reader keeps its chunk alive while copying even if it is evicted meanwhile (the
 //!   "plus chunks being handed to readers" slack of the memory invariant).
 //! - **Budget** (`lru.rs`). One mutex guards an unbounded `lru::LruCache` of unpinned
@@ -88,7 +89,7 @@ mod shuttle_tests;
 #[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
-pub use chunk::{Chunk, CHUNK_ALIGN};
+pub use chunk::{Chunk, Keeper, CHUNK_ALIGN};
 pub use experts::{ExpertMap, ExpertMode, ExpertStats};
 pub use resident::Residency;
 pub use stats::{CacheStats, FileStats, LatencyStats};
@@ -117,7 +118,8 @@ pub const DEFAULT_READAHEAD_CHUNKS: u64 = 64;
 /// Default bound on queued prefetch jobs; requests beyond it are dropped (counted).
 pub const DEFAULT_PREFETCH_QUEUE_CAP: usize = 4096;
 /// Estimated per-entry bookkeeping outside the budget: LRU node (key, value, two
-/// links) ~64 B, hash slot ~24 B, `Arc<Chunk>` header and fields 32 B, flags/padding; rounded up.
+/// links) ~64 B, hash slot ~24 B, `Arc<Chunk>` (counts and fields) 40 B, flags/padding;
+/// rounded up.
 pub const ENTRY_OVERHEAD_BYTES: u64 = 160;
 /// Most events one trace keeps (24 bytes each: 24 MiB at most).
 pub const TRACE_CAP: usize = 1 << 20;
@@ -132,11 +134,6 @@ pub struct ChunkKey {
 /// Fills `buf` (exactly the chunk's length) with chunk `index`'s bytes and returns how
 /// many it wrote; anything but `buf.len()` is an error. Shared with background threads.
 pub type ChunkLoader = Arc<dyn Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Send + Sync>;
-
-/// Told of each chunk a loader has just produced (its index and bytes), on the loading
-/// thread once the chunk's readers have it: the disk tier keeps a reference to write
-/// it out (fs/tiering.rs). It must not block.
-pub type Keeper = Box<dyn Fn(u64, &Arc<Chunk>) + Send + Sync>;
 
 /// Borrowed loader for demand reads (may capture non-`'static` state).
 pub type LoadFn<'a> = dyn Fn(u64, &mut [u8]) -> Result<usize, ReadError> + Sync + 'a;
@@ -416,12 +413,6 @@ impl ChunkCache {
     /// read ahead in the background. Without one, sequential reads are not read ahead.
     pub fn register_file(&self, file: u32, loader: ChunkLoader) {
         *lock(&self.shared.file_state(file).loader) = Some(loader);
-    }
-
-    /// Tell `keeper` of every chunk of `file` loaded from now on (demand, read-ahead
-    /// and prefetch loads alike). One per file: false when it already has one.
-    pub fn set_keeper(&self, file: u32, keeper: Keeper) -> bool {
-        self.shared.file_state(file).keeper.set(keeper).is_ok()
     }
 
     /// Serve `buf.len()` bytes of file `file` (`file_size` bytes long) at `offset`,
