@@ -161,6 +161,36 @@ pub fn compress_saving(data: &[u8], c: Compression, min_saving: f64) -> (u8, Cow
     }
 }
 
+/// Decompress the zstd frames `stored` into at most `cap` bytes (less when the frames
+/// record a smaller size), with this thread's context: creating one per block cost 4 %
+/// of a cold read, and 6 % of an npy-dir fuzz execution.
+pub fn zstd_decompress(stored: &[u8], cap: usize) -> std::io::Result<Vec<u8>> {
+    thread_local! {
+        static DCTX: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    DCTX.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new()?);
+        }
+        d.as_mut().expect("just set").decompress(stored, cap)
+    })
+}
+
+/// Run `f` with this thread's streaming zstd context (its session reset by the
+/// decoder that borrows it), for reads of a stream's first bytes.
+pub fn with_zstd_stream<R>(f: impl FnOnce(&mut zstd::zstd_safe::DCtx<'static>) -> R) -> R {
+    thread_local! {
+        static DCTX: std::cell::RefCell<Option<zstd::zstd_safe::DCtx<'static>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    DCTX.with(|d| {
+        let mut d = d.borrow_mut();
+        f(d.get_or_insert_with(zstd::zstd_safe::DCtx::create))
+    })
+}
+
 /// Decompress `stored` (comp code) into exactly `usize` bytes; never allocates more
 /// than `usize`. Raw data is borrowed.
 pub fn decompress(stored: &[u8], comp: u8, usize: usize) -> Result<Cow<'_, [u8]>, String> {
@@ -175,19 +205,7 @@ pub fn decompress(stored: &[u8], comp: u8, usize: usize) -> Result<Cow<'_, [u8]>
             Ok(Cow::Borrowed(stored))
         }
         COMP_ZSTD => {
-            // One context per thread: creating one per block cost 4 % of a cold read.
-            thread_local! {
-                static DCTX: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-                    const { std::cell::RefCell::new(None) };
-            }
-            let v = DCTX
-                .with(|d| {
-                    let mut d = d.borrow_mut();
-                    if d.is_none() {
-                        *d = Some(zstd::bulk::Decompressor::new()?);
-                    }
-                    d.as_mut().expect("just set").decompress(stored, usize)
-                })
+            let v = zstd_decompress(stored, usize)
                 .map_err(|e| format!("zstd decompression failed: {e}"))?;
             if v.len() != usize {
                 return Err(format!(

@@ -14,7 +14,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::frames::{walk_frames, zst_header, Frame};
 use super::npy::{self, Dtype};
 use super::{NpyDir, TENSOR_DIR};
-use crate::archive::container::{invalid, BlobFault};
+use crate::archive::container::{invalid, zstd_decompress, BlobFault};
 use crate::archive::dir::ArchiveDir;
 use crate::archive::file::{ArchiveFile, ONCE};
 use crate::archive::remote::RemoteObject;
@@ -330,7 +330,7 @@ fn whole_bytes(f: &DataFile) -> Result<Vec<u8>, BlobFault> {
         Storage::Framed { file, .. } | Storage::Whole { file, .. } => {
             let n = (f.header.data_offset + f.header.data_len()) as usize;
             let stored = file.read_at(0, f.file_len as usize)?;
-            let v = zstd::bulk::decompress(&stored, n)
+            let v = zstd_decompress(&stored, n)
                 .map_err(|e| BlobFault::Corrupt(format!("zstd: {e}")))?;
             if v.len() != n {
                 let got = v.len();
@@ -354,8 +354,7 @@ pub(super) fn header_bytes(f: &DataFile) -> Result<Vec<u8>, String> {
         Storage::Plain(file) => read(file, n as u64),
         Storage::Framed { file, frames } => {
             let end = frames.first().map_or(f.file_len, |f| f.0);
-            let v =
-                zstd::bulk::decompress(&read(file, end)?, n).map_err(|e| format!("zstd: {e}"))?;
+            let v = zstd_decompress(&read(file, end)?, n).map_err(|e| format!("zstd: {e}"))?;
             if v.len() != n {
                 return Err("zstd header frame has the wrong length".into());
             }
@@ -379,7 +378,7 @@ impl NpyDir {
             Storage::Framed { file, frames } => {
                 let (o, n) = frames[b];
                 let want = (hi - lo) as usize;
-                let v = zstd::bulk::decompress(&file.read_at(o, n)?, want)
+                let v = zstd_decompress(&file.read_at(o, n)?, want)
                     .map_err(|e| BlobFault::Corrupt(format!("zstd frame of row block {b}: {e}")))?;
                 if v.len() != want {
                     return Err(BlobFault::Corrupt(format!(

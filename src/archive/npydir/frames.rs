@@ -69,17 +69,19 @@ pub(super) fn walk_frames(file: &ArchiveFile) -> Result<Vec<Frame>, ArchiveError
 pub(super) fn zst_header(data: &[u8]) -> Result<npy::Header, String> {
     use std::io::Read;
     let bad = |e: std::io::Error| format!("zstd: {e}");
-    let mut dec = zstd::stream::read::Decoder::with_buffer(data).map_err(bad)?;
-    let mut prefix = Vec::new();
-    (&mut dec).take(12).read_to_end(&mut prefix).map_err(bad)?;
-    let hl = npy::header_len(&prefix)?;
-    if (prefix.len() as u64) < hl.min(12) {
-        return Err("truncated npy header".into());
-    }
-    let need = hl.saturating_sub(prefix.len() as u64);
-    (&mut dec)
-        .take(need)
-        .read_to_end(&mut prefix)
-        .map_err(bad)?;
-    npy::parse(&prefix)
+    crate::archive::container::with_zstd_stream(|ctx| {
+        let mut dec = zstd::stream::read::Decoder::with_context(data, ctx);
+        let mut prefix = Vec::new();
+        (&mut dec).take(12).read_to_end(&mut prefix).map_err(bad)?;
+        let hl = npy::header_len(&prefix)?;
+        if (prefix.len() as u64) < hl.min(12) {
+            return Err("truncated npy header".into());
+        }
+        let need = hl.saturating_sub(prefix.len() as u64);
+        (&mut dec)
+            .take(need)
+            .read_to_end(&mut prefix)
+            .map_err(bad)?;
+        npy::parse(&prefix)
+    })
 }
