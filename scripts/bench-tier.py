@@ -17,7 +17,9 @@ its CPU against `export`: the median of each round's ratio); "file" is
    pass through another build's default mount (e.g. one from before the tier existed,
    built in a git worktree).
 2. After a restart (umount, mount with default options: the tier is whole, opens are
-   passthrough): sequential read bytes/s, cold (page cache dropped) and warm (each
+   passthrough): sequential read bytes/s, cold (page cache dropped; once with a tier
+   file and an export written anew before every pair, once with the same two files
+   for every pair) and warm (each
    warm sample the mean of 8 reads; both files dropped and read again before each
    pair); cold also against the tier's own file read directly, the control for where
    the two files lie on the disk.
@@ -191,7 +193,7 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tok
 
         cold(served), cold(exported)  # one unmeasured read each: both read as recently
         cm, cf, r = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
-        rows.append(("sequential read, cold page cache", f"{size / MiB / cm:.0f} MiB/s",
+        rows.append(("sequential read, cold page cache, the same two files in every pair", f"{size / MiB / cm:.0f} MiB/s",
                      f"{size / MiB / cf:.0f} MiB/s", f"{1 / r:.2f}"))
         # The control: the tier's own file (the one the kernel passes reads through to)
         # read directly. Same bytes, same filesystem, another place on the disk: on a
@@ -346,6 +348,44 @@ def main():
             sh(CAWSFS, "materialize", mp, "--file", GGUF)
         finally:
             m.close()
+
+    # 2a. Cold reads with both files written anew before every pair. Where a file lands
+    # on this VM's disk moves its cold read by ±5 % (plain copies of one file, written
+    # the same way minutes apart, read 39.2-43.7 ms: docs/MOUNT.md, "Where the blocks
+    # land"), and the rows below read one tier file and one export for every pair, so
+    # one draw of that luck decides them. Here each pair reads a tier file that a fresh
+    # first pass just wrote (through a restarted mount: passthrough) and an export
+    # just written, so that the draws spread over the pairs as the warm rows' page
+    # cache does.
+    def replace_both(i):
+        steps = [export, lambda: first_pass(True)]
+        for step in steps if i % 2 == 0 else steps[::-1]:  # each written first as often
+            step()
+        if GGUF not in [e["file"] for e in json.loads(
+                sh(CAWSFS, "tier", "ls", "--dir", tier, "--json")) if e["whole"]]:
+            m = Mount(archive, mp, tier)
+            try:
+                sh(CAWSFS, "materialize", mp, "--file", GGUF)
+            finally:
+                m.close()
+
+    def cold_mount():
+        m = Mount(archive, mp, tier)
+        try:
+            assert m.stat()["tier"]["passthrough"] == "on"
+            drop_page_cache()
+            return read_all(os.path.join(mp, GGUF))
+        finally:
+            m.close()
+
+    def cold_file():
+        drop_page_cache()
+        return read_all(exported)
+
+    cm, cf, r = paired(a.runs, cold_mount, cold_file,
+                       "cold read s, both files written anew before each pair", before=replace_both)
+    rows.append(("sequential read, cold page cache, both files written anew before each pair",
+                 f"{size / MiB / cm:.0f} MiB/s", f"{size / MiB / cf:.0f} MiB/s", f"{1 / r:.2f}"))
 
     # 2-3. After a restart: passthrough.
     token_runs = a.token_runs or max(a.runs, 16)

@@ -104,6 +104,13 @@ struct Sums {
     pending: Vec<(u64, u64)>,
     /// A listed extent was dropped since the last publish.
     dropped: bool,
+    /// Extents whose checksum this process took of the bytes it wrote, or that
+    /// matched when it read them: what it can vouch for without reading them again.
+    vouched: Vec<bool>,
+    /// The stamp ([`Entry::stamp`]) taken when a publish left the entry whole and every
+    /// extent vouched for: while the files are still exactly so, a full verification
+    /// would only read back what this process wrote.
+    vouched_stamp: Option<String>,
 }
 
 /// One virtual file's entry, open for reading and writing.
@@ -183,9 +190,11 @@ impl Entry {
                 direct,
                 data,
                 sums: Mutex::new(Sums {
+                    vouched: vec![false; listed.len()],
                     listed,
                     pending: Vec::new(),
                     dropped: false,
+                    vouched_stamp: None,
                 }),
             },
             found,
@@ -265,6 +274,7 @@ impl Entry {
             .read_exact_at(buf, i * self.spec.extent)
             .map_err(io(&self.data_path))?;
         if extent_sum(buf) == want {
+            self.sums.lock().unwrap().vouched[i as usize] = true;
             return Ok(true);
         }
         tracing::warn!(
@@ -273,6 +283,7 @@ impl Entry {
         );
         let mut s = self.sums.lock().unwrap();
         s.listed[i as usize] = 0;
+        s.vouched[i as usize] = false;
         s.pending.retain(|&(e, _)| e != i);
         s.dropped = true;
         Ok(false)
@@ -306,11 +317,11 @@ impl Entry {
             }
             start_writeback(&self.data, off, at - off);
         }
-        self.sums
-            .lock()
-            .unwrap()
-            .pending
-            .extend((first..).zip(sums.iter().copied()));
+        let mut s = self.sums.lock().unwrap();
+        s.pending.extend((first..).zip(sums.iter().copied()));
+        for i in first..first + bufs.len() as u64 {
+            s.vouched[i as usize] = true;
+        }
         Ok(())
     }
 
@@ -384,6 +395,10 @@ impl Entry {
         f.write_all(&bytes).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &self.idx_path).map_err(io(&self.idx_path))?;
+        if whole && self.sums.lock().unwrap().vouched.iter().all(|&v| v) {
+            let now = self.stamp();
+            self.sums.lock().unwrap().vouched_stamp = now;
+        }
         tracing::debug!(
             "tier entry {}: index published (whole: {whole})",
             self.idx_path.display()
@@ -401,6 +416,10 @@ impl Entry {
         if now.is_some() && std::fs::read_to_string(&stamp_path).ok() == now {
             return Ok(Vec::new());
         }
+        if now.is_some() && self.sums.lock().unwrap().vouched_stamp == now {
+            self.stamp_vouched();
+            return Ok(Vec::new());
+        }
         let bad = self.verify_all()?;
         if let (true, Some(text)) = (bad.is_empty(), now.filter(|_| self.settled())) {
             // Not synced: a stamp lost in a crash only costs the next verification.
@@ -410,6 +429,32 @@ impl Entry {
             }
         }
         Ok(bad)
+    }
+
+    /// Write the stamp of an entry this process made whole from bytes it wrote or
+    /// checked, without reading it back, once both files have settled, so that the
+    /// next mount's first passthrough open skips the full read too (a model larger than
+    /// the page cache would otherwise be read from disk twice). `Some(wait)`: not yet
+    /// settled, try again after `wait`; `None`: written, or nothing to vouch for (not
+    /// whole, or a file changed since the publish that made it whole).
+    pub fn stamp_vouched(&self) -> Option<std::time::Duration> {
+        let vouched = self.sums.lock().unwrap().vouched_stamp.clone();
+        let (now, vouched) = (self.stamp()?, vouched?);
+        if now != vouched {
+            return None;
+        }
+        if !self.settled() {
+            return Some(SETTLED);
+        }
+        let stamp_path = self.idx_path.with_extension("ok");
+        if std::fs::read_to_string(&stamp_path).ok().as_ref() != Some(&now) {
+            // Not synced: a stamp lost in a crash only costs the next verification.
+            let tmp = stamp_path.with_extension("ok.tmp");
+            if std::fs::write(&tmp, &now).is_ok() {
+                let _ = std::fs::rename(&tmp, &stamp_path);
+            }
+        }
+        None
     }
 
     /// Whether both files last changed long enough ago that any later change gets

@@ -259,6 +259,8 @@ enum Step {
     Flush(u64),
     /// Idle with unpublished extents for a while: publish them.
     Quiet,
+    /// Idle with entries made whole waiting for their files to settle: stamp them.
+    Stamp,
     Close,
 }
 
@@ -298,6 +300,9 @@ fn run(s: &Shared) {
     };
     // Entries written to since their last publish.
     let mut dirty: Vec<Arc<Entry>> = Vec::new();
+    // Entries a publish made whole from bytes written here, whose stamp
+    // (`Entry::stamp_vouched`) waits for their files to settle.
+    let mut to_stamp: Vec<Arc<Entry>> = Vec::new();
     let mut last_publish = Instant::now();
     loop {
         let step = {
@@ -347,6 +352,12 @@ fn run(s: &Shared) {
                     if t.timed_out() && q.jobs.is_empty() {
                         break Step::Quiet;
                     }
+                } else if !to_stamp.is_empty() {
+                    let (g, t) = s.wake.wait_timeout(q, super::SETTLED).unwrap();
+                    q = g;
+                    if t.timed_out() && q.jobs.is_empty() {
+                        break Step::Stamp;
+                    }
                 } else {
                     q = s.wake.wait(q).unwrap();
                 }
@@ -377,6 +388,10 @@ fn run(s: &Shared) {
                 true
             }
             Step::Quiet => true,
+            Step::Stamp => {
+                to_stamp.retain(|e| e.stamp_vouched().is_some());
+                false
+            }
         };
         // Publishing syncs the data file: every PUBLISH_EVERY while writing, after a
         // quiet spell, and on flush; not after every extent.
@@ -386,9 +401,20 @@ fn run(s: &Shared) {
                     if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!("disk tier: {err} (further write errors are only counted)");
                     }
+                } else if e.stamp_vouched().is_some()
+                    && !to_stamp.iter().any(|t| Arc::ptr_eq(t, &e))
+                {
+                    to_stamp.push(e);
                 }
             }
             last_publish = Instant::now();
+        }
+        if (flush.is_some() || close) && !to_stamp.is_empty() {
+            // Worth the wait at an unmount: the next mount opens these files at once.
+            std::thread::sleep(super::SETTLED);
+            for e in to_stamp.drain(..) {
+                let _ = e.stamp_vouched();
+            }
         }
         if let Some(n) = flush {
             let mut q = s.queue.lock().unwrap();
