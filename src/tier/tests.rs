@@ -153,7 +153,10 @@ fn only_an_entry_written_whole_here_and_unchanged_is_stamped_unread() {
     fill(&e, &[0, 1, 2, 3]);
     e.publish().unwrap();
     let stamp = e.idx_path.with_extension("ok");
-    assert!(e.stamp_vouched().is_some(), "files changed a moment ago wait");
+    assert!(
+        e.stamp_vouched().is_some(),
+        "files changed a moment ago wait"
+    );
     settle();
     assert_eq!(e.stamp_vouched(), None);
     assert!(stamp.exists());

@@ -353,7 +353,7 @@ fn run(s: &Shared) {
                         break Step::Quiet;
                     }
                 } else if !to_stamp.is_empty() {
-                    let (g, t) = s.wake.wait_timeout(q, super::SETTLED).unwrap();
+                    let (g, t) = s.wake.wait_timeout(q, super::stamp::SETTLED).unwrap();
                     q = g;
                     if t.timed_out() && q.jobs.is_empty() {
                         break Step::Stamp;
@@ -411,7 +411,7 @@ fn run(s: &Shared) {
         }
         if (flush.is_some() || close) && !to_stamp.is_empty() {
             // Worth the wait at an unmount: the next mount opens these files at once.
-            std::thread::sleep(super::SETTLED);
+            std::thread::sleep(super::stamp::SETTLED);
             for e in to_stamp.drain(..) {
                 let _ = e.stamp_vouched();
             }
