@@ -382,24 +382,27 @@ impl Entry {
             self.sums.lock().unwrap().pending.extend(synced);
             return Err(io(&self.data_path)(e));
         }
-        let (bytes, whole) = {
+        let (bytes, whole, vouched) = {
             let mut s = self.sums.lock().unwrap();
             for (i, sum) in synced {
                 s.listed[i as usize] = sum;
             }
             let whole = s.listed.iter().all(|&x| x != 0);
             s.dropped = false;
-            (encode_index(self.key, &self.spec, &s.listed, whole), whole)
+            let vouched = whole && s.vouched.iter().all(|&v| v);
+            (
+                encode_index(self.key, &self.spec, &s.listed, whole),
+                whole,
+                vouched,
+            )
         };
         let tmp = self.idx_path.with_extension("idx.tmp");
         let mut f = File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(&bytes).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &self.idx_path).map_err(io(&self.idx_path))?;
-        if whole && self.sums.lock().unwrap().vouched.iter().all(|&v| v) {
-            let now = self.stamp();
-            self.sums.lock().unwrap().vouched_stamp = now;
-        }
+        let stamp = if vouched { self.stamp() } else { None };
+        self.sums.lock().unwrap().vouched_stamp = stamp;
         tracing::debug!(
             "tier entry {}: index published (whole: {whole})",
             self.idx_path.display()

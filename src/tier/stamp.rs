@@ -29,11 +29,7 @@ impl Entry {
         }
         let bad = self.verify_all()?;
         if let (true, Some(text)) = (bad.is_empty(), now.filter(|_| self.settled())) {
-            // Not synced: a stamp lost in a crash only costs the next verification.
-            let tmp = stamp_path.with_extension("ok.tmp");
-            if std::fs::write(&tmp, text).is_ok() {
-                let _ = std::fs::rename(&tmp, &stamp_path);
-            }
+            self.write_stamp(&text);
         }
         Ok(bad)
     }
@@ -53,15 +49,19 @@ impl Entry {
         if !self.settled() {
             return Some(SETTLED);
         }
-        let stamp_path = self.idx_path.with_extension("ok");
-        if std::fs::read_to_string(&stamp_path).ok().as_ref() != Some(&now) {
-            // Not synced: a stamp lost in a crash only costs the next verification.
-            let tmp = stamp_path.with_extension("ok.tmp");
-            if std::fs::write(&tmp, &now).is_ok() {
-                let _ = std::fs::rename(&tmp, &stamp_path);
-            }
+        if std::fs::read_to_string(self.idx_path.with_extension("ok")).ok() != Some(now.clone()) {
+            self.write_stamp(&now);
         }
         None
+    }
+
+    fn write_stamp(&self, text: &str) {
+        let path = self.idx_path.with_extension("ok");
+        // Not synced: a stamp lost in a crash only costs the next verification.
+        let tmp = path.with_extension("ok.tmp");
+        if std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
     }
 
     /// Whether both files last changed long enough ago that any later change gets
