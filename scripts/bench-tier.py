@@ -193,8 +193,9 @@ def passthrough_rows(archive, mp, tier, exported, bin_dir, runs, token_runs, tok
 
         cold(served), cold(exported)  # one unmeasured read each: both read as recently
         cm, cf, r = paired(runs, lambda: cold(served), lambda: cold(exported), "cold read s")
-        rows.append(("sequential read, cold page cache, the same two files in every pair", f"{size / MiB / cm:.0f} MiB/s",
-                     f"{size / MiB / cf:.0f} MiB/s", f"{1 / r:.2f}"))
+        rows.append(("sequential read, cold page cache, the same two files in every pair",
+                     f"{size / MiB / cm:.0f} MiB/s", f"{size / MiB / cf:.0f} MiB/s",
+                     f"{1 / r:.2f}"))
         # The control: the tier's own file (the one the kernel passes reads through to)
         # read directly. Same bytes, same filesystem, another place on the disk: on a
         # VM the two plain files have differed by 20 % cold (docs/MOUNT.md, run 19),
@@ -338,36 +339,33 @@ def main():
           f" (ratio of the medians {cpu / export_cpu:.2f})", file=sys.stderr)
     rows.append(("first pass: daemon CPU / export CPU", f"{cpu:.2f} s", f"{export_cpu:.2f} s",
                  f"{statistics.median(cpu_ratios):.2f}"))
-    listed = json.loads(sh(CAWSFS, "tier", "ls", "--dir", tier, "--json"))
-    whole = [e["file"] for e in listed if e["whole"]]
-    rows.append(("first pass: model.gguf whole in the tier at unmount (last pass)",
-                 "yes" if GGUF in whole else "no: extents dropped, not yet refilled", "", ""))
-    if GGUF not in whole:
+    def make_whole():
+        """Whether model.gguf was whole in the tier; made whole (materialize) if not."""
+        listed = json.loads(sh(CAWSFS, "tier", "ls", "--dir", tier, "--json"))
+        if any(e["file"] == GGUF and e["whole"] for e in listed):
+            return True
         m = Mount(archive, mp, tier)
         try:
             sh(CAWSFS, "materialize", mp, "--file", GGUF)
         finally:
             m.close()
+        return False
 
-    # 2a. Cold reads with both files written anew before every pair. Where a file lands
-    # on this VM's disk moves its cold read by ±5 % (plain copies of one file, written
-    # the same way minutes apart, read 39.2-43.7 ms: docs/MOUNT.md, "Where the blocks
-    # land"), and the rows below read one tier file and one export for every pair, so
-    # one draw of that luck decides them. Here each pair reads a tier file that a fresh
-    # first pass just wrote (through a restarted mount: passthrough) and an export
-    # just written, so that the draws spread over the pairs as the warm rows' page
-    # cache does.
+    rows.append(("first pass: model.gguf whole in the tier at unmount (last pass)",
+                 "yes" if make_whole() else "no: extents dropped, not yet refilled", "", ""))
+
+    # 2a. Cold reads with both files written anew before every pair. Where and how a
+    # file was written moves its cold read on the bench VM by up to ±5 % (copies of one
+    # file read 37.1-43.7 ms: docs/MOUNT.md, runs 24 and 25), and the rows below read
+    # one tier file and one export for every pair, so one draw of that decides them.
+    # Here each pair reads a tier file that a fresh first pass just wrote (through a
+    # restarted mount: passthrough) and an export just written, so that the draws
+    # spread over the pairs as the warm rows' page cache does.
     def replace_both(i):
         steps = [export, lambda: first_pass(True)]
         for step in steps if i % 2 == 0 else steps[::-1]:  # each written first as often
             step()
-        if GGUF not in [e["file"] for e in json.loads(
-                sh(CAWSFS, "tier", "ls", "--dir", tier, "--json")) if e["whole"]]:
-            m = Mount(archive, mp, tier)
-            try:
-                sh(CAWSFS, "materialize", mp, "--file", GGUF)
-            finally:
-                m.close()
+        make_whole()
 
     def cold_mount():
         m = Mount(archive, mp, tier)
