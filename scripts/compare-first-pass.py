@@ -71,6 +71,9 @@ def main():
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if not os.path.isfile(a.archive):
+        ap.error(f"{a.archive}: no such archive (scripts/demo.sh makes the default one;"
+                 " scripts/bench-tier.py makes ~/.cache/cawsfs/bench-tier/demo/smol.cawsf)")
     rows = {a.a: [], a.b: []}
     with tempfile.TemporaryDirectory() as work:
         for i in range(a.rounds):

@@ -262,7 +262,6 @@ impl MountFs {
                 Err(NotQueued::Full)
             };
         }
-        // Page-aligned like the cache's chunks, so it is written with O_DIRECT.
         let mut buf = Chunk::zeroed(len);
         match e
             .file

@@ -40,8 +40,7 @@ struct Job {
 }
 
 /// An extent's bytes as the writer holds them until written: shared, not copied (the
-/// mount hands over its chunk cache's chunks, which are page-aligned, so they are
-/// written with `O_DIRECT` as they are).
+/// mount hands over its chunk cache's chunks).
 pub type ExtentBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 impl Job {
@@ -278,13 +277,11 @@ struct Run {
 }
 
 impl Run {
-    /// Whether `job` is the extent after the tail; an unaligned one (a file's short
-    /// last extent) is written on its own, since it makes its whole run buffered.
+    /// Whether `job` is the extent after the tail.
     fn continued_by(&self, job: &Job) -> bool {
-        job.bytes().len() % super::DIRECT_ALIGN == 0
-            && self.tail.as_ref().is_some_and(|(e, i)| {
-                Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
-            })
+        self.tail.as_ref().is_some_and(|(e, i)| {
+            Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
+        })
     }
 }
 
