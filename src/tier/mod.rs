@@ -302,12 +302,8 @@ impl Entry {
             self.check_len(i, b.len())?;
         }
         let off = first * self.spec.extent;
-        let mut at = off;
-        for b in bufs {
-            self.data.write_all_at(b, at).map_err(io(&self.data_path))?;
-            at += b.len() as u64;
-        }
-        start_writeback(&self.data, off, at - off);
+        let len = pwrite_all(&self.data, bufs, off).map_err(io(&self.data_path))?;
+        start_writeback(&self.data, off, len);
         let mut s = self.sums.lock().unwrap();
         s.pending.extend((first..).zip(sums.iter().copied()));
         for i in first..first + bufs.len() as u64 {
@@ -625,6 +621,30 @@ fn remove_files(dir: &Path, key: &str) -> Result<(), TierError> {
 /// Start writing `len` bytes at `off` of `file` back to disk without waiting, so that
 /// the next publish's `fdatasync` finds little left to write: a sync of hundreds of
 /// megabytes stalled the writer long enough for its queue to fill and drop copies.
+/// Write `bufs` back to back at `off`, in one `pwritev` unless it is cut short; the
+/// bytes written. One request for the whole run, not one per extent: the page cache
+/// then takes it in folios of up to 2 MiB, which a client's `mmap` of the file maps
+/// with huge pages (256 KiB writes left a file mapped with none of them, 4 MiB ones
+/// with all; docs/TIER.md, "Writing").
+fn pwrite_all(file: &File, bufs: &[&[u8]], mut off: u64) -> std::io::Result<u64> {
+    let mut iov: Vec<std::io::IoSlice> = bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+    let mut left = &mut iov[..];
+    let mut total = 0;
+    while !left.is_empty() {
+        match nix::sys::uio::pwritev(file, left, off as libc::off_t) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                off += n as u64;
+                total += n as u64;
+                std::io::IoSlice::advance_slices(&mut left, n);
+            }
+            Err(Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(total)
+}
+
 fn start_writeback(file: &File, off: u64, len: u64) {
     use std::os::fd::AsRawFd;
     // SAFETY: sync_file_range only reads its integer arguments; the descriptor is open

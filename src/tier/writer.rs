@@ -368,10 +368,16 @@ fn run(s: &Shared) {
         let publish_now = match step {
             Step::Take(job) => {
                 held.bytes += job.bytes().len() as u64;
+                // Runs also end where the file's offset is a multiple of RUN_BYTES, so
+                // that consecutive runs cover whole 2 MiB-aligned spans: the page cache
+                // takes those as huge folios (`Entry::write_run`).
+                let ends_aligned = (job.extent + 1)
+                    .checked_mul(job.entry.spec.extent)
+                    .is_some_and(|end| end % RUN_BYTES == 0);
                 held.tail = Some((job.entry.clone(), job.extent));
                 held.jobs.push(job);
                 held.since = Instant::now();
-                if held.bytes >= run_bytes {
+                if held.bytes >= run_bytes || ends_aligned {
                     write_run(s, &mut held, &mut dirty);
                 }
                 false
