@@ -13,7 +13,8 @@
 //! Design (the file that implements each part in parentheses):
 //! - **Keys** are [`ChunkKey`] `{ file, index }`; chunk `index` covers bytes
 //!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<Chunk>`
-//!   (`chunk.rs`), so a reader keeps its chunk alive while copying even if it is evicted meanwhile (the
+//!   (page-aligned bytes, `chunk.rs`), so a
+//!   reader keeps its chunk alive while copying even if it is evicted meanwhile (the
 //!   "plus chunks being handed to readers" slack of the memory invariant).
 //! - **Budget** (`lru.rs`). One mutex guards an unbounded `lru::LruCache` of unpinned
 //!   chunks plus a map of pinned chunks, with our own byte accounting:
@@ -88,7 +89,7 @@ mod shuttle_tests;
 #[cfg(all(test, not(feature = "shuttle")))]
 mod tests;
 
-pub use chunk::{Chunk, Keeper};
+pub use chunk::{Chunk, Keeper, CHUNK_ALIGN};
 pub use experts::{ExpertMap, ExpertMode, ExpertStats};
 pub use resident::Residency;
 pub use stats::{CacheStats, FileStats, LatencyStats};

@@ -70,12 +70,13 @@ fn bad_chunk_size_is_an_error() {
 }
 
 #[test]
-fn the_keeper_sees_each_load_once_with_its_bytes_and_no_hit() {
+fn the_keeper_sees_each_load_once_with_its_bytes_aligned_and_no_hit() {
     let (cs, size) = (4096, 5 * 4096 + 100);
     let c = ChunkCache::new(1 << 20, cs).unwrap();
     let kept = Arc::new(Mutex::new(Vec::<(u64, Vec<u8>)>::new()));
     let k = kept.clone();
     let keeper: Keeper = Box::new(move |i, chunk| {
+        assert_eq!(chunk.as_ptr() as usize % CHUNK_ALIGN, 0);
         k.lock().unwrap().push((i, chunk.to_vec()));
     });
     assert!(c.set_keeper(1, keeper));

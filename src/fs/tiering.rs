@@ -262,6 +262,7 @@ impl MountFs {
                 Err(NotQueued::Full)
             };
         }
+        // Page-aligned like the cache's chunks, so it is written with O_DIRECT.
         let mut buf = Chunk::zeroed(len);
         match e
             .file
@@ -564,9 +565,9 @@ pub(super) fn open_tier(
         .sum();
     let room = t.max_bytes.saturating_sub(used);
     // Copies wait here, outside the cache budget: a sixteenth of it (one chunk at
-    // least, 16 MiB at most); what a full queue drops is made again later
-    // (`MountFs::refill_tier`).
-    let queue = (opts.cache_bytes / 16).clamp(opts.chunk_size, 16 << 20);
+    // least, 256 MiB at most, so that runs of 64 MiB fit four times); what a full
+    // queue drops is made again later (`MountFs::refill_tier`).
+    let queue = (opts.cache_bytes / 16).clamp(opts.chunk_size, 256 << 20);
     Ok(Arc::new(FsTier {
         dir: t.dir.clone(),
         max_bytes: t.max_bytes,

@@ -6,6 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use nix::errno::Errno;
@@ -28,6 +29,8 @@ const MAX_EXTENTS: u64 = 1 << 24;
 /// rounded up to a block plus 64 bytes of map, every entry two blocks.
 const BLOCK: u64 = 4096;
 pub const ENTRY_OVERHEAD: u64 = 2 * BLOCK;
+/// Address, length and offset alignment of extents written with `O_DIRECT`.
+pub const DIRECT_ALIGN: usize = 4096;
 
 /// Disk bytes the size bound charges for writing an extent of `len` bytes.
 pub fn disk_charge(len: u64) -> u64 {
@@ -119,6 +122,13 @@ pub struct Entry {
     idx_path: PathBuf,
     /// Locked shared for the entry's life: `gc` and `clear` in any process skip it.
     data: Flock<File>,
+    /// The data file again, opened `O_DIRECT`: aligned extents are written with it so
+    /// that the tier's writes neither copy into nor churn the page cache (buffered,
+    /// they cost the daemon a fifth of its CPU on a first pass of the 1 B bench model;
+    /// docs/TIER.md, "Writing"). `None` where the file system refuses.
+    direct: Option<File>,
+    /// Cleared when a direct write was refused (EINVAL): buffered from then on.
+    direct_works: AtomicBool,
     sums: Mutex<Sums>,
 }
 
@@ -171,12 +181,15 @@ impl Entry {
             }
             data.set_len(spec.size).map_err(io(&data_path))?;
         }
+        let direct = open_direct(&data);
         Ok((
             Entry {
                 spec,
                 key,
                 data_path,
                 idx_path,
+                direct_works: AtomicBool::new(direct.is_some()),
+                direct,
                 data,
                 sums: Mutex::new(Sums {
                     vouched: vec![false; listed.len()],
@@ -284,32 +297,76 @@ impl Entry {
     }
 
     /// Write extents `first`, `first + 1`, ... from `bufs` (one each); they are listed
-    /// by the next [`Entry::publish`].
+    /// by the next [`Entry::publish`]. When every buffer is [`DIRECT_ALIGN`]ed in
+    /// address and length, the run goes past the page cache in one `pwritev`.
     pub fn write_run(&self, first: u64, bufs: &[&[u8]]) -> Result<(), TierError> {
         let sums: Vec<u64> = bufs.iter().map(|b| extent_sum(b)).collect();
         self.write_run_summed(first, bufs, &sums)
     }
 
     /// [`Entry::write_run`] of extents whose checksums (`extent_sum`) the caller took.
-    /// Written through the page cache, and its writeback started at once, so that
-    /// dirty pages stay few and the next publish's sync finds little to do. Not
-    /// `O_DIRECT`: on the VMs the benchmarks ran on, files written so read back cold
-    /// up to 12 % slower than ones written through the page cache, and a passthrough
-    /// open reads this file (docs/TIER.md, "Writing").
     fn write_run_summed(&self, first: u64, bufs: &[&[u8]], sums: &[u64]) -> Result<(), TierError> {
         debug_assert_eq!(bufs.len(), sums.len());
         for (i, b) in (first..).zip(bufs) {
             self.check_len(i, b.len())?;
         }
         let off = first * self.spec.extent;
-        let len = pwrite_all(&self.data, bufs, off).map_err(io(&self.data_path))?;
-        start_writeback(&self.data, off, len);
+        if !self.write_direct(off, bufs)? {
+            let mut at = off;
+            for b in bufs {
+                self.data.write_all_at(b, at).map_err(io(&self.data_path))?;
+                at += b.len() as u64;
+            }
+            start_writeback(&self.data, off, at - off);
+        }
         let mut s = self.sums.lock().unwrap();
         s.pending.extend((first..).zip(sums.iter().copied()));
         for i in first..first + bufs.len() as u64 {
             s.vouched[i as usize] = true;
         }
         Ok(())
+    }
+
+    /// Write `bufs` back to back at `off` with `O_DIRECT` when all are aligned and the
+    /// file system takes it: `Ok(false)` when the caller must write them buffered.
+    fn write_direct(&self, off: u64, bufs: &[&[u8]]) -> Result<bool, TierError> {
+        let aligned = off % DIRECT_ALIGN as u64 == 0
+            && bufs
+                .iter()
+                .all(|b| (b.as_ptr() as usize | b.len()) % DIRECT_ALIGN == 0);
+        let Some(d) = self.direct.as_ref() else {
+            return Ok(false);
+        };
+        if !aligned || !self.direct_works.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let iov: Vec<std::io::IoSlice> = bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+        match nix::sys::uio::pwritev(d, &iov, off as libc::off_t) {
+            Ok(n) if n == total => Ok(true),
+            // A short write (rare: a full disk, a signal) is finished buffered.
+            Ok(mut done) => {
+                let mut at = off;
+                for b in bufs {
+                    let skip = done.min(b.len());
+                    done -= skip;
+                    self.data
+                        .write_all_at(&b[skip..], at + skip as u64)
+                        .map_err(io(&self.data_path))?;
+                    at += b.len() as u64;
+                }
+                Ok(true)
+            }
+            Err(Errno::EINVAL) => {
+                self.direct_works.store(false, Ordering::Relaxed);
+                tracing::debug!(
+                    "tier entry {}: O_DIRECT write refused; writing through the page cache",
+                    self.data_path.display()
+                );
+                Ok(false)
+            }
+            Err(e) => Err(io(&self.data_path)(std::io::Error::from(e))),
+        }
     }
 
     /// Whether anything written or dropped is not yet in the index on disk.
@@ -393,6 +450,18 @@ fn open_locked(path: &Path) -> Result<Flock<File>, TierError> {
     Err(io(path)(std::io::Error::other(
         "removed again and again while being opened",
     )))
+}
+
+/// `file` opened again for writing with `O_DIRECT` (through /proc, so it is surely the
+/// same inode); `None` where that is not possible.
+fn open_direct(file: &File) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .ok()
 }
 
 /// Lock entry `key`'s data file exclusively if no mount has it open: `None` when one
@@ -621,30 +690,6 @@ fn remove_files(dir: &Path, key: &str) -> Result<(), TierError> {
 /// Start writing `len` bytes at `off` of `file` back to disk without waiting, so that
 /// the next publish's `fdatasync` finds little left to write: a sync of hundreds of
 /// megabytes stalled the writer long enough for its queue to fill and drop copies.
-/// Write `bufs` back to back at `off`, in one `pwritev` unless it is cut short; the
-/// bytes written. One request for the whole run, not one per extent: the page cache
-/// then takes it in folios of up to 2 MiB, which a client's `mmap` of the file maps
-/// with huge pages (256 KiB writes left a file mapped with none of them, 4 MiB ones
-/// with all; docs/TIER.md, "Writing").
-fn pwrite_all(file: &File, bufs: &[&[u8]], mut off: u64) -> std::io::Result<u64> {
-    let mut iov: Vec<std::io::IoSlice> = bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
-    let mut left = &mut iov[..];
-    let mut total = 0;
-    while !left.is_empty() {
-        match nix::sys::uio::pwritev(file, left, off as libc::off_t) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => {
-                off += n as u64;
-                total += n as u64;
-                std::io::IoSlice::advance_slices(&mut left, n);
-            }
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(total)
-}
-
 fn start_writeback(file: &File, off: u64, len: u64) {
     use std::os::fd::AsRawFd;
     // SAFETY: sync_file_range only reads its integer arguments; the descriptor is open

@@ -15,7 +15,7 @@ fn extent_bytes(i: u64, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect()
 }
 
-/// Extent `i`'s bytes as a mount offers them to the writer: a chunk.
+/// Extent `i`'s bytes as a mount offers them to the writer: a page-aligned chunk.
 fn offered(i: u64, len: usize) -> crate::tier::ExtentBytes {
     let mut c = crate::cache::Chunk::zeroed(len);
     c.copy_from_slice(&extent_bytes(i, len));
@@ -458,17 +458,26 @@ fn the_writer_writes_publishes_on_flush_and_keeps_its_bounds() {
 }
 
 #[test]
-fn an_extent_written_again_reads_back_as_written_last() {
+fn direct_and_buffered_writes_of_one_extent_agree_with_what_is_read() {
     let dir = tempfile::tempdir().unwrap();
     let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
-    // From an unaligned address, then read so the page cache holds it.
+    // Buffered first (an unaligned address), then read so the page cache holds it.
     let old = extent_bytes(0, 4097);
     e.write(0, &old[1..]).unwrap();
     e.publish().unwrap();
     assert_eq!(std::fs::read(e.data_path()).unwrap()[..4096], old[1..]);
-    // The same extent again: readers must see the new bytes, not cached old ones.
-    e.write(0, &extent_bytes(9, 4096)).unwrap();
+    // The same extent again from a page-aligned buffer: past the page cache where the
+    // file system takes O_DIRECT. Readers must see the new bytes, not cached old ones.
+    let mut aligned = memmap2::MmapMut::map_anon(4096).unwrap();
+    aligned.copy_from_slice(&extent_bytes(9, 4096));
+    e.write(0, &aligned).unwrap();
     e.publish().unwrap();
+    // Where the file could be opened O_DIRECT, the aligned write used it.
+    assert_eq!(
+        e.direct_works.load(Ordering::Relaxed),
+        e.direct.is_some(),
+        "an aligned direct write was refused"
+    );
     let mut buf = vec![0u8; 4096];
     assert!(e.read(0, &mut buf).unwrap());
     assert_eq!(buf, extent_bytes(9, 4096));

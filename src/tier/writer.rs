@@ -21,8 +21,11 @@ const PUBLISH_EVERY: Duration = Duration::from_secs(30);
 /// How long the writer must have been idle before it publishes what it wrote.
 const QUIET: Duration = Duration::from_millis(500);
 
-/// Bytes of consecutive extents written in one request at most.
-const RUN_BYTES: u64 = 4 << 20;
+/// Bytes of consecutive extents written in one request at most. Large: a file written
+/// with `O_DIRECT` in 64 MiB requests read back cold 1.07× the time of one written
+/// through the page cache on the bench VM, in 4 MiB requests 1.14×
+/// (`scripts/compare-write-ways.py`, docs/TIER.md "Writing").
+const RUN_BYTES: u64 = 64 << 20;
 
 /// How long a started run waits for its next extent before it is written.
 const RUN_WAIT: Duration = Duration::from_millis(20);
@@ -40,7 +43,8 @@ struct Job {
 }
 
 /// An extent's bytes as the writer holds them until written: shared, not copied (the
-/// mount hands over its chunk cache's chunks).
+/// mount hands over its chunk cache's chunks, which are page-aligned, so they are
+/// written with `O_DIRECT` as they are).
 pub type ExtentBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 impl Job {
@@ -277,11 +281,13 @@ struct Run {
 }
 
 impl Run {
-    /// Whether `job` is the extent after the tail.
+    /// Whether `job` is the extent after the tail; an unaligned one (a file's short
+    /// last extent) is written on its own, since it makes its whole run buffered.
     fn continued_by(&self, job: &Job) -> bool {
-        self.tail.as_ref().is_some_and(|(e, i)| {
-            Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
-        })
+        job.bytes().len() % super::DIRECT_ALIGN == 0
+            && self.tail.as_ref().is_some_and(|(e, i)| {
+                Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
+            })
     }
 }
 
@@ -289,6 +295,8 @@ fn run(s: &Shared) {
     // A run is at most a quarter of the queue: its bytes count against the queue's
     // bound until written, and fresh extents must still find room.
     let run_bytes = (s.max_bytes / 4).clamp(1, RUN_BYTES);
+    // Where runs end early: `run_bytes` rounded down to a power of two.
+    let run_align = 1u64 << run_bytes.ilog2();
     let mut held = Run {
         jobs: Vec::new(),
         bytes: 0,
@@ -368,12 +376,11 @@ fn run(s: &Shared) {
         let publish_now = match step {
             Step::Take(job) => {
                 held.bytes += job.bytes().len() as u64;
-                // Runs also end where the file's offset is a multiple of RUN_BYTES, so
-                // that consecutive runs cover whole 2 MiB-aligned spans: the page cache
-                // takes those as huge folios (`Entry::write_run`).
+                // Runs also end at multiples of `run_align` in the file, so that a
+                // pass's runs are whole, aligned requests rather than shifted ones.
                 let ends_aligned = (job.extent + 1)
                     .checked_mul(job.entry.spec.extent)
-                    .is_some_and(|end| end % RUN_BYTES == 0);
+                    .is_some_and(|end| end % run_align == 0);
                 held.tail = Some((job.entry.clone(), job.extent));
                 held.jobs.push(job);
                 held.since = Instant::now();
