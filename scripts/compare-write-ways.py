@@ -11,6 +11,10 @@ reads every copy once whole in 1 MiB reads, the page cache dropped (root) before
 read, the order reversed every other round. Prints each copy's median and its median
 ratio of time to the first buffered copy's, per round, and each way's mean of those
 ratios. docs/TIER.md ("Writing") used it on the bench's exported `model.gguf`.
+
+--first-read: instead, each round writes one copy each way (order alternating) and
+times each copy's first cold read right after it was written, then a second one; the
+copies are removed after the round. Prints each way's medians.
 """
 
 import argparse
@@ -59,17 +63,40 @@ WAYS = {
 }
 
 
+def first_reads(src, work, rounds):
+    """Per round and way: a fresh copy, its first cold read at once, then a second."""
+    first, second = {w: [] for w in WAYS}, {w: [] for w in WAYS}
+    ways = list(WAYS.items())
+    for r in range(rounds):
+        for way, write in (ways if r % 2 == 0 else ways[::-1]):
+            p = os.path.join(work, "copy")
+            write(src, p)
+            drop_page_cache()
+            first[way].append(read_all(p))
+            drop_page_cache()
+            second[way].append(read_all(p))
+            os.remove(p)
+    for way in WAYS:
+        print(f"{way:16} first cold read after writing: median "
+              f"{statistics.median(first[way]) * 1000:.1f} ms, the next one "
+              f"{statistics.median(second[way]) * 1000:.1f} ms; rounds "
+              + " ".join(f"{x * 1000:.0f}/{y * 1000:.0f}" for x, y in zip(first[way], second[way])))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--dir")
+    ap.add_argument("--first-read", action="store_true")
     a = ap.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="write-ways-",
                                      dir=os.path.dirname(os.path.abspath(a.file)))
     os.makedirs(work, exist_ok=True)
     try:
+        if a.first_read:
+            return first_reads(a.file, work, a.rounds)
         files = []  # (way, path), ways interleaved
         for i in range(a.copies):
             for n, (way, write) in enumerate(WAYS.items()):
