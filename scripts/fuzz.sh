@@ -154,6 +154,14 @@ if [ $LONG = 1 ]; then
         if [ -f "$stats" ]; then
             input=-
             echo "== $t: resuming ($n executions so far), $SECS s"
+            # afl-fuzz writes fastresume.bin as it exits; a session killed before this
+            # script recorded it may have left it cut short, and resuming from that
+            # aborts ("Short read from queue data"). Resume the slow way instead.
+            fast=$dir/afl/default/fastresume.bin
+            if [ -f "$fast" ] && { [ ! -f "$dir/sessions" ] || [ "$fast" -nt "$dir/sessions" ]; }; then
+                mv "$fast" "$fast.unrecorded"
+                echo "   $t: the last session was not recorded (killed?): its fastresume.bin set aside, the queue calibrated again"
+            fi
         else
             rm -rf "$dir/afl"
             input=corpus/$t
@@ -186,6 +194,12 @@ if [ $LONG = 1 ]; then
         # AFL++ carries execs_done over a resume; count only this session's.
         added=$((after - ${before:-0}))
         [ "$added" -ge 0 ] || added=$after
+        if [ $STOP = 0 ] && [ "$rc" != 0 ] && [ "$added" = 0 ]; then
+            echo "$t: afl-fuzz stopped at once (rc $rc), see $dir/afl.log:" >&2
+            tail -n 8 "$dir/afl.log" >&2
+            FAILED+=("$t")
+            continue
+        fi
         echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $COMMIT $secs $added $after" >>"$dir/sessions"
         c=$(long_count "$t" crashes)
         echo "   $t: +$added executions in $secs s ($(stat_of "$stats" execs_per_sec)/s this session), crashes $c"
