@@ -208,7 +208,7 @@ if [ $LONG = 1 ]; then
     trap - INT TERM
     long_report
     if [ ${#FAILED[@]} -gt 0 ]; then
-        echo "FAILED: ${FAILED[*]} (crashes in $LONG_DIR/TARGET/afl/default/crashes/; replay: fuzz/target/debug/TARGET < FILE)" >&2
+        echo "FAILED: ${FAILED[*]} (why: above; crashes are kept in $LONG_DIR/TARGET/afl/default/crashes/, replay: fuzz/target/debug/TARGET < FILE)" >&2
         exit 1
     fi
     exit 0
