@@ -1,6 +1,6 @@
 //! The background writer: freshly reconstructed extents (shared, not copied) go into
 //! a bounded queue and one thread writes them to their entries, consecutive ones in
-//! one request of up to 4 MiB, publishing each entry's index now and then, when the
+//! one request of up to 64 MiB, publishing each entry's index now and then, when the
 //! queue runs dry, and at [`Writer::flush`]. A full queue drops
 //! the extent: the tier must never delay a read. Dropped extents are remembered
 //! ([`Writer::take_dropped_when_idle`]) so the mount can make them again once the queue
