@@ -2,7 +2,7 @@
 """The disk tier and FUSE passthrough against the exported file, measured in one run.
 
   scripts/bench-tier.py [--archive PATH] [--runs 6] [--load-only] [--baseline BIN]
-                        [--token-runs N] [--out docs/MOUNT.md [--section tier]]
+                        [--token-runs N] [--no-primer] [--out docs/MOUNT.md [--section tier]]
 
 Every comparison is paired and interleaved (mount, file, file, mount, ...) and reports
 the median of the pairs' ratios (the first pass against no tier: the ratio of medians;
@@ -33,6 +33,10 @@ its CPU against `export`: the median of each round's ratio); "file" is
    time, against generating from the exported file after dropping the page cache.
    `--load-only` leaves 3 out (for a large model, whose warm generation adds minutes
    and no new question; its cold reads are the ones least moved by a file's open).
+
+Every cold step (page cache dropped) first reads a scratch file of the view's size plus
+512 MiB through the page cache and drops it again (`--no-primer`: not), so that its own
+page cache lands on memory the VM's host backs; see PRIMER.
 
 Needs root (it drops the page cache), target/release/cawsfs and the llama.cpp build
 (scripts/build-llama-cpp.sh). Work files go to $CAWSFS_CACHE/bench-tier (default
@@ -74,10 +78,44 @@ def sh(*args, **kw):
     return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True, **kw).stdout
 
 
+# A scratch file read through the page cache (then dropped) before every measured cold
+# step; None: not made yet (`make_primer`). Why: on the bench VM, memory the guest
+# freed and left idle for a few seconds is handed back to the host (virtio-balloon free
+# page reporting), and filling it again costs ~10 us of kernel time per 4 KiB page.
+# The same exported file read cold in 0.42-0.68 s right after the page cache was
+# dropped, and in 2.5-3.3 s (all of it system time) after 20 s idle; reading
+# 1.7 GB of another file first, then dropping it, brought the latter back to
+# 0.43-0.45 s (docs/MOUNT.md, "Run 27"). Without it, a cold sample's time said how long
+# the machine had been idle before it (which read went first in a pair) rather than how
+# the file is served. Harmless where memory is the machine's own.
+PRIMER = None
+
+
+def make_primer(path, size):
+    """A `size`-byte file of random bytes at `path` (kept for the next run if its size
+    is right) read before every cold step from now on."""
+    global PRIMER
+    if not (os.path.exists(path) and os.path.getsize(path) == size):
+        with open(path + ".tmp", "wb") as f:
+            left = size
+            while left:
+                n = min(left, 64 * MiB)
+                f.write(os.urandom(n))
+                left -= n
+        os.replace(path + ".tmp", path)
+    PRIMER = path
+
+
 def drop_page_cache():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    """Drop the page cache (after a sync); with a primer, read it through the page cache
+    and drop it again, so the next step's page cache lands on memory the guest holds."""
+    for primed in (False, True):
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        if primed or PRIMER is None:
+            return
+        read_all(PRIMER)
 
 
 def cpu_s(pid):
@@ -259,6 +297,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--section", default="tier")
     ap.add_argument("--baseline", help="another build's cawsfs binary: its first pass too")
+    ap.add_argument("--no-primer", action="store_true",
+                    help="no scratch read before each cold step (see PRIMER)")
     a = ap.parse_args()
     a.runs += a.runs % 2  # even: each order of a pair as often as the other (see paired)
     if os.geteuid() != 0:
@@ -286,6 +326,8 @@ def main():
     shutil.rmtree(tier, ignore_errors=True)
     export()  # the file the later steps compare with; each round measures it again
     size = os.path.getsize(exported)
+    if not a.no_primer:  # the view, and the daemon's chunk cache (512 MiB by default)
+        make_primer(os.path.join(work, "primer.bin"), size + 512 * MiB)
     archive_bytes = os.path.getsize(archive)
     rows = []
 
@@ -415,7 +457,8 @@ def main():
     cmd = ("scripts/bench-tier.py" + (f" --archive {a.archive}" if a.archive else "")
            + f" --runs {a.runs}" + (" --load-only" if a.load_only else "")
            + (f" --token-runs {a.token_runs}" if a.token_runs else "")
-           + (f" --baseline {a.baseline}" if a.baseline else ""))
+           + (f" --baseline {a.baseline}" if a.baseline else "")
+           + (" --no-primer" if a.no_primer else ""))
     text = (f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
             f"`{cmd}`, archive {os.path.basename(archive)} ({archive_bytes / MiB:.1f} MiB), "
             f"model.gguf {size / MiB:.1f} MiB; medians of {a.runs} interleaved pairs (tokens/s: "

@@ -3,9 +3,10 @@
 time for one sequential read of a file through a fresh tier, cold page cache.
 
   scripts/compare-first-pass.py BIN_A BIN_B [--archive PATH] [--file model.gguf]
-                                [--rounds 16] [--no-disk-cache]
+                                [--rounds 16] [--no-disk-cache] [--no-primer]
 
-Per round and build: an empty tier directory, the page cache dropped (root), `mount`,
+Per round and build: an empty tier directory, the page cache dropped (root; then a
+scratch file read and dropped, as scripts/bench-tier.py does: its PRIMER), `mount`,
 one sequential read of FILE in 1 MiB reads, the daemon's CPU (user + system) and minor
 page faults over the read from /proc/PID/stat, `umount`. The order alternates (A B,
 B A, ...). It prints each build's per-round CPU, the medians, and the median of the
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--no-disk-cache", action="store_true",
                     help="mount without a tier (the daemon's own cost, no tier writes)")
+    ap.add_argument("--no-primer", action="store_true",
+                    help="no scratch read before each pass (bench-tier.py's PRIMER)")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -76,6 +79,9 @@ def main():
                  " scripts/bench-tier.py makes ~/.cache/cawsfs/bench-tier/demo/smol.cawsf)")
     rows = {a.a: [], a.b: []}
     with tempfile.TemporaryDirectory() as work:
+        if not a.no_primer:  # about the view (twice the archive) and a 512 MiB cache
+            size = os.path.getsize(a.archive) * 2 + (512 << 20)
+            _bench.make_primer(os.path.join(work, "primer.bin"), size)
         for i in range(a.rounds):
             for binary in (a.a, a.b) if i % 2 == 0 else (a.b, a.a):
                 rows[binary].append(one_pass(binary, a.archive, a.file, work,
