@@ -304,7 +304,8 @@ pub struct MountArgs {
     pub mountpoint: PathBuf,
     #[command(flatten)]
     pub device: DeviceArgs,
-    /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM).
+    /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM; with
+    /// the disk tier on, at most 512 MiB unless --pin-infra or --pin-prompt is given).
     #[arg(long, value_parser = cawsfs::mount::parse_size)]
     pub cache_size: Option<u64>,
     /// Keep reconstructed bytes in this directory, checked, across mounts and restarts

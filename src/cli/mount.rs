@@ -36,29 +36,36 @@ pub fn cmd_mount(a: MountArgs) -> Result<()> {
 }
 
 fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
+    let tier = a
+        .disk_cache
+        .clone()
+        .or_else(cawsfs::mount::default_tier_dir)
+        .filter(|_| !a.no_disk_cache)
+        .map(|dir| cawsfs::fs::TierOptions {
+            max_bytes: a
+                .disk_cache_size
+                .unwrap_or_else(|| cawsfs::mount::default_tier_bytes(&dir)),
+            required: a.disk_cache.is_some(),
+            dir,
+        });
+    // Pinned bytes are charged to the budget: a mount that pins keeps the larger one.
+    let pins = a.pin_infra || a.pin_prompt.is_some();
+    let cache_bytes = a.cache_size.unwrap_or_else(|| match (&tier, pins) {
+        (Some(_), false) => {
+            cawsfs::mount::default_cache_bytes().min(cawsfs::mount::TIERED_CACHE_BYTES)
+        }
+        _ => cawsfs::mount::default_cache_bytes(),
+    });
     cawsfs::mount::MountOptions {
         fs: cawsfs::fs::FsOptions {
-            cache_bytes: a
-                .cache_size
-                .unwrap_or_else(cawsfs::mount::default_cache_bytes),
+            cache_bytes,
             gguf_type: a.gguf_type,
             safetensors_dtype: a.dtype.map(float_of),
             safetensors_shard_bytes: a.safetensors_shard_size,
             prefetch_threads: a.prefetch_threads,
             readahead_chunks: a.readahead_chunks,
             router_eviction: a.eviction == Eviction::Router,
-            tier: a
-                .disk_cache
-                .clone()
-                .or_else(cawsfs::mount::default_tier_dir)
-                .filter(|_| !a.no_disk_cache)
-                .map(|dir| cawsfs::fs::TierOptions {
-                    max_bytes: a
-                        .disk_cache_size
-                        .unwrap_or_else(|| cawsfs::mount::default_tier_bytes(&dir)),
-                    required: a.disk_cache.is_some(),
-                    dir,
-                }),
+            tier,
             experts: expert_options(a),
             ..Default::default()
         },

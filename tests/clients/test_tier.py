@@ -334,3 +334,20 @@ def test_materialize_fills_the_tier_for_passthrough(cawsfs, archives, work, expo
         assert p.returncode != 0 and "has no disk tier" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
     finally:
         m.close()
+
+
+def test_the_default_cache_budget_follows_the_tier(cawsfs, archives, work, tier):
+    """With the tier on, the default budget is a quarter of RAM but at most 512 MiB (the
+    bytes also live in the page cache and the tier); without it, or with pins charged to
+    the budget, the quarter (at least 256 MiB)."""
+    path, _ = archives["default"]
+    quarter = max(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 256 << 20)
+    for args, budget in ((["--disk-cache", tier], min(quarter, 512 << 20)),
+                         (["--no-disk-cache"], quarter),
+                         (["--disk-cache", tier, "--pin-infra"], quarter),
+                         (["--disk-cache", tier, "--cache-size", "40MiB"], 40 << 20)):
+        m = Mount(cawsfs, path, work / "mnt-budget", *args)
+        try:
+            assert m.stat()["cache"]["budget"] == budget, (args, m.stat()["cache"])
+        finally:
+            m.close()
