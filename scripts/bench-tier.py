@@ -85,7 +85,7 @@ def sh(*args, **kw):
 # The same exported file read cold in 0.42-0.68 s right after the page cache was
 # dropped, and in 2.5-3.3 s (all of it system time) after 20 s idle; reading
 # 1.7 GB of another file first, then dropping it, brought the latter back to
-# 0.43-0.45 s (docs/MOUNT.md, "Run 27"). Without it, a cold sample's time said how long
+# 0.43-0.45 s (docs/MOUNT.md, "Runs 27–28"). Without it, a cold sample's time said how long
 # the machine had been idle before it (which read went first in a pair) rather than how
 # the file is served. Harmless where memory is the machine's own.
 PRIMER = None

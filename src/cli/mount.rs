@@ -50,11 +50,13 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
         });
     // Pinned bytes are charged to the budget: a mount that pins keeps the larger one.
     let pins = a.pin_infra || a.pin_prompt.is_some();
-    let cache_bytes = a.cache_size.unwrap_or_else(|| match (&tier, pins) {
-        (Some(_), false) => {
-            cawsfs::mount::default_cache_bytes().min(cawsfs::mount::TIERED_CACHE_BYTES)
+    let cache_bytes = a.cache_size.unwrap_or_else(|| {
+        let quarter = cawsfs::mount::default_cache_bytes();
+        if tier.is_some() && !pins {
+            quarter.min(cawsfs::mount::TIERED_CACHE_BYTES)
+        } else {
+            quarter
         }
-        _ => cawsfs::mount::default_cache_bytes(),
     });
     cawsfs::mount::MountOptions {
         fs: cawsfs::fs::FsOptions {

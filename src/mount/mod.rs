@@ -73,7 +73,7 @@ pub enum MountError {
 /// read without reconstructing, so a larger cache is a third copy, and making it
 /// costs: a first pass of a 1.17 B model (1.2 GB view) with the quarter of 24 GiB took
 /// 319 k page faults and 3.0 s of daemon CPU, with 512 MiB 165 k and 2.5 s, against
-/// 2.3 s for `export` (docs/MOUNT.md, "Run 27").
+/// 2.3 s for `export` (docs/MOUNT.md, "Runs 27–28").
 pub const TIERED_CACHE_BYTES: u64 = 512 << 20;
 
 /// Default cache budget: a quarter of physical memory, at least 256 MiB.
