@@ -1,4 +1,5 @@
-//! A chunk's bytes: zeroed, in one heap allocation, starting at a page boundary.
+//! A chunk's bytes: zeroed, starting at a page boundary, in a slot of a huge-page block
+//! (slots.rs) or in one heap allocation.
 //!
 //! Why aligned: the disk tier writes freshly loaded chunks to disk with `O_DIRECT`,
 //! which wants an aligned buffer. With the chunk itself aligned the tier's writer takes
@@ -8,6 +9,8 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+
+use super::slots;
 
 /// Told of each chunk a loader has just produced (its index and bytes), on the loading
 /// thread once the chunk's readers have it: the disk tier keeps a reference to write
@@ -25,24 +28,56 @@ impl super::ChunkCache {
 /// Alignment of a chunk's first byte.
 pub const CHUNK_ALIGN: usize = 4096;
 
-/// `len` bytes at a page boundary inside a plain allocation of `len + CHUNK_ALIGN - 1`
-/// (up to a page more than needed, 1.6 % of a 256 KiB chunk). Not an aligned allocation:
-/// glibc's `memalign` splits off a fragment before and after each block, and a cache
-/// that frees and makes 256 KiB chunks all day then grew its heap around the fragments
-/// (a 16 MiB cache's daemon peaked at up to 44 MiB of anonymous memory against 27 MiB);
-/// blocks of one size are reused whole.
+/// A chunk of more than half a slot and at most one ([`slots::SLOT`], the default
+/// chunk size) lives in a slot of the pool of huge-page blocks (slots.rs); others, and
+/// any the pool cannot map, in the heap.
 pub struct Chunk {
-    buf: Box<[u8]>,
-    start: usize,
+    mem: Mem,
     len: usize,
 }
+
+enum Mem {
+    Slot(slots::SlotAddr),
+    /// `len` bytes at a page boundary inside a plain allocation of `len + CHUNK_ALIGN - 1`
+    /// (up to a page more than needed). Not an aligned allocation: glibc's `memalign`
+    /// splits off a fragment before and after each block, and a cache that frees and
+    /// makes chunks all day then grew its heap around the fragments (a 16 MiB cache's
+    /// daemon peaked at up to 44 MiB of anonymous memory against 27 MiB); blocks of one
+    /// size are reused whole.
+    Heap {
+        buf: Box<[u8]>,
+        start: usize,
+    },
+}
+
+// SAFETY: a slot's bytes belong to its chunk alone, as a Box's do (the pool never hands
+// out a live slot again), and are only reached through the chunk's `&`/`&mut` borrows.
+unsafe impl Send for Chunk {}
+unsafe impl Sync for Chunk {}
 
 impl Chunk {
     /// `len` zero bytes, page-aligned.
     pub fn zeroed(len: usize) -> Chunk {
-        let buf = vec![0u8; len + CHUNK_ALIGN - 1].into_boxed_slice();
-        let start = buf.as_ptr().align_offset(CHUNK_ALIGN);
-        Chunk { buf, start, len }
+        let slot = (len > slots::SLOT / 2 && len <= slots::SLOT)
+            .then(|| slots::alloc(len))
+            .flatten();
+        let mem = match slot {
+            Some(addr) => Mem::Slot(addr),
+            None => {
+                let buf = vec![0u8; len + CHUNK_ALIGN - 1].into_boxed_slice();
+                let start = buf.as_ptr().align_offset(CHUNK_ALIGN);
+                Mem::Heap { buf, start }
+            }
+        };
+        Chunk { mem, len }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        if let Mem::Slot(addr) = self.mem {
+            slots::free(addr);
+        }
     }
 }
 
@@ -50,13 +85,21 @@ impl Deref for Chunk {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
+        match &self.mem {
+            // SAFETY: the slot holds `len` <= SLOT initialized bytes, ours until drop.
+            Mem::Slot(addr) => unsafe { std::slice::from_raw_parts(addr.as_ptr(), self.len) },
+            Mem::Heap { buf, start } => &buf[*start..*start + self.len],
+        }
     }
 }
 
 impl DerefMut for Chunk {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.start..self.start + self.len]
+        match &mut self.mem {
+            // SAFETY: as in `deref`, and `&mut self` makes this the only borrow.
+            Mem::Slot(addr) => unsafe { std::slice::from_raw_parts_mut(addr.as_ptr(), self.len) },
+            Mem::Heap { buf, start } => &mut buf[*start..*start + self.len],
+        }
     }
 }
 
@@ -78,7 +121,16 @@ mod tests {
 
     #[test]
     fn zeroed_chunks_are_aligned_exact_and_writable() {
-        for len in [0, 1, 4095, 4096, 4097, 256 * 1024, 256 * 1024 + 17] {
+        for len in [
+            0,
+            1,
+            4095,
+            4096,
+            4097,
+            200 << 10,
+            256 * 1024,
+            256 * 1024 + 17,
+        ] {
             let mut c = Chunk::zeroed(len);
             assert_eq!(c.len(), len);
             assert!(c.iter().all(|&b| b == 0));

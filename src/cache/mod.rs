@@ -13,7 +13,7 @@
 //! Design (the file that implements each part in parentheses):
 //! - **Keys** are [`ChunkKey`] `{ file, index }`; chunk `index` covers bytes
 //!   `index*chunk_size .. min(size, (index+1)*chunk_size)`. Values are `Arc<Chunk>`
-//!   (page-aligned bytes, `chunk.rs`), so a
+//!   (page-aligned bytes, `chunk.rs`; full-size ones in huge-page blocks, `slots.rs`), so a
 //!   reader keeps its chunk alive while copying even if it is evicted meanwhile (the
 //!   "plus chunks being handed to readers" slack of the memory invariant).
 //! - **Budget** (`lru.rs`). One mutex guards an unbounded `lru::LruCache` of unpinned
@@ -78,6 +78,7 @@ mod flight;
 mod lru;
 mod prefetch;
 mod resident;
+mod slots;
 mod stats;
 mod sync;
 mod trace;
@@ -347,6 +348,9 @@ impl ChunkCache {
         if !cfg.chunk_size.is_power_of_two() {
             return Err(CacheError::BadChunkSize(cfg.chunk_size));
         }
+        // Evicted chunks' memory kept for the next loads: a 64th of the budget, at most
+        // 16 MiB (the pool's own 1 MiB for small budgets).
+        slots::reserve_at_least((cfg.budget_bytes / 64).min(16 << 20));
         Ok(ChunkCache {
             shared: Arc::new(Shared {
                 cfg,
