@@ -1,8 +1,10 @@
 //! Cache statistics: lock-free counters updated on the read path and a serializable
 //! snapshot ([`CacheStats`]) for the control socket and `cawsfs stat`.
 
+use super::{lock, ExpertStats, ENTRY_OVERHEAD_BYTES};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::PoisonError;
 
 /// Global counters. Relaxed atomics: each is an independent tally, a snapshot need not
 /// be a consistent cut across them.
@@ -232,4 +234,123 @@ pub struct CacheStats {
     /// The expert predictors' counters (docs/MOE.md), zero without one.
     #[serde(default)]
     pub experts: super::ExpertStats,
+}
+
+// The snapshot is built here, beside what it reads, rather than in the cache's core.
+impl super::ChunkCache {
+    /// A snapshot of all statistics.
+    pub fn stats(&self) -> CacheStats {
+        let sh = &*self.shared;
+        let c = &sh.counters;
+        let (
+            charged,
+            working,
+            unpinned,
+            pinned_reserved,
+            pinned_resident,
+            entries,
+            pinned_entries,
+            inflight,
+        ) = {
+            let st = lock(&sh.state);
+            let pinned_res = st.pinned.values().filter(|s| s.entry.is_some()).count();
+            (
+                st.charged,
+                st.working,
+                st.unpinned_bytes,
+                st.pinned_reserved,
+                st.pinned_resident,
+                (st.lru.len() + st.hinted.len() + pinned_res) as u64,
+                st.pinned.len() as u64,
+                st.inflight.len() as u64,
+            )
+        };
+        let (queue_len, workers) = {
+            let q = lock(&sh.queue);
+            (q.jobs.len() as u64, q.workers as u64)
+        };
+        let mut files: Vec<FileStats> = sh
+            .files
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(id, f)| f.counters.snapshot(*id))
+            .collect();
+        files.sort_by_key(|f| f.file);
+        let hits = c.hits.load(Relaxed);
+        let prefetch_hits = c.prefetch_hits.load(Relaxed);
+        let misses = c.misses.load(Relaxed);
+        let lookups = hits + prefetch_hits + misses;
+        let bytes_served = c.bytes_served.load(Relaxed);
+        let decoded = c.archive_bytes_decoded.load(Relaxed);
+        CacheStats {
+            budget_bytes: sh.cfg.budget_bytes,
+            chunk_size: sh.cfg.chunk_size,
+            bytes_used: unpinned + pinned_resident,
+            unpinned_bytes: unpinned,
+            pinned_bytes: pinned_reserved,
+            pinned_resident_bytes: pinned_resident,
+            charged_bytes: charged,
+            working_bytes: working,
+            entries,
+            pinned_entries,
+            entry_overhead_bytes: ENTRY_OVERHEAD_BYTES,
+            loads_in_flight: inflight,
+            reads: c.reads.load(Relaxed),
+            read_errors: c.read_errors.load(Relaxed),
+            hits,
+            prefetch_hits,
+            misses,
+            coalesced: c.coalesced.load(Relaxed),
+            hit_rate: if lookups == 0 {
+                0.0
+            } else {
+                (hits + prefetch_hits) as f64 / lookups as f64
+            },
+            bytes_served,
+            bytes_loaded: c.bytes_loaded.load(Relaxed),
+            loads: c.loads.load(Relaxed),
+            load_errors: c.load_errors.load(Relaxed),
+            evictions: c.evictions.load(Relaxed),
+            not_retained: c.not_retained.load(Relaxed),
+            room_waits: c.room_waits.load(Relaxed),
+            archive_bytes_decoded: decoded,
+            decoded_per_served: if bytes_served == 0 {
+                0.0
+            } else {
+                decoded as f64 / bytes_served as f64
+            },
+            readahead_triggers: c.readahead_triggers.load(Relaxed),
+            prefetch_workers: workers,
+            prefetch_queue_len: queue_len,
+            prefetch_queued: c.prefetch_queued.load(Relaxed),
+            prefetch_loads: c.prefetch_loads.load(Relaxed),
+            prefetch_skipped: c.prefetch_skipped.load(Relaxed),
+            prefetch_dropped: c.prefetch_dropped.load(Relaxed),
+            prefetch_errors: c.prefetch_errors.load(Relaxed),
+            latency_us: sh.latency.snapshot(),
+            load_latency_us: sh.load_latency.snapshot(),
+            files,
+            stalls: c.stalls.load(Relaxed),
+            stall_us: c.stall_us.load(Relaxed),
+            experts: self.expert_stats(),
+        }
+    }
+
+    fn expert_stats(&self) -> ExpertStats {
+        let mut s = ExpertStats::default();
+        for f in self
+            .shared
+            .files
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            if let Some(p) = f.experts.get() {
+                p.add_stats(&mut s);
+            }
+        }
+        s.finish();
+        s
+    }
 }
