@@ -3,7 +3,7 @@
 //! The data path runs one way, and every import points down it (docs/ARCHITECTURE.md;
 //! `tests/layering.rs` checks it):
 //! ```text
-//! error (FileError), mem (allocation counts) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
+//! error (FileError), localfs (local files as input), mem (allocation counts) ─► gguf (GGUF format, ggml quants) ─► model (ModelDesc, RowSource, names)
 //!   ─► codec (NDSQ, PQ, passthrough, delta, int8/int4) ─► reconstruct (CPU | CUDA backend)
 //!   ─► import (HF dir, GGUF)
 //!   ─► archive: error ◄ store (the Store trait) ◄ container ◄ cawsf | delta | npydir ◄ open
@@ -25,6 +25,7 @@ pub mod fuse;
 pub mod gguf;
 pub mod import;
 pub mod layout;
+pub mod localfs;
 pub mod mem;
 pub mod model;
 pub mod mount;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 /// Top-level modules, bottom of the data path first.
 const LAYERS: &[&str] = &[
     "error",
+    "localfs",
     "mem",
     "gguf",
     "model",
