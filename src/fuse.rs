@@ -57,16 +57,26 @@ pub struct FuseAdapter {
 /// File handles: how an open was answered.
 const FH_DAEMON: FileHandle = FileHandle(1);
 const FH_PASSTHROUGH: FileHandle = FileHandle(2);
+/// Through the daemon with direct I/O, while passthrough opens of the inode are alive
+/// but its backing file is no longer handed out (its seal was broken).
+const FH_DIRECT: FileHandle = FileHandle(3);
 
 /// Open files per inode. The kernel fails (EIO) a passthrough open of an inode that is
-/// open through the daemon, and a daemon open of one open for passthrough.
+/// open through the daemon with the page cache, and such an open of one open for
+/// passthrough; a direct I/O open stands beside either.
 #[derive(Default)]
 struct Opens {
-    /// One backing file per inode once used, kept for the mount's life (the kernel
+    /// One backing file per inode once used, kept while its seal holds (the kernel
     /// requires the same one for every passthrough open of an inode).
     backing: std::collections::HashMap<u64, std::sync::Arc<fuser::BackingId>>,
     /// Opens served through the daemon and not yet released.
     daemon: std::collections::HashMap<u64, u32>,
+    /// Passthrough opens not yet released.
+    passthrough: std::collections::HashMap<u64, u32>,
+}
+
+fn live(counts: &std::collections::HashMap<u64, u32>, ino: u64) -> bool {
+    counts.get(&ino).is_some_and(|&n| n > 0)
 }
 
 impl FuseAdapter {
@@ -159,11 +169,21 @@ impl Filesystem for FuseAdapter {
             return reply.error(errno(&e));
         }
         let mut opens = self.opens.lock().unwrap();
-        let daemon_open = opens.daemon.get(&ino.0).is_some_and(|&n| n > 0);
-        if self.passthrough.load(Relaxed) && !daemon_open {
-            let id = match opens.backing.get(&ino.0) {
-                Some(id) => Some(id.clone()),
-                None => match self.fs.backing_file(ino.0).map(|f| reply.open_backing(&f)) {
+        // A backing file found changed is not handed out again (docs/TIER.md).
+        if opens.backing.contains_key(&ino.0) && !self.fs.backing_intact(ino.0) {
+            opens.backing.remove(&ino.0);
+        }
+        let daemon_open = live(&opens.daemon, ino.0);
+        let passthrough_open = live(&opens.passthrough, ino.0);
+        let id = match opens.backing.get(&ino.0) {
+            // Passthrough opens of this inode may be alive: a daemon open now would
+            // fail in the kernel, so it is served the same way even if passthrough was
+            // turned off since.
+            Some(id) if !daemon_open => Some(id.clone()),
+            Some(_) => None,
+            // A new backing file only when no passthrough open of the inode is left.
+            None if self.passthrough.load(Relaxed) && !daemon_open && !passthrough_open => {
+                match self.fs.backing_file(ino.0).map(|f| reply.open_backing(&f)) {
                     Some(Ok(id)) => {
                         let id = std::sync::Arc::new(id);
                         opens.backing.insert(ino.0, id.clone());
@@ -177,21 +197,21 @@ impl Filesystem for FuseAdapter {
                         None
                     }
                     None => None,
-                },
-            };
-            if let Some(id) = id {
-                // The kernel refuses KEEP_CACHE with passthrough (the page cache is the
-                // backing file's).
-                self.fs.passthrough_opened(ino.0);
-                return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
+                }
             }
-        }
-        if opens.backing.contains_key(&ino.0) && !daemon_open {
-            // Passthrough opens of this inode may still be alive: a daemon open now
-            // would fail in the kernel. Serve it the same way instead.
-            let id = opens.backing[&ino.0].clone();
+            None => None,
+        };
+        if let Some(id) = id {
+            // The kernel refuses KEEP_CACHE with passthrough (the page cache is the
+            // backing file's).
             self.fs.passthrough_opened(ino.0);
+            *opens.passthrough.entry(ino.0).or_default() += 1;
             return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
+        }
+        if passthrough_open {
+            // Its backing file was found changed while passthrough opens are alive:
+            // checked reads through the daemon, past the page cache.
+            return reply.opened(FH_DIRECT, FopenFlags::FOPEN_DIRECT_IO);
         }
         *opens.daemon.entry(ino.0).or_default() += 1;
         // Contents never change: keep the page cache across opens.
@@ -208,11 +228,21 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if fh == FH_DAEMON {
-            let mut opens = self.opens.lock().unwrap();
-            if let Some(n) = opens.daemon.get_mut(&ino.0) {
-                *n = n.saturating_sub(1);
-            }
+        let mut opens = self.opens.lock().unwrap();
+        let counts = match fh {
+            FH_DAEMON => &mut opens.daemon,
+            FH_PASSTHROUGH => &mut opens.passthrough,
+            _ => return reply.ok(),
+        };
+        if let Some(n) = counts.get_mut(&ino.0) {
+            *n = n.saturating_sub(1);
+        }
+        // Checked on release too: a change seen now is one more open spared it.
+        if fh == FH_PASSTHROUGH
+            && opens.backing.contains_key(&ino.0)
+            && !self.fs.backing_intact(ino.0)
+        {
+            opens.backing.remove(&ino.0);
         }
         reply.ok();
     }

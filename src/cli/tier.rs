@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::SystemTime;
 
 use anyhow::{Context, Result};
+
 use bytesize::ByteSize;
 use cawsfs::tier::{self, EntryInfo};
 
@@ -14,7 +15,7 @@ pub fn cmd_tier(cmd: TierCmd) -> Result<()> {
     match cmd {
         TierCmd::Ls { dir, json } => {
             let dir = tier_dir(dir)?;
-            let entries = tier::list(&dir).with_context(|| format!("{}", dir.display()))?;
+            let entries = tier::list(&dir)?;
             if json {
                 let v: Vec<_> = entries.iter().map(entry_json).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -54,6 +55,10 @@ fn report(dir: &std::path::Path, done: tier::Collected) -> Result<()> {
             format!("; {} in use by a mount, kept", done.busy.len())
         }
     );
+    // Not fatal: everything else was removed.
+    for (e, why) in &done.failed {
+        eprintln!("{}: entry {} not removed: {why}", dir.display(), e.key);
+    }
     Ok(())
 }
 

@@ -235,7 +235,7 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
     if let Some(t) = &s.tier {
         let _ = writeln!(
             out,
-            "tier     {} of {} present ({} whole)  served {}  written {}  dropped {} (refilled {})  bad {}  passthrough {} ({} opens)",
+            "tier     {} of {} present ({} whole)  served {}  written {}  dropped {} (refilled {})  bad {}  tampered {}  passthrough {} ({} opens)",
             bytes(t.present_bytes),
             bytes(t.max_bytes),
             count(t.whole_files),
@@ -244,6 +244,7 @@ fn render_stat_with(s: &StatReply, rates: Option<&str>) -> String {
             count(t.dropped_extents),
             count(t.refilled_extents),
             count(t.bad_extents),
+            count(t.tampered),
             t.passthrough.as_deref().unwrap_or("-"),
             count(t.passthrough_opens),
         );
@@ -395,7 +396,7 @@ pub fn render_prometheus(stats: &StatReply) -> String {
     let d = stats.device.as_ref();
     let x = stats.experts.as_ref();
     let f = stats.fetch.as_ref();
-    let simple: [(&str, &str, &str, Option<u64>); 46] = [
+    let simple: [(&str, &str, &str, Option<u64>); 47] = [
         (
             "cawsfs_fetch_cache_hit_bytes_total",
             "counter",
@@ -623,6 +624,12 @@ pub fn render_prometheus(stats: &StatReply) -> String {
             "counter",
             "Disk tier extents that failed their checksum.",
             t.bad_extents,
+        ),
+        (
+            "cawsfs_tier_tampered_total",
+            "counter",
+            "Sealed passthrough backing files found changed.",
+            t.tampered,
         ),
         (
             "cawsfs_tier_present_bytes",

@@ -89,6 +89,10 @@ pub struct TierStat {
     /// none of those reads reach the daemon.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub passthrough_opens: Option<u64>,
+    /// Sealed passthrough backing files found changed (their seal lifted); each is
+    /// verified again before it is handed to the kernel again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tampered: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub materialize: Option<MaterializeStat>,
 }

@@ -105,7 +105,7 @@ pub enum SetupError {
     Layout(#[from] LayoutError),
     #[error("cache: {0}")]
     Cache(#[from] CacheError),
-    #[error("disk tier: {0}")]
+    #[error(transparent)]
     Tier(#[from] tier::TierError),
     #[error("disk tier: cannot start its writer: {0}")]
     TierWriter(std::io::Error),

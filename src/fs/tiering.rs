@@ -21,6 +21,10 @@ pub struct FsTier {
     pub(super) bad_extents: AtomicU64,
     /// Opens answered with FUSE passthrough (the kernel reads the data file itself).
     passthrough_opens: AtomicU64,
+    /// Sealed backing files found changed (their seal lifted, docs/TIER.md).
+    tampered: AtomicU64,
+    /// Set once a backing file could not be sealed (logged once).
+    unsealable: AtomicBool,
     /// Whether whole files are handed to the kernel, or why not.
     passthrough: Mutex<Passthrough>,
     /// The last (or running) `materialize`.
@@ -146,6 +150,9 @@ impl FsTier {
     }
     pub fn passthrough_opens(&self) -> u64 {
         self.passthrough_opens.load(Ordering::Relaxed)
+    }
+    pub fn tampered(&self) -> u64 {
+        self.tampered.load(Ordering::Relaxed)
     }
     pub fn passthrough(&self) -> Passthrough {
         self.passthrough.lock().unwrap().clone()
@@ -331,22 +338,24 @@ impl MountFs {
             .is_ok_and(|e| e.passthrough.load(Ordering::Relaxed))
     }
 
-    /// The tier's data file of `ino` for a passthrough open: only when the entry is
-    /// whole and, once per mount, every extent matched its checksum (docs/TIER.md).
+    /// The tier's data file of `ino` for a passthrough open, sealed ([`tier::Entry::seal`]):
+    /// only when the entry is whole, every extent matched its checksum (once per
+    /// mount, or per seal broken), and the file system lets it be sealed
+    /// (docs/TIER.md, "Passthrough").
     pub fn backing_file(&self, ino: u64) -> Option<std::fs::File> {
         let e = self.entry(ino).ok()?;
         let t = e.tier.as_ref()?;
+        let ft = self.tier.as_ref()?;
         if !t.is_whole() {
             return None;
         }
+        let before = t.data_sig()?;
         if !e.verified.load(Ordering::Acquire) {
             match t.verify_all_once() {
                 Ok(bad) if bad.is_empty() => e.verified.store(true, Ordering::Release),
                 Ok(bad) => {
-                    if let Some(ft) = &self.tier {
-                        ft.bad_extents
-                            .fetch_add(bad.len() as u64, Ordering::Relaxed);
-                    }
+                    ft.bad_extents
+                        .fetch_add(bad.len() as u64, Ordering::Relaxed);
                     tracing::warn!(
                         "disk tier: {} has {} bad extents; served through the daemon",
                         e.name,
@@ -360,7 +369,80 @@ impl MountFs {
                 }
             }
         }
-        std::fs::File::open(t.data_path()).ok()
+        match t.seal() {
+            Ok(true) => {}
+            Ok(false) => {
+                if !ft.unsealable.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "disk tier: {} cannot be sealed (no immutable flag on this file system, \
+                         or not permitted): tier files are served through the daemon",
+                        t.data_path().display()
+                    );
+                }
+                return None;
+            }
+            Err(err) => {
+                tracing::warn!("{err}; {} served through the daemon", e.name);
+                return None;
+            }
+        }
+        // Changed between the verification and the seal: verified again next time.
+        if t.changed_since(&before) {
+            self.seal_lost(e, t, ft);
+            let _ = t.unseal();
+            return None;
+        }
+        // The same inode, read-only, without a second lookup of its name.
+        use std::os::fd::AsRawFd;
+        let fd = t.data_file().as_raw_fd();
+        std::fs::File::open(format!("/proc/self/fd/{fd}")).ok()
+    }
+
+    /// Whether the backing file of `ino` is still as it was sealed. When it is not (its
+    /// seal was lifted and it may have changed), the change is counted and logged
+    /// once, and the entry is verified again before it is handed to the kernel again:
+    /// the FUSE adapter stops handing out its backing file.
+    pub fn backing_intact(&self, ino: u64) -> bool {
+        let Ok(e) = self.entry(ino) else { return true };
+        let (Some(t), Some(ft)) = (e.tier.as_ref(), self.tier.as_ref()) else {
+            return true;
+        };
+        if t.seal_holds() {
+            return true;
+        }
+        self.seal_lost(e, t, ft);
+        false
+    }
+
+    fn seal_lost(&self, e: &Entry, t: &tier::Entry, ft: &FsTier) {
+        e.verified.store(false, Ordering::Release);
+        if t.seal_broken() {
+            ft.tampered.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "disk tier: {} changed while handed to the kernel (its seal was lifted); \
+                 verified again before its next passthrough open, served through the daemon meanwhile",
+                t.data_path().display()
+            );
+        }
+    }
+
+    /// At unmount (once the kernel no longer reads them): lift the seals of this
+    /// mount's backing files that no other mount uses, and stamp those that stayed
+    /// sealed throughout as verified, so the next mount skips reading them whole.
+    pub fn release_seals(&self) {
+        let lifted: Vec<_> = self
+            .entries
+            .iter()
+            .filter_map(|e| e.tier.as_ref())
+            .filter_map(|t| t.unseal().map(|sig| (t, sig)))
+            .collect();
+        if lifted.is_empty() {
+            return;
+        }
+        std::thread::sleep(tier::SETTLED);
+        for (t, sig) in lifted {
+            t.restamp(&sig);
+        }
     }
 
     /// Start reconstructing into the disk tier every extent it lacks of `file` (every
@@ -504,6 +586,7 @@ pub(super) fn open_tier(
         "gguf={:?} safetensors={:?}",
         opts.gguf_type, opts.safetensors_dtype
     );
+    tier::open_dir(&t.dir)?;
     let mut keys = Vec::new();
     for e in entries.iter_mut().filter(|e| e.cached) {
         let spec = tier::EntrySpec {
@@ -514,7 +597,14 @@ pub(super) fn open_tier(
             view: view.clone(),
             layout: e.file.fingerprint(),
         };
-        let (entry, found) = tier::Entry::open(&t.dir, spec)?;
+        // One bad entry costs its file the tier, not the mount.
+        let (entry, found) = match tier::Entry::open(&t.dir, spec) {
+            Ok(x) => x,
+            Err(err) => {
+                tracing::warn!("disk tier: {err}; {} is served without the tier", e.name);
+                continue;
+            }
+        };
         match &found {
             tier::Found::Dropped(why) => tracing::warn!(
                 "disk tier: entry {} for {} was unusable ({why}); starting it again",
@@ -575,6 +665,8 @@ pub(super) fn open_tier(
         hit_bytes: AtomicU64::new(0),
         bad_extents: AtomicU64::new(0),
         passthrough_opens: AtomicU64::new(0),
+        tampered: AtomicU64::new(0),
+        unsealable: AtomicBool::new(false),
         passthrough: Mutex::new(Passthrough::Pending),
         materializing: Mutex::new(None),
         refilled_extents: AtomicU64::new(0),

@@ -40,6 +40,49 @@ pub struct MountOptions {
     pub pin_prompt: Option<String>,
     /// Hand whole disk tier files to the kernel (FUSE passthrough) where it can.
     pub passthrough: bool,
+    /// Mount over a directory that has files (hiding them while mounted).
+    pub nonempty: bool,
+}
+
+/// Why `mountpoint` cannot be mounted at, in one line: it does not exist, is not a
+/// directory, is a mount already (a live one, or a dead one whose daemon died), or has
+/// files the mount would hide (unless `nonempty`).
+pub fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
+    let meta = std::fs::metadata(mountpoint);
+    if is_mounted(mountpoint) {
+        // A FUSE mount whose daemon is gone answers ENOTCONN to everything.
+        return Err(match meta {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => format!(
+                "a dead mount left by a daemon that exited; run `cawsfs umount {}` first",
+                mountpoint.display()
+            ),
+            _ => "already a cawsfs mount".into(),
+        });
+    }
+    match meta {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err("does not exist (make the directory first)".into())
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            return Err(format!(
+                "a dead FUSE mount; unmount it first (`fusermount3 -u {}`)",
+                mountpoint.display()
+            ))
+        }
+        Err(e) => return Err(e.to_string()),
+        Ok(m) if !m.is_dir() => return Err("not a directory".into()),
+        Ok(_) => {}
+    }
+    let has_files = std::fs::read_dir(mountpoint)
+        .map_err(|e| e.to_string())?
+        .next()
+        .is_some();
+    if has_files && !nonempty {
+        return Err(
+            "not empty: the mount would hide its files (--nonempty mounts over them)".into(),
+        );
+    }
+    Ok(())
 }
 
 /// How often the daemon returns freed heap pages to the system.
@@ -97,9 +140,7 @@ pub fn run(
         mountpoint: mountpoint.display().to_string(),
         reason,
     };
-    if !mountpoint.is_dir() {
-        return Err(mount_err("not a directory".into()));
-    }
+    check_mountpoint(mountpoint, opts.nonempty).map_err(mount_err)?;
     // The path fuser mounts at, and so the one to unmount.
     let canon = mountpoint
         .canonicalize()
@@ -211,9 +252,13 @@ pub fn run(
         }
     };
     server.shutdown();
-    finish(session, &canon, unmounted);
+    let detached = finish(session, &canon, unmounted);
     // What the disk tier still has queued is written and published before exit.
     fs.stop_tier();
+    // A detached mount's open files read the backing files until the daemon exits.
+    if !detached {
+        fs.release_seals();
+    }
     fs.save_experts();
     Ok(())
 }
@@ -254,15 +299,22 @@ pub fn default_tier_bytes(dir: &Path) -> u64 {
     }
 }
 
-/// Ends the session (see [`session::end`]) and logs what could not be done cleanly.
-fn finish(session: fuser::BackgroundSession, mountpoint: &Path, unmounted: bool) {
+/// Ends the session (see [`session::end`]) and logs what could not be done cleanly;
+/// true when the mount may still be in use (detached, or not unmounted).
+fn finish(session: fuser::BackgroundSession, mountpoint: &Path, unmounted: bool) -> bool {
     match session::end(session, mountpoint, unmounted) {
-        Ok(session::Ended::Already | session::Ended::Unmounted) => {}
-        Ok(session::Ended::Detached) => tracing::warn!(
-            "{}: busy (a file is still open), detached it lazily",
-            mountpoint.display()
-        ),
-        Err(e) => tracing::error!("{}: {e}", mountpoint.display()),
+        Ok(session::Ended::Already | session::Ended::Unmounted) => false,
+        Ok(session::Ended::Detached) => {
+            tracing::warn!(
+                "{}: busy (a file is still open), detached it lazily",
+                mountpoint.display()
+            );
+            true
+        }
+        Err(e) => {
+            tracing::error!("{}: {e}", mountpoint.display());
+            true
+        }
     }
 }
 

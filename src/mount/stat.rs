@@ -99,6 +99,7 @@ pub(super) fn stat_reply(fs: &MountFs, mountpoint: &Path) -> StatReply {
                 whole_files: Some(tiered.filter(|e| e.is_whole()).count() as u64),
                 passthrough: Some(t.passthrough().to_string()),
                 passthrough_opens: Some(t.passthrough_opens()),
+                tampered: Some(t.tampered()),
                 materialize: t.materializing().map(|m| MaterializeStat {
                     files: m.files.clone(),
                     done_bytes: m.done_bytes.load(std::sync::atomic::Ordering::Relaxed),

@@ -3,7 +3,7 @@
 //! files named by a key, not archives, caches or FUSE: `fs` decides what goes in.
 
 use std::fs::{File, OpenOptions};
-use std::io::{ErrorKind, Write};
+use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,8 +13,12 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
+use crate::localfs::{self, Access, LocalError};
+
+mod seal;
 mod stamp;
 mod writer;
+pub use stamp::SETTLED;
 pub use writer::{ExtentBytes, Writer, WriterStats};
 
 pub const MAGIC: &[u8; 8] = b"CAWSTIER";
@@ -45,6 +49,12 @@ pub enum TierError {
         #[source]
         source: std::io::Error,
     },
+    /// A file of the entry, as found on disk (not a regular file, too large, ...).
+    #[error("tier entry {0}")]
+    Local(#[from] LocalError),
+    /// The tier directory itself cannot be used.
+    #[error("disk tier directory {0}")]
+    Dir(LocalError),
     #[error("tier entry {path}: extent {extent} is outside the file ({n} extents)")]
     NoExtent { path: PathBuf, extent: u64, n: u64 },
     #[error("tier entry {path}: extent {extent} has {got} bytes, expected {want}")]
@@ -54,6 +64,8 @@ pub enum TierError {
         got: usize,
         want: usize,
     },
+    #[error("tier entry {path}: sealed while another mount hands it to the kernel; not written")]
+    Sealed { path: PathBuf },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TierError + '_ {
@@ -122,6 +134,9 @@ pub struct Entry {
     idx_path: PathBuf,
     /// Locked shared for the entry's life: `gc` and `clear` in any process skip it.
     data: Flock<File>,
+    /// False when the data file was opened read-only: another mount has it sealed
+    /// (handed to the kernel, [`Entry::seal`]), so it is whole and nothing is written.
+    writable: bool,
     /// The data file again, opened `O_DIRECT`: aligned extents are written with it so
     /// that the tier's writes neither copy into nor churn the page cache (buffered,
     /// they cost the daemon a fifth of its CPU on a first pass of the 1 B bench model;
@@ -129,7 +144,35 @@ pub struct Entry {
     direct: Option<File>,
     /// Cleared when a direct write was refused (EINVAL): buffered from then on.
     direct_works: AtomicBool,
+    /// Set once a read of the data file failed: later failures are not logged.
+    read_failed: AtomicBool,
+    /// The data file as this process sealed it ([`Entry::seal`]).
+    sealed: Mutex<Option<FileSig>>,
     sums: Mutex<Sums>,
+}
+
+/// What identifies a file's contents short of reading them: any write, truncation,
+/// flag or mode change moves its change time, which only the kernel sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileSig {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileSig {
+    fn of(f: &File) -> std::io::Result<FileSig> {
+        let m = f.metadata()?;
+        Ok(FileSig {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
 }
 
 /// What opening an entry found.
@@ -138,39 +181,49 @@ pub enum Found {
     New,
     /// An index was read; this many extents are listed.
     Existing(u64),
-    /// An index was there but unusable; it and its data were removed (the reason).
+    /// An index was there but unusable, or a file of the entry was not a regular file;
+    /// it was removed and the entry starts empty (the reason).
     Dropped(String),
 }
 
 impl Entry {
-    /// Open (or create) the entry for `spec` in `dir`.
+    /// Open (or create) the entry for `spec` in `dir` (checked by [`open_dir`]). A name
+    /// of the entry that is not a regular file (a FIFO, a device, a directory, a
+    /// symbolic link) is removed, never followed, and the entry starts again.
     pub fn open(dir: &Path, spec: EntrySpec) -> Result<(Entry, Found), TierError> {
         assert!(spec.extent > 0, "extent size 0");
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
         let key = spec.key();
         let data_path = dir.join(format!("{key:032x}.data"));
         let idx_path = dir.join(format!("{key:032x}.idx"));
         let n = spec.n_extents();
         // Locked before the index is read: a remover holds its lock while it unlinks.
-        let data = open_locked(&data_path)?;
+        let (data, writable, misplaced) = open_locked(&data_path)?;
         let mut found = Found::New;
         let mut listed = vec![0u64; n as usize];
-        match std::fs::read(&idx_path) {
-            Ok(bytes) => match parse_index(&bytes, key, &spec) {
+        let idx_max = HEADER as u64 + 8 * n + 8;
+        match localfs::read_bounded(&idx_path, idx_max) {
+            Err(e) if e.is_not_found() => {}
+            Ok(bytes) if misplaced.is_none() => match parse_index(&bytes, key, &spec) {
                 // The whole flag is checked against the sums; they alone decide.
                 Ok((sums, _whole)) => {
                     found = Found::Existing(sums.iter().filter(|&&s| s != 0).count() as u64);
                     listed = sums;
                 }
-                Err(why) => {
-                    let _ = std::fs::remove_file(&idx_path);
-                    // Emptied in place (the file is ours, locked): nothing old is kept.
-                    data.set_len(0).map_err(io(&data_path))?;
-                    found = Found::Dropped(why);
-                }
+                Err(why) => found = Found::Dropped(why),
             },
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&idx_path)(e)),
+            Ok(_) => {}
+            Err(e) if e.is_misplaced() => found = Found::Dropped(e.to_string()),
+            Err(e) => return Err(e.into()),
+        }
+        if let Some(why) = misplaced {
+            found = Found::Dropped(why);
+        }
+        if let Found::Dropped(_) = found {
+            localfs::remove_name(&idx_path)?;
+            if writable {
+                // Emptied in place (the file is ours, locked): nothing old is kept.
+                data.set_len(0).map_err(io(&data_path))?;
+            }
         }
         let len = data.metadata().map_err(io(&data_path))?.len();
         if len != spec.size {
@@ -179,9 +232,11 @@ impl Entry {
                 listed.iter_mut().for_each(|s| *s = 0);
                 found = Found::Dropped(format!("data file has {len} bytes, not {}", spec.size));
             }
-            data.set_len(spec.size).map_err(io(&data_path))?;
+            if writable {
+                data.set_len(spec.size).map_err(io(&data_path))?;
+            }
         }
-        let direct = open_direct(&data);
+        let direct = writable.then(|| open_direct(&data)).flatten();
         Ok((
             Entry {
                 spec,
@@ -191,6 +246,9 @@ impl Entry {
                 direct_works: AtomicBool::new(direct.is_some()),
                 direct,
                 data,
+                writable,
+                read_failed: AtomicBool::new(false),
+                sealed: Mutex::new(None),
                 sums: Mutex::new(Sums {
                     vouched: vec![false; listed.len()],
                     listed,
@@ -213,6 +271,12 @@ impl Entry {
 
     pub fn data_path(&self) -> &Path {
         &self.data_path
+    }
+
+    /// The open data file (for handing to the kernel, reopened read-only through
+    /// /proc so that its name is not looked up again).
+    pub fn data_file(&self) -> &File {
+        &self.data
     }
 
     pub fn extent_len(&self, i: u64) -> Result<usize, TierError> {
@@ -272,17 +336,24 @@ impl Entry {
         if want == 0 {
             return Ok(false);
         }
-        self.data
-            .read_exact_at(buf, i * self.spec.extent)
-            .map_err(io(&self.data_path))?;
-        if extent_sum(buf) == want {
-            self.sums.lock().unwrap().vouched[i as usize] = true;
-            return Ok(true);
+        let why = match self.data.read_exact_at(buf, i * self.spec.extent) {
+            Ok(()) if extent_sum(buf) == want => {
+                self.sums.lock().unwrap().vouched[i as usize] = true;
+                return Ok(true);
+            }
+            Ok(()) => "does not match its checksum".to_string(),
+            // Cut short or unreadable: dropped like a changed extent.
+            Err(e) => format!("cannot be read ({e})"),
+        };
+        // One line per entry: a file truncated or overwritten whole would otherwise
+        // log every extent (`stat` counts them all).
+        if !self.read_failed.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "tier entry {}: extent {i} {why}; dropped, reconstructed instead \
+                 (further bad extents of this entry are only counted)",
+                self.data_path.display()
+            );
         }
-        tracing::warn!(
-            "tier entry {}: extent {i} does not match its checksum; dropped, reconstructed instead",
-            self.data_path.display()
-        );
         let mut s = self.sums.lock().unwrap();
         s.listed[i as usize] = 0;
         s.vouched[i as usize] = false;
@@ -307,6 +378,11 @@ impl Entry {
     /// [`Entry::write_run`] of extents whose checksums (`extent_sum`) the caller took.
     fn write_run_summed(&self, first: u64, bufs: &[&[u8]], sums: &[u64]) -> Result<(), TierError> {
         debug_assert_eq!(bufs.len(), sums.len());
+        if !self.writable {
+            return Err(TierError::Sealed {
+                path: self.data_path.clone(),
+            });
+        }
         for (i, b) in (first..).zip(bufs) {
             self.check_len(i, b.len())?;
         }
@@ -397,11 +473,11 @@ impl Entry {
                 vouched,
             )
         };
-        let tmp = self.idx_path.with_extension("idx.tmp");
-        let mut f = File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(&bytes).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &self.idx_path).map_err(io(&self.idx_path))?;
+        if let Err(e) = localfs::replace(&self.idx_path, &bytes, true) {
+            // Written down by the next publish (when space returns, say).
+            self.sums.lock().unwrap().dropped = true;
+            return Err(e.into());
+        }
         let stamp = if vouched { self.stamp() } else { None };
         self.sums.lock().unwrap().vouched_stamp = stamp;
         tracing::debug!(
@@ -428,20 +504,41 @@ impl Entry {
 
 /// Open (creating) a data file and lock it shared, retrying when a remover unlinked
 /// it between our open and our lock (the name then points elsewhere, or nowhere).
-fn open_locked(path: &Path) -> Result<Flock<File>, TierError> {
+/// Returns the file, whether it is writable (not while another mount has it sealed,
+/// [`Entry::seal`]), and why a name that was not a regular file was removed.
+fn open_locked(path: &Path) -> Result<(Flock<File>, bool, Option<String>), TierError> {
+    let mut misplaced = None;
     for _ in 0..16 {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(io(path))?;
+        let (f, writable) = match localfs::open_regular(path, Access::ReadWriteCreate) {
+            Ok(f) => (f, true),
+            Err(e) if e.is_misplaced() && misplaced.is_none() => {
+                localfs::remove_name(path)?;
+                misplaced = Some(e.to_string());
+                continue;
+            }
+            Err(e) if e.is_permission() => {
+                // Sealed: by a mount that has it now, or one that died with it sealed.
+                let f = localfs::open_regular(path, Access::Read)?;
+                match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
+                    // No mount has it: the seal is stale; lifted, then opened again.
+                    Ok(l) => match localfs::set_immutable(&l, false) {
+                        Ok(true) => continue,
+                        Ok(false) => (l.unlock().map_err(|(_, e)| io(path)(e.into()))?, false),
+                        Err(e) => return Err(io(path)(e)),
+                    },
+                    Err((f, Errno::EWOULDBLOCK)) => (f, false),
+                    Err((_, e)) => return Err(io(path)(e.into())),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        };
         let f = Flock::lock(f, FlockArg::LockShared)
             .map_err(|(_, e)| io(path)(std::io::Error::from(e)))?;
         let ours = f.metadata().map_err(io(path))?;
-        match std::fs::metadata(path) {
-            Ok(now) if now.ino() == ours.ino() && now.dev() == ours.dev() => return Ok(f),
+        match std::fs::symlink_metadata(path) {
+            Ok(now) if now.ino() == ours.ino() && now.dev() == ours.dev() => {
+                return Ok((f, writable, misplaced))
+            }
             Ok(_) => continue,
             Err(e) if e.kind() == ErrorKind::NotFound => continue,
             Err(e) => return Err(io(path)(e)),
@@ -450,6 +547,15 @@ fn open_locked(path: &Path) -> Result<Flock<File>, TierError> {
     Err(io(path)(std::io::Error::other(
         "removed again and again while being opened",
     )))
+}
+
+/// Make the tier directory if absent (mode 0700) and check that it is one this user
+/// alone can write (docs/TIER.md, "Where"); clear the temporary files that processes
+/// which died mid-publish left.
+pub fn open_dir(dir: &Path) -> Result<(), TierError> {
+    localfs::private_dir(dir).map_err(TierError::Dir)?;
+    localfs::sweep_stale_tmp(dir);
+    Ok(())
 }
 
 /// `file` opened again for writing with `O_DIRECT` (through /proc, so it is surely the
@@ -465,19 +571,30 @@ fn open_direct(file: &File) -> Option<File> {
 }
 
 /// Lock entry `key`'s data file exclusively if no mount has it open: `None` when one
-/// does (or the file is gone).
-fn lock_unused(dir: &Path, key: &str) -> Result<Option<Flock<File>>, TierError> {
+/// does (or the file is gone). A name that is not a regular file is `Misplaced`: no
+/// mount can have it open, and removing it is safe.
+fn lock_unused(dir: &Path, key: &str) -> Result<Unused, TierError> {
     let path = dir.join(format!("{key}.data"));
-    let f = match File::open(&path) {
+    let f = match localfs::open_regular(&path, Access::Read) {
         Ok(f) => f,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io(&path)(e)),
+        Err(e) if e.is_not_found() => return Ok(Unused::Busy),
+        Err(e) if e.is_misplaced() => return Ok(Unused::Misplaced),
+        Err(e) => return Err(e.into()),
     };
     match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
-        Ok(l) => Ok(Some(l)),
-        Err((_, Errno::EWOULDBLOCK)) => Ok(None),
+        Ok(l) => Ok(Unused::Locked(l)),
+        Err((_, Errno::EWOULDBLOCK)) => Ok(Unused::Busy),
         Err((_, e)) => Err(io(&path)(std::io::Error::from(e))),
     }
+}
+
+enum Unused {
+    /// No mount has it; held until the entry's files are gone.
+    Locked(Flock<File>),
+    /// A mount has it open, or there is no data file.
+    Busy,
+    /// The data file's name holds something other than a regular file.
+    Misplaced,
 }
 
 fn encode_index(key: u128, spec: &EntrySpec, sums: &[u64], whole: bool) -> Vec<u8> {
@@ -550,7 +667,7 @@ pub struct Label {
 pub fn write_label(entry: &Entry, label: &Label) {
     let path = entry.idx_path.with_extension("json");
     if let Ok(text) = serde_json::to_vec(label) {
-        let _ = std::fs::write(path, text);
+        let _ = localfs::replace(&path, &text, false);
     }
 }
 
@@ -570,14 +687,16 @@ pub struct EntryInfo {
 }
 
 /// The entries of a tier directory, least recently used first: every `KEY.idx` and
-/// every `KEY.data` without one (written, never published, or left by a crash).
+/// every `KEY.data` without one (written, never published, or left by a crash). Names
+/// are looked at without being followed; only regular files are read, and only their
+/// first bytes, so whatever else lies there costs nothing and blocks nothing.
 pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
     let mut out = Vec::new();
-    let rd = match std::fs::read_dir(dir) {
-        Ok(rd) => rd,
+    match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(io(dir)(e)),
-    };
+        _ => localfs::check_private_dir(dir).map_err(TierError::Dir)?,
+    }
+    let rd = std::fs::read_dir(dir).map_err(io(dir))?;
     let mut keys = std::collections::BTreeSet::new();
     for ent in rd {
         let name = ent.map_err(io(dir))?.file_name();
@@ -592,25 +711,29 @@ pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
         }
     }
     for key in keys {
-        let data = std::fs::metadata(dir.join(format!("{key}.data"))).ok();
+        let data = std::fs::symlink_metadata(dir.join(format!("{key}.data"))).ok();
         let idx_path = dir.join(format!("{key}.idx"));
-        let (idx_meta, idx) = match std::fs::read(&idx_path) {
-            Ok(b) => (std::fs::metadata(&idx_path).ok(), Some(b)),
-            Err(_) => (None, None),
-        };
+        let idx = read_head(&idx_path, HEADER);
+        let idx_meta = idx
+            .as_ref()
+            .and_then(|_| std::fs::symlink_metadata(&idx_path).ok());
         let field = |r: std::ops::Range<usize>| {
             idx.as_ref()
                 .and_then(|b| b.get(r))
                 .map(|f| f.iter().rev().fold(0u64, |a, &x| a << 8 | u64::from(x)))
         };
-        let in_use = data.is_some() && lock_unused(dir, &key)?.is_none();
-        let label = std::fs::read(dir.join(format!("{key}.json")))
+        let regular = data.as_ref().is_some_and(|m| m.file_type().is_file());
+        let in_use = regular && matches!(lock_unused(dir, &key)?, Unused::Busy);
+        let label = localfs::read_bounded(&dir.join(format!("{key}.json")), LABEL_MAX)
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
         out.push(EntryInfo {
-            disk_bytes: data.as_ref().map_or(0, |m| m.blocks() * 512),
+            disk_bytes: data
+                .as_ref()
+                .filter(|_| regular)
+                .map_or(0, |m| m.blocks() * 512),
             size: field(32..40)
-                .or(data.as_ref().map(|m| m.len()))
+                .or(data.as_ref().filter(|_| regular).map(|m| m.len()))
                 .unwrap_or(0),
             whole: field(12..16).is_some_and(|f| f as u32 & FLAG_WHOLE != 0),
             last_used: idx_meta
@@ -626,44 +749,86 @@ pub fn list(dir: &Path) -> Result<Vec<EntryInfo>, TierError> {
     Ok(out)
 }
 
+/// A label is a few names; anything larger is not one.
+const LABEL_MAX: u64 = 64 << 10;
+
+/// The first `n` bytes of the regular file at `path` (fewer if it is shorter).
+fn read_head(path: &Path, n: usize) -> Option<Vec<u8>> {
+    let f = localfs::open_regular(path, Access::Read).ok()?;
+    let mut buf = vec![0u8; n];
+    let mut got = 0;
+    while got < n {
+        match f.read_at(&mut buf[got..], got as u64) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    buf.truncate(got);
+    Some(buf)
+}
+
 /// What [`gc`] did.
 #[derive(Debug, Default)]
 pub struct Collected {
     pub removed: Vec<EntryInfo>,
     /// Entries that would have gone but a mount has open.
     pub busy: Vec<EntryInfo>,
+    /// Entries whose names could not all be removed (a non-empty directory where a
+    /// file belongs), with why.
+    pub failed: Vec<(EntryInfo, String)>,
     /// Data bytes left.
     pub left_bytes: u64,
 }
 
 /// Remove least recently used entries (not those in `keep`, nor any a mount has
-/// open) until the data files occupy at most `max_bytes`.
+/// open) until the data files occupy at most `max_bytes`. Names that are not regular
+/// files are removed without being followed.
 pub fn gc(dir: &Path, max_bytes: u64, keep: &[u128]) -> Result<Collected, TierError> {
     let entries = list(dir)?;
+    localfs::sweep_stale_tmp(dir);
     let mut total: u64 = entries.iter().map(|e| e.disk_bytes).sum();
     let keep: Vec<String> = keep.iter().map(|k| format!("{k:032x}")).collect();
     let mut done = Collected::default();
+    let not_file = |ext: &str, key: &str| {
+        std::fs::symlink_metadata(dir.join(format!("{key}.{ext}")))
+            .is_ok_and(|m| !m.file_type().is_file())
+    };
     for e in entries {
-        if total <= max_bytes {
-            break;
-        }
         if keep.contains(&e.key) {
             continue;
         }
-        // Held while the files go, so that no mount opens the entry half removed.
-        let Some(_lock) = lock_unused(dir, &e.key)? else {
-            if e.disk_bytes > 0 || std::fs::metadata(dir.join(format!("{}.data", e.key))).is_ok() {
-                done.busy.push(e);
-                continue;
-            }
-            // No data file at all: only an index or a label is left.
-            remove_files(dir, &e.key)?;
-            done.removed.push(e);
+        // Names that hold no entry (a FIFO, a link, a directory) always go; real
+        // entries while over the bound (`clear`: all).
+        let misplaced = not_file("data", &e.key) || not_file("idx", &e.key);
+        if !misplaced && total <= max_bytes && max_bytes > 0 {
             continue;
+        }
+        // Held while the files go, so that no mount opens the entry half removed.
+        let _lock = match lock_unused(dir, &e.key)? {
+            Unused::Locked(l) => {
+                // A seal left by a mount that died (docs/TIER.md, "Passthrough").
+                localfs::set_immutable(&l, false).map_err(io(dir))?;
+                Some(l)
+            }
+            Unused::Misplaced => None,
+            Unused::Busy => {
+                if std::fs::symlink_metadata(dir.join(format!("{}.data", e.key))).is_ok() {
+                    done.busy.push(e);
+                    continue;
+                }
+                // No data file at all: only an index or a label is left.
+                None
+            }
         };
-        remove_files(dir, &e.key)?;
-        total -= e.disk_bytes;
-        done.removed.push(e);
+        match remove_files(dir, &e.key) {
+            Ok(()) => {
+                total -= e.disk_bytes;
+                done.removed.push(e);
+            }
+            Err(why) => done.failed.push((e, why.to_string())),
+        }
     }
     done.left_bytes = total;
     Ok(done)
@@ -674,14 +839,20 @@ pub fn clear(dir: &Path) -> Result<Collected, TierError> {
     gc(dir, 0, &[])
 }
 
+/// Remove every name of entry `key`: the index first (without it the data is never
+/// served), then the data, label, stamp and temporary files.
 fn remove_files(dir: &Path, key: &str) -> Result<(), TierError> {
-    // The index first: without it the data is never served.
-    for ext in ["idx", "idx.tmp", "data", "json", "ok", "ok.tmp"] {
-        let p = dir.join(format!("{key}.{ext}"));
-        match std::fs::remove_file(&p) {
-            Ok(()) => {}
-            Err(err) if err.kind() == ErrorKind::NotFound => {}
-            Err(err) => return Err(io(&p)(err)),
+    for ext in ["idx", "data", "json", "ok"] {
+        localfs::remove_name(&dir.join(format!("{key}.{ext}")))?;
+    }
+    let prefix = format!("{key}.");
+    for ent in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
+        let name = ent.file_name();
+        if name
+            .to_str()
+            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".tmp"))
+        {
+            localfs::remove_name(&ent.path())?;
         }
     }
     Ok(())

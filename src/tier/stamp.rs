@@ -7,10 +7,20 @@ use std::os::unix::fs::MetadataExt;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{Entry, TierError};
+use crate::localfs;
+
+/// A stamp is a few short lines; anything larger is not one.
+const STAMP_MAX: u64 = 4096;
+
+/// The stamp at `path`, if it is a regular file of a stamp's size (a FIFO or a link
+/// there is no stamp, and blocks nothing).
+fn read_stamp(path: &std::path::Path) -> Option<String> {
+    String::from_utf8(localfs::read_bounded(path, STAMP_MAX).ok()?).ok()
+}
 
 /// How long ago an entry's files must have last changed for a clean verification to
 /// be stamped (several ticks of the kernel's coarse clock).
-pub(super) const SETTLED: std::time::Duration = std::time::Duration::from_millis(100);
+pub const SETTLED: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl Entry {
     /// [`Entry::verify_all`], unless the entry's stamp (`KEY.ok`) says every listed
@@ -20,7 +30,7 @@ impl Entry {
     pub fn verify_all_once(&self) -> Result<Vec<u64>, TierError> {
         let stamp_path = self.idx_path.with_extension("ok");
         let now = self.stamp();
-        if now.is_some() && std::fs::read_to_string(&stamp_path).ok() == now {
+        if now.is_some() && read_stamp(&stamp_path) == now {
             return Ok(Vec::new());
         }
         if now.is_some() && self.sums.lock().unwrap().vouched_stamp == now {
@@ -49,25 +59,21 @@ impl Entry {
         if !self.settled() {
             return Some(SETTLED);
         }
-        if std::fs::read_to_string(self.idx_path.with_extension("ok")).ok() != Some(now.clone()) {
+        if read_stamp(&self.idx_path.with_extension("ok")) != Some(now.clone()) {
             self.write_stamp(&now);
         }
         None
     }
 
-    fn write_stamp(&self, text: &str) {
-        let path = self.idx_path.with_extension("ok");
+    pub(super) fn write_stamp(&self, text: &str) {
         // Not synced: a stamp lost in a crash only costs the next verification.
-        let tmp = path.with_extension("ok.tmp");
-        if std::fs::write(&tmp, text).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
+        let _ = localfs::replace(&self.idx_path.with_extension("ok"), text.as_bytes(), false);
     }
 
     /// Whether both files last changed long enough ago that any later change gets
     /// another change time: file systems take it from a clock that ticks every few
     /// milliseconds, so a write in the tick of the last one would leave it as it was.
-    fn settled(&self) -> bool {
+    pub(super) fn settled(&self) -> bool {
         let old = |m: std::io::Result<std::fs::Metadata>| {
             m.ok().is_some_and(|m| {
                 let changed = std::time::UNIX_EPOCH
@@ -75,7 +81,7 @@ impl Entry {
                 changed.elapsed().is_ok_and(|d| d >= SETTLED)
             })
         };
-        old(self.data.metadata()) && old(std::fs::metadata(&self.idx_path))
+        old(self.data.metadata()) && old(std::fs::symlink_metadata(&self.idx_path))
     }
 
     /// What a verification vouches for: the data file's and the index's identity, size,
@@ -102,7 +108,7 @@ impl Entry {
             )
         };
         let data = file(self.data.metadata().ok()?);
-        let idx = file(std::fs::metadata(&self.idx_path).ok()?);
+        let idx = file(std::fs::symlink_metadata(&self.idx_path).ok()?);
         Some(format!(
             "cawsfs-tier-verified 1\ndata {data}\nidx {idx}\nlisted {listed:016x}\n"
         ))

@@ -516,3 +516,271 @@ fn a_run_of_extents_is_written_in_place_and_listed_after_publish() {
     }
     assert!(!e.has(0) && !e.has(3));
 }
+
+/// Runs `f` on a thread and fails the test if it has not returned within 10 s: what
+/// lies in a tier directory must never make an open or a listing block.
+fn within_10s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("{what} blocked"))
+}
+
+fn mkfifo(p: &Path) {
+    nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+}
+
+/// Every name of an entry replaced by a FIFO, a link to a victim file, a link to
+/// /dev/zero and a directory (issue 58, lines 1, 4, 5, 6): opening never blocks,
+/// never writes through a link, never reads a device, and the entry starts again.
+#[test]
+fn names_that_are_not_regular_files_are_removed_never_followed() {
+    type Plant = fn(&Path, &Path);
+    let plants: [(&str, Plant); 4] = [
+        ("fifo", |p, _| mkfifo(p)),
+        ("link to a file", |p, victim| {
+            std::os::unix::fs::symlink(victim, p).unwrap()
+        }),
+        ("link to /dev/zero", |p, _| {
+            std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+        }),
+        ("directory", |p, _| std::fs::create_dir(p).unwrap()),
+    ];
+    for ext in ["data", "idx", "ok", "json"] {
+        for (what, plant) in plants {
+            let dir = tempfile::tempdir().unwrap();
+            let victim = dir.path().join("victim");
+            std::fs::write(&victim, b"not yours").unwrap();
+            let t = dir.path().join("t");
+            open_dir(&t).unwrap();
+            {
+                let (e, _) = Entry::open(&t, spec(SIZE)).unwrap();
+                fill(&e, &[0, 1, 2, 3]);
+                e.publish().unwrap();
+                assert!(e.verify_all_once().unwrap().is_empty());
+                write_label(&e, &Label::default());
+            }
+            let key = format!("{:032x}", spec(SIZE).key());
+            let p = t.join(format!("{key}.{ext}"));
+            let _ = std::fs::remove_file(&p);
+            plant(&p, &victim);
+            let t2 = t.clone();
+            let (e, found) = within_10s(what, move || Entry::open(&t2, spec(SIZE)).unwrap());
+            // A damaged data file or index starts the entry again; a stamp or label
+            // that is not a file is only ignored.
+            match ext {
+                "data" | "idx" => assert!(
+                    matches!(found, Found::Dropped(_)),
+                    "{ext} {what}: {found:?}"
+                ),
+                _ => assert_eq!(found, Found::Existing(4), "{ext} {what}"),
+            }
+            let e = std::sync::Arc::new(e);
+            let e2 = e.clone();
+            let bad = within_10s(what, move || e2.verify_all_once().unwrap());
+            assert!(bad.is_empty(), "{ext} {what}: {bad:?}");
+            fill(&e, &[0, 1, 2, 3]);
+            e.publish().unwrap();
+            let mut buf = vec![0u8; 4096];
+            assert!(e.read(1, &mut buf).unwrap(), "{ext} {what}");
+            assert_eq!(buf, extent_bytes(1, 4096));
+            assert_eq!(
+                std::fs::read(&victim).unwrap(),
+                b"not yours",
+                "{ext} {what}"
+            );
+            drop(e);
+            let t2 = t.clone();
+            within_10s(what, move || list(&t2).unwrap());
+        }
+    }
+}
+
+/// FIFOs, links and directories named like entries (issue 58, lines 2 and 6):
+/// `tier ls`, `gc` and `clear` finish, remove the names without following them, and
+/// report a directory they cannot remove instead of failing.
+#[test]
+fn listing_and_clearing_survive_whatever_is_named_like_an_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("t");
+    open_dir(&t).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"not yours").unwrap();
+    let hex = |i: u8| format!("{:032x}", 0xabcdef00u128 + u128::from(i));
+    mkfifo(&t.join(format!("{}.data", hex(1))));
+    mkfifo(&t.join(format!("{}.idx", hex(2))));
+    mkfifo(&t.join(format!("{}.json", hex(2))));
+    std::os::unix::fs::symlink(&victim, t.join(format!("{}.data", hex(3)))).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", t.join(format!("{}.idx", hex(4)))).unwrap();
+    std::fs::create_dir(t.join(format!("{}.data", hex(5)))).unwrap();
+    std::fs::create_dir_all(t.join(format!("{}.data/inside", hex(6)))).unwrap();
+    let t2 = t.clone();
+    let listed = within_10s("tier ls", move || list(&t2).unwrap());
+    assert_eq!(listed.len(), 6);
+    assert!(listed.iter().all(|e| !e.in_use && e.disk_bytes == 0));
+    let t2 = t.clone();
+    let done = within_10s("tier clear", move || clear(&t2).unwrap());
+    assert_eq!((done.removed.len(), done.failed.len()), (5, 1), "{done:?}");
+    assert!(
+        done.failed[0].1.contains("a directory"),
+        "{:?}",
+        done.failed
+    );
+    let left: Vec<_> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, [format!("{}.data", hex(6))]);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"not yours");
+}
+
+/// The tier directory itself (issue 58, line 6): one clear line for each kind of
+/// unusable path, and none that others can write.
+#[test]
+fn an_unusable_tier_directory_is_named_and_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    let dangling = dir.path().join("dangling");
+    std::os::unix::fs::symlink(dir.path().join("nowhere"), &dangling).unwrap();
+    let open_one = dir.path().join("open");
+    std::fs::create_dir(&open_one).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&open_one, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for (p, says) in [
+        (file.as_path(), "a regular file, not a directory"),
+        (dangling.as_path(), "dangling symbolic link"),
+        (
+            Path::new("/dev/null"),
+            "a character device, not a directory",
+        ),
+        (open_one.as_path(), "writable by others"),
+    ] {
+        let e = open_dir(p).unwrap_err().to_string();
+        assert!(
+            e.starts_with("disk tier directory ") && e.contains(says),
+            "{e}"
+        );
+        assert!(e.contains(&p.display().to_string()), "{e}");
+        assert!(list(p).is_err() || !p.exists(), "{p:?}");
+    }
+}
+
+/// An index of absurd size is not read whole (issue 58, line 5).
+#[test]
+fn an_oversized_index_is_dropped_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = spec(SIZE).key();
+    let idx = dir.path().join(format!("{key:032x}.idx"));
+    // Sparse: 64 GiB on paper, nothing on disk.
+    std::fs::File::create(&idx)
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let (_, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert!(
+        matches!(found, Found::Dropped(ref why) if why.contains("more than")),
+        "{found:?}"
+    );
+}
+
+/// A sealed data file cannot be written, truncated or removed, root included; another
+/// opener uses it read-only; the last user lifts the seal; a seal left by a process
+/// that died is lifted by the next opener; a lifted seal is seen (issue 58, line 3).
+#[test]
+fn a_sealed_entry_cannot_change_and_the_last_user_lifts_the_seal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    assert!(
+        e.seal().unwrap(),
+        "the immutable flag is not available here"
+    );
+    let path = e.data_path().to_path_buf();
+    let err = OpenOptions::new().write(true).open(&path).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    assert!(std::fs::remove_file(&path).is_err());
+    assert!(e.seal_holds());
+    // A second mount of the same entry: read-only, serving, not writing.
+    let (other, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(4));
+    let mut buf = vec![0u8; 4096];
+    assert!(other.read(2, &mut buf).unwrap());
+    assert!(matches!(
+        other.write(0, &buf),
+        Err(TierError::Sealed { .. })
+    ));
+    // Two users: the first to leave keeps the seal for the other.
+    assert!(e.unseal().is_none());
+    assert!(localfs::is_immutable(e.data_file()));
+    drop(e);
+    assert!(other.seal().unwrap());
+    let after = other.unseal().expect("the last user lifts an intact seal");
+    assert!(!localfs::is_immutable(other.data_file()));
+    std::thread::sleep(SETTLED);
+    other.restamp(&after);
+    assert!(other.verify_all_once().unwrap().is_empty());
+    drop(other);
+
+    // A seal lifted by someone else is seen, once.
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert!(e.seal().unwrap());
+    let f = std::fs::File::open(&path).unwrap();
+    localfs::set_immutable(&f, false).unwrap();
+    assert!(!e.seal_holds());
+    assert!(e.seal_broken());
+    assert!(!e.seal_broken());
+    // A process that dies with its entry sealed: the next opener lifts the seal.
+    assert!(e.seal().unwrap());
+    drop(e);
+    assert!(localfs::is_immutable(&f));
+    let (e, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(4));
+    assert!(!localfs::is_immutable(&f));
+    e.write(0, &extent_bytes(0, 4096)).unwrap();
+    // And `clear` lifts a stale seal before removing.
+    assert!(e.seal().unwrap());
+    drop(e);
+    assert_eq!(clear(dir.path()).unwrap().removed.len(), 1);
+    assert!(!path.exists());
+}
+
+/// A publish that fails (here: a directory where the index goes; a full disk alike)
+/// leaves the entry to publish again, without new writes, and no temporary behind
+/// (issue 58, line 7).
+#[test]
+fn a_failed_publish_is_retried_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    let e = std::sync::Arc::new(e);
+    let idx = dir.path().join(format!("{:032x}.idx", e.key()));
+    std::fs::create_dir_all(idx.join("in-the-way")).unwrap();
+    let w = Writer::start(1 << 20, 1 << 30).unwrap();
+    for i in 0..4 {
+        let len = e.extent_len(i).unwrap();
+        assert!(w.offer_wait(&e, i, offered(i, len)));
+    }
+    w.flush();
+    assert!(w.stats().errors >= 1);
+    assert!(e.is_dirty());
+    let tmp: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|x| x.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(tmp.is_empty(), "{tmp:?}");
+    std::fs::remove_dir_all(&idx).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !idx.is_file() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(idx.is_file(), "the index was not published again");
+    drop(w);
+    let key = e.key();
+    drop(e);
+    let (_, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    assert_eq!(found, Found::Existing(4), "{key:032x}");
+}

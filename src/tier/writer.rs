@@ -20,6 +20,8 @@ const PUBLISH_EVERY: Duration = Duration::from_secs(30);
 
 /// How long the writer must have been idle before it publishes what it wrote.
 const QUIET: Duration = Duration::from_millis(500);
+/// How long after a failed publish (a full disk, say) the writer tries again.
+const RETRY: Duration = Duration::from_secs(2);
 
 /// Bytes of consecutive extents written in one request at most. Large: a file written
 /// with `O_DIRECT` in 64 MiB requests read back cold 1.07× the time of one written
@@ -309,6 +311,8 @@ fn run(s: &Shared) {
     // (`Entry::stamp_vouched`) waits for their files to settle.
     let mut to_stamp: Vec<Arc<Entry>> = Vec::new();
     let mut last_publish = Instant::now();
+    // When a publish last failed: its entries stay dirty and are tried again.
+    let mut failed_at: Option<Instant> = None;
     loop {
         let step = {
             let mut q = s.queue.lock().unwrap();
@@ -352,7 +356,11 @@ fn run(s: &Shared) {
                 }
                 if !dirty.is_empty() {
                     // Idle with unpublished extents: publish soon rather than never.
-                    let (g, t) = s.wake.wait_timeout(q, QUIET).unwrap();
+                    let wait = match failed_at {
+                        Some(t) if t.elapsed() < RETRY => RETRY - t.elapsed(),
+                        _ => QUIET,
+                    };
+                    let (g, t) = s.wake.wait_timeout(q, wait).unwrap();
                     q = g;
                     if t.timed_out() && q.jobs.is_empty() {
                         break Step::Quiet;
@@ -406,17 +414,21 @@ fn run(s: &Shared) {
         // Publishing syncs the data file: every PUBLISH_EVERY while writing, after a
         // quiet spell, and on flush; not after every extent.
         if publish_now || last_publish.elapsed() >= PUBLISH_EVERY {
+            let mut failed = Vec::new();
             for e in dirty.drain(..) {
                 if let Err(err) = e.publish() {
                     if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
-                        tracing::warn!("disk tier: {err} (further write errors are only counted)");
+                        tracing::warn!("disk tier: {err} (further write errors are only counted; publishing is retried)");
                     }
+                    failed.push(e);
                 } else if e.stamp_vouched().is_some()
                     && !to_stamp.iter().any(|t| Arc::ptr_eq(t, &e))
                 {
                     to_stamp.push(e);
                 }
             }
+            failed_at = (!failed.is_empty()).then(Instant::now);
+            dirty = failed;
             last_publish = Instant::now();
         }
         if (flush.is_some() || close) && !to_stamp.is_empty() {

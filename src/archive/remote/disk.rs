@@ -13,14 +13,16 @@
 //! need to coordinate.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use crate::localfs::{self, Access, LocalError};
 
 const MAGIC: &[u8; 8] = b"CAWSFC01";
 const HEADER: usize = 24;
@@ -98,27 +100,23 @@ impl DiskParts {
         len: u64,
         group: &Arc<DiskGroup>,
     ) -> std::io::Result<Self> {
-        std::fs::create_dir_all(dir)?;
+        localfs::private_dir(dir).map_err(std::io::Error::other)?;
         let key = format!("{:032x}", xxh3_128(identity.as_bytes()));
         let data_path = dir.join(format!("{key}.data"));
         let parts_path = dir.join(format!("{key}.parts"));
-        let data = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&data_path)?;
+        let data = open_entry_file(&data_path, Access::ReadWriteCreate)?;
         if data.metadata()?.len() != len {
             data.set_len(len)?;
         }
-        let mut records = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .mode(0o600)
-            .open(&parts_path)?;
-        let text = std::fs::read(&parts_path)?;
+        let mut records = open_entry_file(&parts_path, Access::AppendCreate)?;
+        // Records of every part twice over (two mounts may append the same one), and
+        // never less than 1 MiB: more is not a record list, and is started over.
+        let max = (HEADER as u64 + RECORD as u64 * 2 * len.div_ceil(4096)).max(1 << 20);
+        let text = match localfs::read_file_bounded(&parts_path, &records, max) {
+            Ok(t) => t,
+            Err(LocalError::TooLarge { .. }) => Vec::new(),
+            Err(e) => return Err(std::io::Error::other(e)),
+        };
         let mut present = HashMap::new();
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(MAGIC);
@@ -263,6 +261,20 @@ impl DiskParts {
     }
 }
 
+/// Open a file of an entry (docs/REMOTE.md, "Fetch cache"): never through a link, never
+/// blocking; a name that holds something other than a regular file is removed (not
+/// followed) and the file made afresh.
+fn open_entry_file(path: &Path, access: Access) -> std::io::Result<File> {
+    match localfs::open_regular(path, access) {
+        Err(e) if e.is_misplaced() => {
+            tracing::warn!("fetch cache {e}; removed, the entry starts again");
+            localfs::remove_name(path).map_err(std::io::Error::other)?;
+            localfs::open_regular(path, access).map_err(std::io::Error::other)
+        }
+        r => r.map_err(std::io::Error::other),
+    }
+}
+
 /// Delete the least recently opened entries (by their `.parts` mtime) other than
 /// `keep` until the directory's allocated bytes are within `max_bytes`; returns the
 /// bytes the other entries still use.
@@ -278,7 +290,7 @@ fn evict_to(dir: &Path, max_bytes: u64, keep: &str) -> std::io::Result<u64> {
             continue;
         }
         let m = e.metadata()?;
-        let data = std::fs::metadata(dir.join(format!("{key}.data")))
+        let data = std::fs::symlink_metadata(dir.join(format!("{key}.data")))
             .map(|d| d.blocks() * 512)
             .unwrap_or(0);
         entries.push((m.modified()?, key.to_string(), data + m.len()));
@@ -300,6 +312,7 @@ fn evict_to(dir: &Path, max_bytes: u64, keep: &str) -> std::io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::OpenOptions;
 
     fn open(dir: &Path, max: u64, id: &str, len: u64) -> DiskParts {
         DiskParts::open_in(dir, max, id, len, &Arc::default()).unwrap()
