@@ -42,13 +42,48 @@ pub fn export_file(
         path: path.display().to_string(),
         source,
     };
-    let special = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
+    let meta = std::fs::metadata(path).ok();
+    if meta.as_ref().is_some_and(|m| m.is_dir()) {
+        return Err(werr(std::io::Error::new(
+            std::io::ErrorKind::IsADirectory,
+            "is a directory; name the file to write",
+        )));
+    }
+    let special = meta.is_some_and(|m| !m.is_file());
     let tmp = if special {
         path.to_path_buf()
     } else {
         path.with_extension("tmp")
     };
-    let file = std::fs::File::create(&tmp).map_err(werr)?;
+    let written = write_via(vf, src, &tmp, progress).map_err(|e| match e {
+        ExportError::Write { source, .. } => werr(source),
+        e => e,
+    });
+    if special {
+        return written.map(drop);
+    }
+    let renamed = written
+        .and_then(|file| file.sync_all().map_err(werr))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(werr));
+    if renamed.is_err() {
+        // A failed export leaves nothing behind under either name.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    renamed
+}
+
+/// Stream `vf` into a new file at `tmp`; returns it, flushed, unsynced.
+fn write_via(
+    vf: &VirtualFile,
+    src: &dyn RowSource,
+    tmp: &Path,
+    progress: &dyn Fn(u64),
+) -> Result<std::fs::File, ExportError> {
+    let werr = |source| ExportError::Write {
+        path: tmp.display().to_string(),
+        source,
+    };
+    let file = std::fs::File::create(tmp).map_err(werr)?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     let batch = (rayon::current_num_threads() as u64 * 2).max(2);
     let n_chunks = vf.size.div_ceil(CHUNK);
@@ -80,12 +115,5 @@ pub fn export_file(
         c = end;
         progress((c * CHUNK).min(vf.size));
     }
-    let file = out.into_inner().map_err(|e| werr(e.into_error()))?;
-    if special {
-        return Ok(());
-    }
-    file.sync_all().map_err(werr)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(werr)?;
-    Ok(())
+    out.into_inner().map_err(|e| werr(e.into_error()))
 }

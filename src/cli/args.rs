@@ -306,8 +306,11 @@ pub struct MountArgs {
     pub device: DeviceArgs,
     /// Cache budget for reconstructed bytes, e.g. 2GiB (default: a quarter of RAM; with
     /// the disk tier on, at most 512 MiB unless --pin-infra or --pin-prompt is given).
-    #[arg(long, value_parser = cawsfs::mount::parse_size)]
+    #[arg(long, value_parser = parse_cache_size)]
     pub cache_size: Option<u64>,
+    /// Mount over a directory that has files (they are hidden while mounted).
+    #[arg(long)]
+    pub nonempty: bool,
     /// Keep reconstructed bytes in this directory, checked, across mounts and restarts
     /// (the disk tier, docs/TIER.md; default: $CAWSFS_TIER_DIR, else tier/ under
     /// $CAWSFS_CACHE, $XDG_CACHE_HOME/cawsfs or ~/.cache/cawsfs).
@@ -324,8 +327,8 @@ pub struct MountArgs {
     /// kernel (FUSE passthrough, kernel >= 6.9 and root).
     #[arg(long)]
     pub no_passthrough: bool,
-    /// FUSE request threads.
-    #[arg(long, default_value_t = 4)]
+    /// FUSE request threads (1 to 256).
+    #[arg(long, default_value_t = 4, value_parser = parse_fuse_threads)]
     pub threads: usize,
     /// Background prefetch / read-ahead threads (default: half the cores, 2 to 8).
     #[arg(long, default_value_t = default_prefetch_threads())]
@@ -566,6 +569,34 @@ pub struct DeviceArgs {
 /// Half the cores, 2 to 8: on a 16-core H200 machine a cold sequential read of a mounted
 /// 579 MB model.safetensors took 0.201 s with 8 and 0.211 s with 16, read-ahead 64
 /// chunks (docs/CUDA.md, 2026-11-28).
+/// `--cache-size`: a size, and at least [`MIN_CACHE_BYTES`].
+fn parse_cache_size(s: &str) -> Result<u64, String> {
+    let v = cawsfs::mount::parse_size(s)?;
+    if v < MIN_CACHE_BYTES {
+        return Err(format!(
+            "{s:?} is too small: the cache holds whole chunks of {} KiB, several at once \
+             (readers and read-ahead), so it needs at least 1MiB",
+            cawsfs::cache::DEFAULT_CHUNK_SIZE >> 10
+        ));
+    }
+    Ok(v)
+}
+
+/// Four chunks: one for a reader, the rest for read-ahead and a second reader.
+const MIN_CACHE_BYTES: u64 = 1 << 20;
+
+/// `--threads` of `mount`: FUSE request threads, each serving one request at a time.
+fn parse_fuse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(1..=256).contains(&n) {
+        return Err(format!(
+            "{n} is out of range: at least 1 thread must serve requests, and more than 256 \
+             only add memory (each serves one request at a time)"
+        ));
+    }
+    Ok(n)
+}
+
 fn default_prefetch_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     (cores / 2).clamp(2, 8)

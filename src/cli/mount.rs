@@ -26,11 +26,8 @@ pub fn cmd_mount(a: MountArgs) -> Result<()> {
     }
     // Check what is cheap to check before detaching. The archive is opened once, by the
     // daemon (opening it here too cost a restart 45 ms); its error comes back as ours.
-    if !a.mountpoint.is_dir() {
-        bail!("{}: not a directory", a.mountpoint.display());
-    }
-    if cawsfs::mount::is_mounted(&a.mountpoint) {
-        bail!("{}: already a cawsfs mount", a.mountpoint.display());
+    if let Err(why) = cawsfs::mount::check_mountpoint(&a.mountpoint, a.nonempty) {
+        bail!("{}: {why}", a.mountpoint.display());
     }
     spawn_daemon(&a)
 }
@@ -77,6 +74,7 @@ fn mount_options(a: &MountArgs) -> cawsfs::mount::MountOptions {
         pin_infra_layers: a.pin_infra.then_some(a.pin_infra_layers),
         pin_prompt: a.pin_prompt.clone(),
         passthrough: !a.no_passthrough,
+        nonempty: a.nonempty,
     }
 }
 

@@ -47,9 +47,21 @@ const TYPES: [(&str, GgmlType); 12] = [
 
 impl GgufView {
     /// Every accepted `--gguf-type` value.
-    pub fn names() -> Vec<&'static str> {
-        let mut v = vec!["auto", "source"];
-        v.extend(TYPES.iter().filter(|(_, t)| can_serve(*t)).map(|(n, _)| *n));
+    pub fn names() -> Vec<String> {
+        let mut v: Vec<String> = vec!["auto".into(), "source".into()];
+        v.extend(
+            TYPES
+                .iter()
+                .filter(|(_, t)| can_serve(*t))
+                .map(|(n, _)| n.to_string()),
+        );
+        // The mixes (q4_k_m ...), and a preset named like a type (q2_k) once.
+        for p in offered_presets() {
+            let n = p.name().to_ascii_lowercase();
+            if !v.contains(&n) {
+                v.push(n);
+            }
+        }
         v
     }
 
