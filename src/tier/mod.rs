@@ -68,6 +68,18 @@ pub enum TierError {
     Sealed { path: PathBuf },
 }
 
+impl TierError {
+    /// The file system is full (or the user's quota spent): worth trying again later.
+    pub fn is_no_space(&self) -> bool {
+        let errno = match self {
+            TierError::Io { source, .. } => source.raw_os_error(),
+            TierError::Local(LocalError::Io { source, .. }) => source.raw_os_error(),
+            _ => None,
+        };
+        matches!(errno, Some(libc::ENOSPC | libc::EDQUOT))
+    }
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TierError + '_ {
     move |source| TierError::Io {
         path: path.to_path_buf(),

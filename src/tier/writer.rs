@@ -22,6 +22,9 @@ const PUBLISH_EVERY: Duration = Duration::from_secs(30);
 const QUIET: Duration = Duration::from_millis(500);
 /// How long after a failed publish (a full disk, say) the writer tries again.
 const RETRY: Duration = Duration::from_secs(2);
+/// How long after a write failed for want of space its extents are made again: each
+/// try reconstructs them, so not often while the disk stays full.
+const RETRY_WRITES: Duration = Duration::from_secs(30);
 
 /// Bytes of consecutive extents written in one request at most. Large: a file written
 /// with `O_DIRECT` in 64 MiB requests read back cold 1.07× the time of one written
@@ -62,6 +65,10 @@ struct Queue {
     bytes: u64,
     /// Extents a full queue dropped, to be made again when it is idle.
     dropped: Vec<(Arc<Entry>, u64)>,
+    /// Extents whose write failed for want of space, and when the last one failed:
+    /// made again with the dropped ones once [`RETRY_WRITES`] has passed.
+    no_space: Vec<(Arc<Entry>, u64)>,
+    no_space_at: Option<Instant>,
     closed: bool,
     /// Bumped by `flush` callers; the thread publishes everything and echoes it.
     flush_asked: u64,
@@ -206,11 +213,15 @@ impl Writer {
     /// with fresh extents).
     pub fn take_dropped_when_idle(&self) -> Vec<(Arc<Entry>, u64)> {
         let mut q = self.shared.queue.lock().unwrap();
-        if q.jobs.is_empty() {
-            std::mem::take(&mut q.dropped)
-        } else {
-            Vec::new()
+        if !q.jobs.is_empty() {
+            return Vec::new();
         }
+        let mut out = std::mem::take(&mut q.dropped);
+        if q.no_space_at.is_some_and(|t| t.elapsed() >= RETRY_WRITES) || space_back(&q.no_space) {
+            out.append(&mut q.no_space);
+            q.no_space_at = None;
+        }
+        out
     }
 
     /// Disk bytes new extents may still take under the size bound.
@@ -291,6 +302,20 @@ impl Run {
                 Arc::ptr_eq(e, &job.entry) && i.checked_add(1) == Some(job.extent)
             })
     }
+}
+
+/// Whether the file system of the extents that failed for want of space now has room
+/// for them all (then they are made again at once, not after [`RETRY_WRITES`]).
+fn space_back(failed: &[(Arc<Entry>, u64)]) -> bool {
+    let Some((e, _)) = failed.first() else {
+        return false;
+    };
+    let need: u64 = failed
+        .iter()
+        .map(|(e, x)| super::disk_charge(e.extent_len(*x).unwrap_or(0) as u64))
+        .sum();
+    nix::sys::statvfs::fstatvfs(e.data_file())
+        .is_ok_and(|v| v.blocks_available().saturating_mul(v.fragment_size()) > need)
 }
 
 fn run(s: &Shared) {
@@ -470,6 +495,19 @@ fn write_run(s: &Shared, held: &mut Run, dirty: &mut Vec<Arc<Entry>>) {
         Err(e) => {
             if s.counters.errors.fetch_add(1, Ordering::Relaxed) == 0 {
                 tracing::warn!("disk tier: {e} (further write errors are only counted)");
+            }
+            // Nothing was kept: the bound gets its room back.
+            let charge: u64 = bufs
+                .iter()
+                .map(|b| super::disk_charge(b.len() as u64))
+                .sum();
+            s.room.fetch_add(charge, Ordering::Relaxed);
+            if e.is_no_space() {
+                let mut q = s.queue.lock().unwrap();
+                let room = DROPPED_KEPT.saturating_sub(q.no_space.len());
+                let failed = held.jobs.iter().map(|j| (j.entry.clone(), j.extent));
+                q.no_space.extend(failed.take(room));
+                q.no_space_at = Some(Instant::now());
             }
         }
     }
