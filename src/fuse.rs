@@ -57,13 +57,9 @@ pub struct FuseAdapter {
 /// File handles: how an open was answered.
 const FH_DAEMON: FileHandle = FileHandle(1);
 const FH_PASSTHROUGH: FileHandle = FileHandle(2);
-/// Through the daemon with direct I/O, while passthrough opens of the inode are alive
-/// but its backing file is no longer handed out (its seal was broken).
-const FH_DIRECT: FileHandle = FileHandle(3);
 
 /// Open files per inode. The kernel fails (EIO) a passthrough open of an inode that is
-/// open through the daemon with the page cache, and such an open of one open for
-/// passthrough; a direct I/O open stands beside either.
+/// open through the daemon, and any other open of one open for passthrough.
 #[derive(Default)]
 struct Opens {
     /// One backing file per inode once used, kept while its seal holds (the kernel
@@ -209,9 +205,11 @@ impl Filesystem for FuseAdapter {
             return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
         }
         if passthrough_open {
-            // Its backing file was found changed while passthrough opens are alive:
-            // checked reads through the daemon, past the page cache.
-            return reply.opened(FH_DIRECT, FopenFlags::FOPEN_DIRECT_IO);
+            // Its backing file was found changed while passthrough opens of it are
+            // alive: the kernel allows no other kind of open beside them, and handing
+            // out the changed file again is what must not happen. EIO until they close;
+            // the next open verifies the file again (docs/TIER.md).
+            return reply.error(Errno::EIO);
         }
         *opens.daemon.entry(ino.0).or_default() += 1;
         // Contents never change: keep the page cache across opens.

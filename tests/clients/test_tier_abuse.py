@@ -8,6 +8,7 @@ a one-line error naming it.
 Every step that could block (a mount, a read through it, an unmount, a `cawsfs tier`
 command) runs under a timeout, so a regression fails its test rather than hanging CI;
 whatever a failed test leaves mounted or running is killed and unmounted after it."""
+import errno
 import json
 import os
 import re
@@ -469,8 +470,8 @@ def test_a_passthrough_file_is_sealed_while_the_kernel_reads_it(
 def test_an_edit_past_the_seal_is_caught_before_the_next_open(
         cawsfs, archives, work, exported, seeded):  # noqa: F811
     """The adversary clears the immutable flag (`chattr -i`) and edits a byte of the
-    passthrough file: once every descriptor is closed, new opens read the export's
-    bytes (the daemon sees the size/mtime/ctime change, verifies again and serves
+    passthrough file: a new open beside the live descriptor fails with EIO, and new
+    opens once every descriptor is closed read the export's bytes (the daemon sees the size/mtime/ctime change, verifies again and serves
     through itself) and `stat` counts the entry as `tampered`. After unmount the file
     is not immutable and the tier can be removed."""
     data, ref = seeded, exported / GGUF
@@ -481,6 +482,12 @@ def test_an_edit_past_the_seal_is_caught_before_the_next_open(
             assert p.returncode == 0, p.stderr
             p = dd_byte(data, 1000, other_byte(ref, 1000))
             assert p.returncode == 0, p.stderr.decode()  # the edit itself is possible now
+            # A new open while the passthrough descriptor is alive: the kernel allows
+            # only passthrough beside it, so EIO rather than the edited bytes.
+            with pytest.raises(OSError) as e:
+                within(READ_S, "a new open beside the edited file", os.open, m.mp / GGUF, os.O_RDONLY)
+            assert e.value.errno == errno.EIO, e.value
+            assert m.stat()["tier"].get("tampered", 0) == 1
         finally:
             os.close(fd)
         for _ in range(2):

@@ -104,15 +104,17 @@ impl DiskParts {
         let key = format!("{:032x}", xxh3_128(identity.as_bytes()));
         let data_path = dir.join(format!("{key}.data"));
         let parts_path = dir.join(format!("{key}.parts"));
-        let data = open_entry_file(&data_path, Access::ReadWriteCreate)?;
+        let (data, data_replaced) = open_entry_file(&data_path, Access::ReadWriteCreate)?;
         if data.metadata()?.len() != len {
             data.set_len(len)?;
         }
-        let mut records = open_entry_file(&parts_path, Access::AppendCreate)?;
+        let (mut records, _) = open_entry_file(&parts_path, Access::AppendCreate)?;
         // Records of every part twice over (two mounts may append the same one), and
         // never less than 1 MiB: more is not a record list, and is started over.
         let max = (HEADER as u64 + RECORD as u64 * 2 * len.div_ceil(4096)).max(1 << 20);
         let text = match localfs::read_file_bounded(&parts_path, &records, max) {
+            // Records of a data file that was not there describe nothing.
+            Ok(_) if data_replaced => Vec::new(),
             Ok(t) => t,
             Err(LocalError::TooLarge { .. }) => Vec::new(),
             Err(e) => return Err(std::io::Error::other(e)),
@@ -263,15 +265,16 @@ impl DiskParts {
 
 /// Open a file of an entry (docs/REMOTE.md, "Fetch cache"): never through a link, never
 /// blocking; a name that holds something other than a regular file is removed (not
-/// followed) and the file made afresh.
-fn open_entry_file(path: &Path, access: Access) -> std::io::Result<File> {
+/// followed) and the file made afresh (then `true`).
+fn open_entry_file(path: &Path, access: Access) -> std::io::Result<(File, bool)> {
     match localfs::open_regular(path, access) {
         Err(e) if e.is_misplaced() => {
             tracing::warn!("fetch cache {e}; removed, the entry starts again");
             localfs::remove_name(path).map_err(std::io::Error::other)?;
-            localfs::open_regular(path, access).map_err(std::io::Error::other)
+            let f = localfs::open_regular(path, access).map_err(std::io::Error::other)?;
+            Ok((f, true))
         }
-        r => r.map_err(std::io::Error::other),
+        r => r.map(|f| (f, false)).map_err(std::io::Error::other),
     }
 }
 
@@ -385,5 +388,64 @@ mod tests {
             .map(|x| x.unwrap().metadata().unwrap().blocks() * 512)
             .sum();
         assert!(total <= 8 << 20, "{total}");
+    }
+    /// What lies under an entry's names is input (issue 58): a FIFO, a link to a victim
+    /// file or to /dev/zero, a directory: opening never blocks, writes nothing outside
+    /// the directory, and the entry starts over; a directory others can write is refused.
+    #[test]
+    fn names_that_are_not_files_are_replaced_never_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("fetch");
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"not yours").unwrap();
+        type Plant = fn(&Path, &Path);
+        let plants: [(&str, Plant); 4] = [
+            ("fifo", |p, _| {
+                nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
+            }),
+            ("link", |p, v| std::os::unix::fs::symlink(v, p).unwrap()),
+            ("zero", |p, _| {
+                std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+            }),
+            ("dir", |p, _| std::fs::create_dir(p).unwrap()),
+        ];
+        for ext in ["data", "parts"] {
+            for (what, plant) in plants {
+                {
+                    let d = open(&dir, 1 << 30, "obj", 4096);
+                    d.write(0, 0, &[3u8; 4096]);
+                }
+                let key = format!("{:032x}", xxh3_128(b"obj"));
+                let p = dir.join(format!("{key}.{ext}"));
+                std::fs::remove_file(&p).unwrap();
+                plant(&p, &victim);
+                let (tx, rx) = std::sync::mpsc::channel();
+                let d2 = dir.clone();
+                std::thread::spawn(move || {
+                    let _ = tx.send(open(&d2, 1 << 30, "obj", 4096));
+                });
+                let d = rx
+                    .recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap_or_else(|_| panic!("{ext} {what}: open blocked"));
+                assert!(!d.has(0), "{ext} {what}");
+                d.write(0, 0, &[4u8; 4096]);
+                assert_eq!(d.read(0, 0, 4096).unwrap(), vec![4u8; 4096], "{ext} {what}");
+                assert_eq!(
+                    std::fs::read(&victim).unwrap(),
+                    b"not yours",
+                    "{ext} {what}"
+                );
+                drop(d);
+                std::fs::remove_dir_all(&dir).unwrap();
+            }
+        }
+        localfs::private_dir(&dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = DiskParts::open_in(&dir, 1 << 30, "obj", 4096, &Arc::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("writable by others"), "{e}");
     }
 }
