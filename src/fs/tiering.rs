@@ -269,25 +269,28 @@ impl MountFs {
                 Err(NotQueued::Full)
             };
         }
-        // Page-aligned like the cache's chunks, so it is written with O_DIRECT.
+        let buf = self.reconstruct_extent(e, x, len).map_err(NotQueued::Read)?;
+        if !t.writer.offer_wait(te, x, Arc::new(buf)) {
+            return Err(NotQueued::Full);
+        }
+        Ok(())
+    }
+
+    /// Extent `x` of `e` (`len` bytes) reconstructed from the archive, page-aligned like
+    /// the cache's chunks so that it is written with O_DIRECT; the error in one line.
+    fn reconstruct_extent(&self, e: &Entry, x: u64, len: usize) -> Result<Chunk, String> {
         let mut buf = Chunk::zeroed(len);
         match e
             .file
             .read_at(&*self.archive, x * self.cache.chunk_size(), &mut buf)
         {
-            Ok(n) if n == len => {}
-            Ok(n) => {
-                return Err(NotQueued::Read(format!(
-                    "{}: short read at extent {x} ({n} of {len} bytes)",
-                    e.name
-                )))
-            }
-            Err(err) => return Err(NotQueued::Read(format!("{}: {err}", e.name))),
+            Ok(n) if n == len => Ok(buf),
+            Ok(n) => Err(format!(
+                "{}: short read at extent {x} ({n} of {len} bytes)",
+                e.name
+            )),
+            Err(err) => Err(format!("{}: {err}", e.name)),
         }
-        if !t.writer.offer_wait(te, x, Arc::new(buf)) {
-            return Err(NotQueued::Full);
-        }
-        Ok(())
     }
 
     /// Run [`MountFs::refill_tier`] every quarter second on a thread of its own until
@@ -388,7 +391,7 @@ impl MountFs {
         }
         // Changed between the verification and the seal: verified again next time.
         if t.changed_since(&before) {
-            self.seal_lost(e, t, ft);
+            self.seal_lost(e, t);
             let _ = t.unseal();
             return None;
         }
@@ -398,10 +401,13 @@ impl MountFs {
         std::fs::File::open(format!("/proc/self/fd/{fd}")).ok()
     }
 
-    /// Whether the backing file of `ino` is still as it was sealed. When it is not (its
-    /// seal was lifted and it may have changed), the change is counted and logged
-    /// once, and the entry is verified again before it is handed to the kernel again:
-    /// the FUSE adapter stops handing out its backing file.
+    /// Whether the backing file of `ino` holds the right bytes under an intact seal.
+    /// When its seal was lifted (and the file perhaps changed), the change is counted
+    /// and the file put right in place: every extent checked, those that differ
+    /// reconstructed and written back into the same inode the kernel reads, then sealed
+    /// again, so that descriptors already open read the right bytes from then on. Only
+    /// when that fails is the entry verified again before it is handed over again: the
+    /// FUSE adapter stops handing out its backing file (docs/TIER.md).
     pub fn backing_intact(&self, ino: u64) -> bool {
         let Ok(e) = self.entry(ino) else { return true };
         let (Some(t), Some(ft)) = (e.tier.as_ref(), self.tier.as_ref()) else {
@@ -410,20 +416,54 @@ impl MountFs {
         if t.seal_holds() {
             return true;
         }
-        self.seal_lost(e, t, ft);
-        false
-    }
-
-    fn seal_lost(&self, e: &Entry, t: &tier::Entry, ft: &FsTier) {
-        e.verified.store(false, Ordering::Release);
         if t.seal_broken() {
             ft.tampered.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                "disk tier: {} changed while handed to the kernel (its seal was lifted); \
-                 verified again before its next passthrough open, served through the daemon meanwhile",
-                t.data_path().display()
-            );
         }
+        match self.repair_backing(e, t) {
+            Ok(n) => {
+                ft.bad_extents.fetch_add(n as u64, Ordering::Relaxed);
+                tracing::warn!(
+                    "disk tier: {} changed while handed to the kernel (its seal was lifted); \
+                     {n} extents put right in place, sealed again",
+                    t.data_path().display()
+                );
+                true
+            }
+            Err(why) => {
+                self.seal_lost(e, t);
+                tracing::warn!(
+                    "disk tier: {} changed while handed to the kernel (its seal was lifted) and \
+                     cannot be put right ({why}); verified again before its next passthrough open",
+                    t.data_path().display()
+                );
+                false
+            }
+        }
+    }
+
+    /// [`MountFs::backing_intact`]'s repair: returns how many extents were rewritten.
+    fn repair_backing(&self, e: &Entry, t: &tier::Entry) -> Result<usize, String> {
+        t.prepare_repair().map_err(|err| err.to_string())?;
+        let bad = t.verify_all().map_err(|err| err.to_string())?;
+        for &x in &bad {
+            let len = t.extent_len(x).map_err(|err| err.to_string())?;
+            let buf = self.reconstruct_extent(e, x, len)?;
+            t.write(x, &buf).map_err(|err| err.to_string())?;
+        }
+        t.publish().map_err(|err| err.to_string())?;
+        if !t.is_whole() {
+            return Err("not whole after the repair".into());
+        }
+        match t.seal() {
+            Ok(true) => Ok(bad.len()),
+            Ok(false) => Err("it cannot be sealed again".into()),
+            Err(err) => Err(err.to_string()),
+        }
+    }
+
+    fn seal_lost(&self, e: &Entry, t: &tier::Entry) {
+        e.verified.store(false, Ordering::Release);
+        t.seal_broken();
     }
 
     /// At unmount (once the kernel no longer reads them): lift the seals of this

@@ -42,6 +42,19 @@ impl Entry {
         self.sealed.lock().unwrap().take().is_some()
     }
 
+    /// Before a data file whose seal was found broken is checked and written again in
+    /// place: lift whatever immutable flag is set, and give it back its size.
+    pub fn prepare_repair(&self) -> Result<(), TierError> {
+        localfs::set_immutable(&self.data, false).map_err(io(&self.data_path))?;
+        let len = self.data.metadata().map_err(io(&self.data_path))?.len();
+        if len != self.spec.size {
+            self.data
+                .set_len(self.spec.size)
+                .map_err(io(&self.data_path))?;
+        }
+        Ok(())
+    }
+
     /// The data file's signature now (None when it cannot be read).
     pub fn data_sig(&self) -> Option<FileSig> {
         FileSig::of(&self.data).ok()
