@@ -269,7 +269,9 @@ impl MountFs {
                 Err(NotQueued::Full)
             };
         }
-        let buf = self.reconstruct_extent(e, x, len).map_err(NotQueued::Read)?;
+        let buf = self
+            .reconstruct_extent(e, x, len)
+            .map_err(NotQueued::Read)?;
         if !t.writer.offer_wait(te, x, Arc::new(buf)) {
             return Err(NotQueued::Full);
         }
