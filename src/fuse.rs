@@ -205,10 +205,11 @@ impl Filesystem for FuseAdapter {
             return reply.opened_passthrough(FH_PASSTHROUGH, FopenFlags::empty(), &id);
         }
         if passthrough_open {
-            // Its backing file was found changed while passthrough opens of it are
-            // alive: the kernel allows no other kind of open beside them, and handing
-            // out the changed file again is what must not happen. EIO until they close;
-            // the next open verifies the file again (docs/TIER.md).
+            // Its backing file was found changed and could not be put right while
+            // passthrough opens of it are alive: the kernel allows no other kind of
+            // open beside them, and handing out the changed file again is what must
+            // not happen. EIO until they close; the next open verifies the file again
+            // (docs/TIER.md).
             return reply.error(Errno::EIO);
         }
         *opens.daemon.entry(ino.0).or_default() += 1;

@@ -34,6 +34,13 @@ pub struct FsTier {
     /// Set by [`MountFs::stop_tier`]: no more refills.
     stopping: AtomicBool,
     refill_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Sealed backing files watched for changes (None where inotify is not available:
+    /// then changes are seen at opens and releases only).
+    seal_watch: Option<tier::SealWatch>,
+    seal_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Held while a seal is checked and a changed file put right: the watcher and the
+    /// FUSE adapter's opens may find the same change at once.
+    repairing: Mutex<()>,
 }
 
 /// How long an unmount may spend writing the copies the disk tier's writer dropped.
@@ -187,6 +194,11 @@ impl MountFs {
             h.thread().unpark();
             let _ = h.join();
         }
+        // Before the seals are lifted at unmount, which the watcher would see.
+        let watcher = t.seal_thread.lock().unwrap().take();
+        if let Some(h) = watcher {
+            let _ = h.join();
+        }
         t.writer.flush();
         let deadline = std::time::Instant::now() + STOP_REFILL;
         let done = self.refill(Some(deadline));
@@ -321,6 +333,46 @@ impl MountFs {
         Ok(())
     }
 
+    /// Watch the sealed backing files on a thread of its own until the tier stops: a
+    /// file whose seal was lifted is put right (or withdrawn) at once
+    /// ([`MountFs::backing_intact`]), not only at its next open or release.
+    pub fn start_seal_watch(self: &Arc<Self>) -> std::io::Result<()> {
+        let Some(t) = &self.tier else { return Ok(()) };
+        if t.seal_watch.is_none() {
+            return Ok(());
+        }
+        let fs = Arc::downgrade(self);
+        let h = std::thread::Builder::new()
+            .name("cawsfs-seal-watch".into())
+            .spawn(move || loop {
+                let Some(fs) = fs.upgrade() else { break };
+                let Some(t) = fs
+                    .tier
+                    .as_ref()
+                    .filter(|t| !t.stopping.load(Ordering::Relaxed))
+                else {
+                    break;
+                };
+                let Some(w) = t.seal_watch.as_ref() else {
+                    break;
+                };
+                for ino in w.changed(std::time::Duration::from_millis(250)) {
+                    // Only files still sealed here: a withdrawn one waits for its
+                    // next open (each check of a changed file reads it whole).
+                    let sealed = fs
+                        .entry(ino)
+                        .ok()
+                        .and_then(|e| e.tier.as_ref())
+                        .is_some_and(|te| te.is_sealed());
+                    if sealed {
+                        fs.backing_intact(ino);
+                    }
+                }
+            })?;
+        *t.seal_thread.lock().unwrap() = Some(h);
+        Ok(())
+    }
+
     /// Record whether whole tier files go to the kernel (the FUSE adapter decides at
     /// init, or when the kernel refuses a backing file).
     pub fn set_passthrough(&self, state: Passthrough) {
@@ -397,6 +449,11 @@ impl MountFs {
             let _ = t.unseal();
             return None;
         }
+        if let Some(w) = &ft.seal_watch {
+            if let Err(err) = w.watch(t, ino) {
+                tracing::debug!("disk tier: cannot watch {}: {err}", t.data_path().display());
+            }
+        }
         // The same inode, read-only, without a second lookup of its name.
         use std::os::fd::AsRawFd;
         let fd = t.data_file().as_raw_fd();
@@ -415,6 +472,7 @@ impl MountFs {
         let (Some(t), Some(ft)) = (e.tier.as_ref(), self.tier.as_ref()) else {
             return true;
         };
+        let _one = ft.repairing.lock().unwrap();
         if t.seal_holds() {
             return true;
         }
@@ -714,5 +772,14 @@ pub(super) fn open_tier(
         refilled_extents: AtomicU64::new(0),
         stopping: AtomicBool::new(false),
         refill_thread: Mutex::new(None),
+        seal_watch: match tier::SealWatch::new() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::info!("disk tier: cannot watch sealed files ({e}); changes are seen at opens and releases");
+                None
+            }
+        },
+        seal_thread: Mutex::new(None),
+        repairing: Mutex::new(()),
     }))
 }

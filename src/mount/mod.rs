@@ -181,6 +181,9 @@ pub fn run(
             err,
         })?,
     );
+    if let Err(e) = fs.start_seal_watch() {
+        tracing::warn!("disk tier: cannot start the seal watcher ({e}); changes are seen at opens");
+    }
     if let Err(e) = fs.start_tier_refill() {
         tracing::warn!(
             "disk tier: cannot start the refill thread ({e}); dropped extents stay missing"

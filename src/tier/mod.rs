@@ -18,6 +18,7 @@ use crate::localfs::{self, Access, LocalError};
 mod seal;
 mod stamp;
 mod writer;
+pub use seal::SealWatch;
 pub use stamp::SETTLED;
 pub use writer::{ExtentBytes, Writer, WriterStats};
 

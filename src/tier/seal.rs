@@ -36,6 +36,11 @@ impl Entry {
         })
     }
 
+    /// Whether this process holds a seal on the data file.
+    pub fn is_sealed(&self) -> bool {
+        self.sealed.lock().unwrap().is_some()
+    }
+
     /// Forget a seal found broken; true the first time. The entry must be verified
     /// again before it is handed to the kernel again.
     pub fn seal_broken(&self) -> bool {
@@ -107,5 +112,67 @@ impl Entry {
         if let Some(text) = self.stamp() {
             self.write_stamp(&text);
         }
+    }
+}
+
+/// Watches sealed data files (inotify: writes, truncation, attribute changes), so that
+/// a write past a lifted seal while the kernel reads the file is seen at once, not only
+/// at the next open or release of it: a client that maps a file once and reads it for
+/// hours would otherwise read what was written for as long. (Lifting the immutable flag
+/// alone raises no event on this kernel; the write that follows does.)
+pub struct SealWatch {
+    inotify: nix::sys::inotify::Inotify,
+    /// Watch descriptor → the caller's token for the file.
+    tokens: std::sync::Mutex<std::collections::HashMap<i32, u64>>,
+}
+
+impl SealWatch {
+    pub fn new() -> std::io::Result<SealWatch> {
+        use nix::sys::inotify::{InitFlags, Inotify};
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
+        Ok(SealWatch {
+            inotify,
+            tokens: Default::default(),
+        })
+    }
+
+    /// Watch `entry`'s data file (the open inode, through /proc, not its name),
+    /// reporting changes as `token`.
+    pub fn watch(&self, entry: &Entry, token: u64) -> std::io::Result<()> {
+        use nix::sys::inotify::AddWatchFlags as F;
+        let path = format!("/proc/self/fd/{}", entry.data.as_raw_fd());
+        let wd = self
+            .inotify
+            .add_watch(path.as_str(), F::IN_ATTRIB | F::IN_MODIFY)?;
+        self.tokens.lock().unwrap().insert(wd.as_raw(), token);
+        Ok(())
+    }
+
+    /// The tokens of watched files that changed, waiting up to `timeout` for the first.
+    /// Every token when events were lost (the queue overflowed).
+    pub fn changed(&self, timeout: std::time::Duration) -> Vec<u64> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use nix::sys::inotify::AddWatchFlags as F;
+        use std::os::fd::AsFd;
+        let mut fds = [PollFd::new(self.inotify.as_fd(), PollFlags::POLLIN)];
+        let wait = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+        if !matches!(poll(&mut fds, wait), Ok(n) if n > 0) {
+            return Vec::new();
+        }
+        let Ok(events) = self.inotify.read_events() else {
+            return Vec::new();
+        };
+        let tokens = self.tokens.lock().unwrap();
+        let mut out: Vec<u64> = if events.iter().any(|e| e.mask.contains(F::IN_Q_OVERFLOW)) {
+            tokens.values().copied().collect()
+        } else {
+            events
+                .iter()
+                .filter_map(|e| tokens.get(&e.wd.as_raw()).copied())
+                .collect()
+        };
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 }

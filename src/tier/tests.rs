@@ -784,3 +784,25 @@ fn a_failed_publish_is_retried_and_leaves_nothing_behind() {
     let (_, found) = Entry::open(dir.path(), spec(SIZE)).unwrap();
     assert_eq!(found, Found::Existing(4), "{key:032x}");
 }
+
+/// A write past a lifted seal is reported by the watcher without any open (issue 58,
+/// line 3). Lifting the flag alone raises no event here.
+#[test]
+fn the_watcher_reports_a_write_past_the_seal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, _) = Entry::open(dir.path(), spec(SIZE)).unwrap();
+    fill(&e, &[0, 1, 2, 3]);
+    e.publish().unwrap();
+    assert!(e.seal().unwrap());
+    let w = SealWatch::new().unwrap();
+    w.watch(&e, 7).unwrap();
+    assert!(w.changed(std::time::Duration::from_millis(50)).is_empty());
+    let f = OpenOptions::new().write(true).open(e.data_path());
+    assert!(f.is_err(), "sealed, yet open for writing");
+    let f = std::fs::File::open(e.data_path()).unwrap();
+    localfs::set_immutable(&f, false).unwrap();
+    assert!(!e.seal_holds());
+    let f = OpenOptions::new().write(true).open(e.data_path()).unwrap();
+    f.write_all_at(b"x", 100).unwrap();
+    assert_eq!(w.changed(std::time::Duration::from_secs(5)), [7]);
+}

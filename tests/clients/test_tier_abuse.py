@@ -504,6 +504,25 @@ def test_an_edit_past_the_seal_is_put_right_at_the_next_open(
     assert p.returncode == 0 and not data.parent.exists(), p.stderr
 
 
+def test_an_edit_past_the_seal_is_put_right_without_any_open(
+        cawsfs, archives, work, exported, seeded):  # noqa: F811
+    """A client that keeps one descriptor (as llama.cpp keeps its mapping) and opens
+    nothing more: the daemon watches the sealed file, so an edit past the seal is put
+    right within moments, and the old descriptor reads the export's bytes again."""
+    data, ref = seeded, exported / GGUF
+    with tiered(cawsfs, archive_of(archives), work / "mnt", data.parent) as m:
+        fd = open_passthrough(m, ref)
+        try:
+            assert bounded(["chattr", "-i", data], CLI_S).returncode == 0
+            p = dd_byte(data, 5000, other_byte(ref, 5000))
+            assert p.returncode == 0, p.stderr.decode()
+            assert wait_ok(lambda: m.stat()["tier"].get("tampered") == 1
+                           and "i" in lsattr_flags(data), 10), m.stat()["tier"]
+            assert within(READ_S, "reading the old descriptor", fd_mismatch, fd, ref) is None
+        finally:
+            os.close(fd)
+
+
 # --- 4. a data file that is a symlink out of the tier --------------------------------
 
 
