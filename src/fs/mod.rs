@@ -26,10 +26,12 @@ use crate::model::{FloatType, ReadError};
 use crate::tier;
 
 mod experts;
+mod passthrough;
 mod tiering;
 pub use experts::ExpertOptions;
+pub use passthrough::Passthrough;
 use tiering::open_tier;
-pub use tiering::{FsTier, MaterializeError, Materializing, Passthrough};
+pub use tiering::{FsTier, MaterializeError, Materializing};
 
 pub const ROOT_INO: u64 = 1;
 
