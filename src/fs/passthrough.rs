@@ -8,6 +8,10 @@ use std::sync::Arc;
 
 use super::*;
 
+/// How long the seal watcher waits for an event before it looks whether the tier is
+/// stopping: an unmount waits for it at most this long.
+const SEAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Whether a mount hands whole tier files to the kernel (FUSE passthrough).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Passthrough {
@@ -56,7 +60,7 @@ impl MountFs {
                 let Some(w) = t.seal_watch.as_ref() else {
                     break;
                 };
-                for ino in w.changed(std::time::Duration::from_millis(250)) {
+                for ino in w.changed(SEAL_POLL) {
                     // Only files still sealed here: a withdrawn one waits for its
                     // next open (each check of a changed file reads it whole).
                     let sealed = fs
