@@ -85,7 +85,6 @@ pub fn kind_of(m: &Metadata) -> &'static str {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
     Read,
-    ReadWrite,
     /// Read and write, made (mode 0600) when absent.
     ReadWriteCreate,
     /// Appending (and reading), made (mode 0600) when absent.
@@ -100,9 +99,6 @@ pub fn open_regular(path: &Path, access: Access) -> Result<File, LocalError> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC);
     match access {
         Access::Read => {}
-        Access::ReadWrite => {
-            o.write(true);
-        }
         Access::ReadWriteCreate => {
             o.write(true).create(true).truncate(false).mode(0o600);
         }
@@ -389,7 +385,7 @@ mod tests {
         let d = tmp.path();
         let fifo = d.join("f");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        for a in [Access::Read, Access::ReadWrite, Access::ReadWriteCreate] {
+        for a in [Access::Read, Access::ReadWriteCreate, Access::AppendCreate] {
             let e = open_regular(&fifo, a).unwrap_err();
             assert!(e.is_misplaced() && e.to_string().contains("a FIFO"), "{e}");
         }
@@ -403,7 +399,7 @@ mod tests {
         assert!(e.is_misplaced(), "{e}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
         std::fs::create_dir(d.join("dir")).unwrap();
-        let e = open_regular(&d.join("dir"), Access::ReadWrite).unwrap_err();
+        let e = open_regular(&d.join("dir"), Access::ReadWriteCreate).unwrap_err();
         assert!(e.to_string().contains("a directory"), "{e}");
         // /dev/zero through a link is refused, and a size bound holds on a real file.
         std::os::unix::fs::symlink("/dev/zero", d.join("z")).unwrap();
