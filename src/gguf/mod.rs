@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod fit;
 pub mod quant;
 pub mod quantize;
 pub mod reader;
@@ -32,6 +33,10 @@ pub enum GgmlType {
     Q5_K,
     Q6_K,
     Q8_K,
+    /// 4-bit codes on a fixed non-uniform grid (`IQ4_NL_GRID`), one f16 scale per 32.
+    IQ4_NL,
+    /// IQ4_NL's grid with a 6-bit scale per 32 under one f16 scale per 256.
+    IQ4_XS,
     BF16,
 }
 
@@ -53,6 +58,8 @@ impl GgmlType {
             13 => Q5_K,
             14 => Q6_K,
             15 => Q8_K,
+            20 => IQ4_NL,
+            23 => IQ4_XS,
             30 => BF16,
             _ => return None,
         })
@@ -74,6 +81,8 @@ impl GgmlType {
             Q5_K => 13,
             Q6_K => 14,
             Q8_K => 15,
+            IQ4_NL => 20,
+            IQ4_XS => 23,
             BF16 => 30,
         }
     }
@@ -95,7 +104,15 @@ impl GgmlType {
             Q5_K => (256, 176),
             Q6_K => (256, 210),
             Q8_K => (256, 292),
+            IQ4_NL => (32, 18),
+            IQ4_XS => (256, 136),
         }
+    }
+    /// The type named `name` as ggml spells it, in any case (`q4_k`, `IQ4_NL`).
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        (0..=40)
+            .filter_map(GgmlType::from_id)
+            .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
     }
     /// Bytes of a row of `n` elements, or None when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: u64) -> Option<u64> {

@@ -99,6 +99,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         GgmlType::Q4_K => blocks.for_each(|(b, y)| dq_q4_k(b, y)),
         GgmlType::Q5_K => blocks.for_each(|(b, y)| dq_q5_k(b, y)),
         GgmlType::Q6_K => blocks.for_each(|(b, y)| dq_q6_k(b, y)),
+        GgmlType::IQ4_NL => blocks.for_each(|(b, y)| dq_iq4_nl(b, y)),
+        GgmlType::IQ4_XS => blocks.for_each(|(b, y)| dq_iq4_xs(b, y)),
         GgmlType::Q8_1 | GgmlType::Q8_K => unreachable!("rejected above"),
     }
     Ok(())
@@ -300,6 +302,40 @@ fn dq_q6_k(b: &[u8], y: &mut [f32]) {
             y[l + 32] = s(2) * q2 as f32;
             y[l + 64] = s(4) * q3 as f32;
             y[l + 96] = s(6) * q4 as f32;
+        }
+    }
+}
+
+/// The 16 levels of IQ4_NL and IQ4_XS (`kvalues_iq4nl` in ggml-common.h).
+pub const IQ4_NL_GRID: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// IQ4_NL: f16 d, 16 bytes of nibbles indexing the grid; low nibbles are elements
+/// 0..16, high 16..32; x = d * grid[q].
+fn dq_iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..16 {
+        y[j] = d * IQ4_NL_GRID[(b[2 + j] & 0x0F) as usize] as f32;
+        y[j + 16] = d * IQ4_NL_GRID[(b[2 + j] >> 4) as usize] as f32;
+    }
+}
+
+/// IQ4_XS: f16 d, u16 scales_h (2 high bits of each 6-bit scale), scales_l[4] (low
+/// nibbles), qs[128]; sub-block `ib` of 32 is `(d * (ls - 32)) * grid[q]`, nibbles
+/// ordered as IQ4_NL's.
+fn dq_iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let sh = u16::from_le_bytes([b[2], b[3]]);
+    for ib in 0..8 {
+        let lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+        let ls = (lo as i32) | ((((sh >> (2 * ib)) & 3) as i32) << 4);
+        let dl = d * (ls - 32) as f32;
+        let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+        let y = &mut y[32 * ib..32 * ib + 32];
+        for j in 0..16 {
+            y[j] = dl * IQ4_NL_GRID[(qs[j] & 0x0F) as usize] as f32;
+            y[j + 16] = dl * IQ4_NL_GRID[(qs[j] >> 4) as usize] as f32;
         }
     }
 }

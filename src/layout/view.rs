@@ -116,6 +116,8 @@ pub fn type_name(t: GgmlType) -> &'static str {
         Q5_K => "q5_k",
         Q6_K => "q6_k",
         Q8_K => "q8_k",
+        IQ4_NL => "iq4_nl",
+        IQ4_XS => "iq4_xs",
     }
 }
 
@@ -461,6 +463,8 @@ fn ftype_of(t: GgmlType) -> u32 {
         Q4_K => 14,
         Q5_K => 16,
         Q6_K => 18,
+        IQ4_NL => 25,
+        IQ4_XS => 30,
         BF16 => 32,
         Q8_1 | Q8_K => 1,
     }
