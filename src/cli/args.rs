@@ -446,6 +446,18 @@ pub struct ConvertArgs {
         requires = "sq_bits"
     )]
     pub sq_for: Vec<String>,
+    /// Round the tensors matching PATTERN (a --passthrough glob) into this ggml type
+    /// instead of the one --bpw chooses; they count against the budget; the first
+    /// matching rule wins (repeatable). Types: q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl, and
+    /// for widths that are a multiple of 256 q4_k q5_k q6_k iq4_xs. Example:
+    /// --type-for '*.down_proj.weight=q5_0'.
+    #[arg(long = "type-for", value_name = "PATTERN=TYPE")]
+    pub type_for: Vec<String>,
+    /// What --bpw chooses each tensor's coding from: ggml block types rounded by
+    /// cawsfs, which the GGUF view serves as stored (the default), or NDSQ's scalar
+    /// groups of 2-8 bits (docs/CODECS.md).
+    #[arg(long, value_enum, default_value_t = BpwCodec::Ggml)]
+    pub bpw_codec: BpwCodec,
     /// Weight every NDSQ fit by how much each input column matters: an importance
     /// matrix written by llama.cpp's `llama-imatrix` for this model (GGUF or legacy
     /// .dat; docs/IMATRIX.md has the one-command workflow).
@@ -505,6 +517,13 @@ pub enum To {
 pub enum BaseDtypeArg {
     F16,
     Int8,
+}
+
+/// `convert --bpw-codec`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BpwCodec {
+    Ggml,
+    Sq,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -8,7 +8,7 @@ use cawsfs::archive::Compression;
 use cawsfs::convert::{self, ConvertOptions};
 use cawsfs::reconstruct::DeviceChoice;
 
-use super::args::{BaseDtypeArg, Comp, ConvertArgs, To};
+use super::args::{BaseDtypeArg, BpwCodec, Comp, ConvertArgs, To};
 use super::{bar, init_device, init_threads};
 
 pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
@@ -136,6 +136,19 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             opts.sq_for.push(r);
         }
     }
+    opts.bpw_sq = a.bpw_codec == BpwCodec::Sq;
+    for rule in &a.type_for {
+        let parsed = rule
+            .rsplit_once('=')
+            .and_then(|(p, t)| Some((p.to_string(), cawsfs::gguf::GgmlType::from_name(t)?)));
+        let Some(r) = parsed else {
+            bail!("--type-for {rule:?}: expected PATTERN=TYPE with TYPE a ggml type (q5_0, iq4_nl ...)");
+        };
+        if opts.bpw.is_none() {
+            bail!("--type-for chooses types within a --bpw plan; it cannot be combined with --sq-bits or PQ options");
+        }
+        opts.type_for.push(r);
+    }
     if a.no_default_passthrough {
         opts.passthrough.clear();
     }
@@ -253,7 +266,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let given: [(&str, bool, &[To]); 20] = [
+    let given: [(&str, bool, &[To]); 22] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -264,6 +277,8 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ),
         ("--outlier-q", a.outlier_q.is_some(), &[Cawsf]),
         ("--bpw", a.bpw.is_some(), &[Cawsf]),
+        ("--type-for", !a.type_for.is_empty(), &[Cawsf]),
+        ("--bpw-codec", a.bpw_codec != BpwCodec::Ggml, &[Cawsf]),
         ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
         ("--pq-dim", a.pq_dim.is_some(), &[Cawsf]),
         ("--pq-k", a.pq_k.is_some(), &[Cawsf]),

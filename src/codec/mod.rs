@@ -12,6 +12,7 @@
 #[doc(hidden)]
 pub mod bench_api;
 pub mod delta;
+mod ggml;
 pub mod intq;
 pub mod le;
 mod ndsq;
@@ -25,6 +26,7 @@ pub(crate) use ndsq::thin_svd;
 
 use serde::{Deserialize, Serialize};
 
+use crate::gguf::GgmlType;
 use crate::model::SourceType;
 
 /// How one tensor is encoded; stored in the archive's tensor table.
@@ -33,6 +35,9 @@ use crate::model::SourceType;
 pub enum TensorCodec {
     /// Source bytes kept as they were (f32/f16/bf16 or ggml blocks), bit-exact.
     Passthrough { format: SourceType },
+    /// Rounded at conversion into `ty`'s blocks, stored as those blocks (laid out as a
+    /// passthrough payload of `ty`; see `ggml`).
+    Ggml { ty: GgmlType },
     /// W ≈ D + L + R + S (see `ndsq`).
     Ndsq {
         rank: u32,
@@ -174,6 +179,45 @@ pub fn median_column_scale(importance: &[f32], cols: u64) -> Result<f64, CodecEr
     Ok(1.0 / *median as f64)
 }
 
+/// `w` (`rows × cols`) rounded into `ty`'s blocks, each column's error weighted by
+/// `importance` (as [`encode_ndsq_weighted`] weighs it) when given.
+pub fn encode_ggml(
+    w: &[f32],
+    rows: u64,
+    cols: u64,
+    rows_per_block: u64,
+    ty: GgmlType,
+    importance: Option<&[f32]>,
+) -> Result<EncodedTensor, CodecError> {
+    ggml::encode(w, rows, cols, rows_per_block, ty, importance)
+}
+
+/// Whether rows of `cols` values can be coded as `ty`'s blocks.
+pub fn ggml_fits(ty: GgmlType, cols: u64) -> bool {
+    ggml::fits(ty, cols)
+}
+
+/// `ty` tried on `rows` as [`sq_trial`] tries scalar groups: the weighted error left
+/// and the blocks made.
+pub fn ggml_trial(
+    rows: &[f32],
+    cols: u64,
+    ty: GgmlType,
+    importance: Option<&[f32]>,
+) -> Result<(f64, Vec<u8>), CodecError> {
+    ggml::trial(rows, cols, ty, importance)
+}
+
+/// The bytes a block of this codec stores rows as, when they are ggml blocks or source
+/// bytes a view can serve unchanged (passthrough, ggml blocks); None for NDSQ.
+pub fn raw_format(codec: &TensorCodec) -> Option<SourceType> {
+    match codec {
+        TensorCodec::Passthrough { format } => Some(*format),
+        TensorCodec::Ggml { ty } => Some(SourceType::Ggml(*ty)),
+        TensorCodec::Ndsq { .. } => None,
+    }
+}
+
 pub fn encode_passthrough(
     raw: &[u8],
     format: SourceType,
@@ -196,10 +240,10 @@ pub fn decode_global(
     cols: u64,
 ) -> Result<DecodedGlobal, CodecError> {
     let inner = match codec {
-        TensorCodec::Passthrough { .. } => {
+        TensorCodec::Passthrough { .. } | TensorCodec::Ggml { .. } => {
             if !global.is_empty() {
                 return Err(CodecError::Corrupt(format!(
-                    "passthrough global blob must be empty, has {} bytes",
+                    "passthrough or ggml global blob must be empty, has {} bytes",
                     global.len()
                 )));
             }
@@ -321,24 +365,24 @@ pub fn block_parts<'a>(
     r1: u64,
 ) -> Result<BlockParts<'a>, CodecError> {
     let (rows, cols_us) = check_rows(block_rows, cols, r0, r1)?;
-    match (codec, &global.inner) {
-        (TensorCodec::Passthrough { format }, GlobalInner::Passthrough) => {
-            let bytes = passthrough::raw_rows(*format, payload, block_rows, cols_us, r0, r1)?;
+    match (raw_format(codec), &global.inner) {
+        (Some(format), GlobalInner::Passthrough) => {
+            let bytes = passthrough::raw_rows(format, payload, block_rows, cols_us, r0, r1)?;
             if let SourceType::Ggml(ty) = format {
-                if !crate::gguf::quant::is_supported(*ty) {
+                if !crate::gguf::quant::is_supported(ty) {
                     return Err(CodecError::Corrupt(format!(
                         "passthrough {ty:?} rows cannot be dequantized"
                     )));
                 }
             }
             Ok(BlockParts::Raw {
-                format: *format,
+                format,
                 bytes,
                 rows,
                 cols: cols_us,
             })
         }
-        (TensorCodec::Ndsq { .. }, GlobalInner::Ndsq(g)) => {
+        (None, GlobalInner::Ndsq(g)) => {
             g.check_cols(cols)?;
             let view = ndsq::BlockView::parse(g, payload, block_first_row, block_rows)?;
             Ok(BlockParts::Ndsq(NdsqParts::new(
@@ -402,9 +446,9 @@ pub fn raw_block_rows<'a>(
     r0: u64,
     r1: u64,
 ) -> Result<&'a [u8], CodecError> {
-    let TensorCodec::Passthrough { format } = codec else {
+    let Some(format) = raw_format(codec) else {
         return Err(CodecError::Params(
-            "only passthrough blocks hold source bytes".into(),
+            "only passthrough and ggml blocks hold servable bytes".into(),
         ));
     };
     if r0 > r1 || r1 > block_rows {
@@ -414,7 +458,7 @@ pub fn raw_block_rows<'a>(
     }
     let cols =
         usize::try_from(cols).map_err(|_| CodecError::Params(format!("cols {cols} too large")))?;
-    passthrough::raw_rows(*format, payload, block_rows, cols, r0, r1)
+    passthrough::raw_rows(format, payload, block_rows, cols, r0, r1)
 }
 
 /// y[block rows] = Ŵ[block rows] · x computed from the components without forming Ŵ.
@@ -443,11 +487,11 @@ pub fn apply_block(
             y.len()
         )));
     }
-    match (codec, &global.inner) {
-        (TensorCodec::Passthrough { format }, GlobalInner::Passthrough) => {
-            passthrough::apply(*format, payload, block_rows, cols_us, x, y)
+    match (raw_format(codec), &global.inner) {
+        (Some(format), GlobalInner::Passthrough) => {
+            passthrough::apply(format, payload, block_rows, cols_us, x, y)
         }
-        (TensorCodec::Ndsq { .. }, GlobalInner::Ndsq(g)) => {
+        (None, GlobalInner::Ndsq(g)) => {
             g.check_cols(cols)?;
             let view = ndsq::BlockView::parse(g, payload, block_first_row, block_rows)?;
             view.apply(g, x, y);
@@ -553,6 +597,7 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
 pub fn codec_label(c: &TensorCodec) -> String {
     match c {
         TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
+        TensorCodec::Ggml { ty } => format!("ggml({})", format_label(SourceType::Ggml(*ty))),
         TensorCodec::Ndsq {
             rank, sq: Some(s), ..
         } => format!("ndsq(r={rank},sq={}b/{})", s.bits, s.group),

@@ -1,7 +1,8 @@
-//! `convert --bpw TARGET`: each tensor's R setting (scalar groups of 2–8 bits) or its
-//! exact source bytes, chosen so that the whole archive averages `TARGET` bits per
-//! weight with the least total squared error (importance-weighted when an importance
-//! matrix is given). docs/CODECS.md, "Bits-per-weight target".
+//! `convert --bpw TARGET`: each tensor's setting (a ggml block type, or with
+//! `--bpw-codec sq` NDSQ's scalar groups of 2–8 bits) or its exact source bytes, chosen
+//! so that the whole archive averages `TARGET` bits per weight with the least total
+//! squared error (importance-weighted when an importance matrix is given).
+//! docs/CODECS.md, "Bits-per-weight target".
 //!
 //! Each tensor's settings are priced in archive bytes by the payload formulas of
 //! docs/CODECS.md, the codes and source bytes scaled by how well the archive's block
@@ -20,6 +21,7 @@
 
 use crate::archive::container::rows_per_block;
 use crate::codec::{self, SqParams};
+use crate::gguf::GgmlType;
 use crate::import::SourceModel;
 use crate::model::{names, TensorDesc};
 
@@ -43,6 +45,34 @@ fn settings_for(cols: u64) -> Vec<SqParams> {
     BITS.iter()
         .flat_map(|&bits| groups.iter().map(move |&group| SqParams { bits, group }))
         .collect()
+}
+
+/// The ggml types tried on every tensor whose width they divide, cheapest first
+/// (IQ4_NL 4.5 bits per weight before compression ... Q8_0 8.5; the 256-value types
+/// only where the width is a multiple of 256).
+const GGML_TYPES: &[GgmlType] = &[
+    GgmlType::IQ4_XS,
+    GgmlType::IQ4_NL,
+    GgmlType::Q4_K,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+];
+
+/// The widest scalar groups a ggml plan also tries (below every ggml type it has).
+const LOW_SQ_BITS: u32 = 3;
+
+/// Bytes of tensor `t` as `ty`'s blocks compressing by `ratio`.
+fn ggml_bytes(t: &TensorDesc, ty: GgmlType, ratio: f64) -> u64 {
+    let row = ty
+        .row_bytes(t.cols())
+        .unwrap_or(u64::MAX / 2 / t.rows().max(1));
+    let blocks = t.rows().div_ceil(rows_per_block(t));
+    (row as f64 * t.rows() as f64 * ratio).ceil() as u64 + blocks * BLOCK_OVERHEAD
 }
 
 /// Values of a tensor its settings are scored on (whole rows, 16 to 256 of them).
@@ -74,6 +104,8 @@ pub enum Choice {
     Source,
     /// NDSQ with this scalar R.
     Sq(SqParams),
+    /// Rounded into this ggml type's blocks.
+    Ggml(GgmlType),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -135,15 +167,30 @@ fn sample_indices(t: &TensorDesc) -> impl Iterator<Item = usize> {
 }
 
 /// How much a unit of squared weight error in tensor `name` costs the model, relative
-/// to most tensors: llama.cpp's k-quant mixes spend about two more bits per weight on
-/// the output projection (which the embedding is when the model ties them: `tied`) and
-/// about one more on attn_v and ffn_down; with error falling 4× per bit, factors of 16
-/// and 4 make the greedy do the same. A heuristic, not a measurement of this model.
-fn sensitivity(name: &str, tied: bool) -> f64 {
+/// to most tensors. A heuristic per role, not a measurement of this model.
+/// - NDSQ's scalar groups (`ggml` false): llama.cpp's k-quant mixes spend about two more
+///   bits per weight on the output projection (which the embedding is when the model
+///   ties them: `tied`) and about one more on attn_v and ffn_down; with error falling
+///   4× per bit, factors of 16 and 4 make the greedy do the same.
+/// - ggml types: tried on the rotated float SmolLM2 (docs/CODECS.md, "Bits-per-weight
+///   target"): attention's queries and keys pass through a softmax that squared error
+///   does not see, and the output and embedding need no more than the rest.
+fn sensitivity(name: &str, tied: bool, ggml: bool) -> f64 {
     let output = name == "lm_head.weight" || (tied && name == "model.embed_tokens.weight");
-    if output {
+    let ends = |s: &str| name.ends_with(s);
+    if ggml {
+        if ends(".q_proj.weight") || ends(".k_proj.weight") {
+            32.0
+        } else if ends(".v_proj.weight") {
+            8.0
+        } else if ends(".o_proj.weight") || ends(".down_proj.weight") {
+            2.0
+        } else {
+            1.0
+        }
+    } else if output {
         16.0
-    } else if name.ends_with(".v_proj.weight") || name.ends_with(".down_proj.weight") {
+    } else if ends(".v_proj.weight") || ends(".down_proj.weight") {
         4.0
     } else {
         1.0
@@ -155,27 +202,65 @@ fn options_of(
     src: &dyn SourceModel,
     i: usize,
     opts: &ConvertOptions,
+    type_rules: &[(Patterns, GgmlType)],
 ) -> Result<Vec<Setting>, ConvertError> {
     let t = &src.desc().tensors[i];
+    let forced = type_rules
+        .iter()
+        .find(|(p, _)| p.is_match(&t.name))
+        .map(|r| r.1);
+    if let Some(ty) = forced {
+        if !codec::ggml_fits(ty, t.cols()) {
+            return Err(ConvertError::Options(format!(
+                "--type-for: {} cannot be {}: its rows of {} values are not whole blocks",
+                t.name,
+                codec::format_label(crate::model::SourceType::Ggml(ty)),
+                t.cols()
+            )));
+        }
+    }
     let raw = src.raw(i)?;
     let rb = row_bytes(t)? as usize;
     let raw_sample: Vec<u8> = sample_indices(t)
         .flat_map(|r| raw[r * rb..(r + 1) * rb].iter().copied())
         .collect();
     drop(raw);
-    let mut all = vec![Setting {
-        choice: Choice::Source,
-        bits: source_bytes(t, ratio(&raw_sample, opts))? as f64 * 8.0,
-        err: 0.0,
-    }];
-    let fits = settings_for(t.cols());
-    if fits.is_empty() || t.rows() == 0 {
+    let mut all = Vec::new();
+    if forced.is_none() {
+        all.push(Setting {
+            choice: Choice::Source,
+            bits: source_bytes(t, ratio(&raw_sample, opts))? as f64 * 8.0,
+            err: 0.0,
+        });
+    }
+    // Below the cheapest ggml type of a tensor (IQ4_NL's 4.5 bits where the width is
+    // not a multiple of 256), only scalar groups of 2 and 3 bits reach low targets.
+    let fits: Vec<SqParams> = match forced {
+        Some(_) => Vec::new(),
+        None => settings_for(t.cols())
+            .into_iter()
+            .filter(|p| opts.bpw_sq || p.bits <= LOW_SQ_BITS)
+            .collect(),
+    };
+    let types: Vec<GgmlType> = GGML_TYPES
+        .iter()
+        .copied()
+        .filter(|&ty| match forced {
+            Some(f) => ty == f,
+            None => !opts.bpw_sq && codec::ggml_fits(ty, t.cols()),
+        })
+        .collect();
+    if (fits.is_empty() && types.is_empty()) || t.rows() == 0 {
         return Ok(all);
     }
     let w = src.f32(i)?;
     if !w.iter().all(|x| x.is_finite()) {
-        // NDSQ cannot code it (the encoder would keep it exact too).
-        return Ok(all);
+        // Neither codes it (the encoder would keep it exact too).
+        return Ok(vec![Setting {
+            choice: Choice::Source,
+            bits: source_bytes(t, ratio(&raw_sample, opts))? as f64 * 8.0,
+            err: 0.0,
+        }]);
     }
     let cols = t.cols() as usize;
     let sample: Vec<f32> = sample_indices(t)
@@ -187,7 +272,7 @@ fn options_of(
         None => None,
     };
     let tied = src.desc().tensor_index("lm_head.weight").is_none();
-    let scale = sensitivity(&t.name, tied) * t.rows() as f64 / sample_count(t) as f64
+    let scale = sensitivity(&t.name, tied, !opts.bpw_sq) * t.rows() as f64 / sample_count(t) as f64
         * imp
             .map_or(Ok(1.0), |v| codec::median_column_scale(v, t.cols()))
             .map_err(|source| ConvertError::Codec {
@@ -204,6 +289,19 @@ fn options_of(
         all.push(Setting {
             choice: Choice::Sq(p),
             bits: sq_bytes(t, p, rank, q, ratio(&payload, opts)) as f64 * 8.0,
+            err: err * scale,
+        });
+    }
+    for ty in types {
+        let (err, blocks) = codec::ggml_trial(&sample, t.cols(), ty, imp).map_err(|source| {
+            ConvertError::Codec {
+                tensor: t.name.clone(),
+                source,
+            }
+        })?;
+        all.push(Setting {
+            choice: Choice::Ggml(ty),
+            bits: ggml_bytes(t, ty, ratio(&blocks, opts)) as f64 * 8.0,
             err: err * scale,
         });
     }
@@ -279,6 +377,7 @@ pub fn plan(
     let desc = src.desc();
     let n = desc.tensors.len();
     let total_weights: u64 = desc.tensors.iter().map(|t| t.numel()).sum();
+    let type_rules = opts.type_rules()?;
     let mut options: Vec<Vec<Setting>> = Vec::with_capacity(n);
     super::in_windows(
         n,
@@ -293,7 +392,7 @@ pub fn plan(
                     err: 0.0,
                 }])
             } else {
-                options_of(src, i, opts)
+                options_of(src, i, opts, &type_rules)
             }
         },
         |i, h| {
@@ -303,21 +402,33 @@ pub fn plan(
         },
     )?;
     let units = units(src, &options);
-    let hulls: Vec<Vec<Setting>> = units
-        .iter()
-        .map(|members| {
-            let mut sum = options[members[0]].clone();
-            for &m in &members[1..] {
-                for (s, o) in sum.iter_mut().zip(&options[m]) {
-                    s.bits += o.bits;
-                    s.err += o.err;
+    let hulls_of = |low_sq: bool| -> Vec<Vec<Setting>> {
+        units
+            .iter()
+            .map(|members| {
+                let mut sum = options[members[0]].clone();
+                for &m in &members[1..] {
+                    for (s, o) in sum.iter_mut().zip(&options[m]) {
+                        s.bits += o.bits;
+                        s.err += o.err;
+                    }
                 }
-            }
-            lower_hull(sum)
-        })
-        .collect();
+                // A ggml plan takes scalar groups only where its types cannot meet
+                // the target: the GGUF view would round them again.
+                if !low_sq && sum.iter().any(|o| !matches!(o.choice, Choice::Sq(_))) {
+                    sum.retain(|o| !matches!(o.choice, Choice::Sq(_)));
+                }
+                lower_hull(sum)
+            })
+            .collect()
+    };
+    let budget0 = target * total_weights as f64 - reserved as f64 * 8.0;
+    let mut hulls = hulls_of(opts.bpw_sq);
+    if hulls.iter().map(|h| h[0].bits).sum::<f64>() > budget0 {
+        hulls = hulls_of(true);
+    }
     let n = units.len();
-    let mut budget = target * total_weights as f64 - reserved as f64 * 8.0;
+    let mut budget = budget0;
     let mut at = vec![0usize; n];
     let mut used: f64 = hulls.iter().map(|h| h[0].bits).sum();
     let at_floor = used > budget && opts.bpw_at_least_floor;

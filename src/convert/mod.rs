@@ -47,6 +47,11 @@ pub struct ConvertOptions {
     /// keeps whole), plan that smallest archive instead of failing: for a target the
     /// user did not choose ([`DEFAULT_BPW`]).
     pub bpw_at_least_floor: bool,
+    /// `bpw` plans NDSQ's scalar groups instead of ggml block types.
+    pub bpw_sq: bool,
+    /// (pattern, type): the tensors matching the pattern are rounded into that ggml
+    /// type instead of the one `bpw` would choose, first match first (`bpw` only).
+    pub type_for: Vec<(String, crate::gguf::GgmlType)>,
 }
 
 /// `cawsfs convert`'s bits-per-weight target when no R is chosen: where NDSQ's
@@ -76,6 +81,8 @@ impl Default for ConvertOptions {
             imatrix: None,
             bpw: None,
             bpw_at_least_floor: false,
+            bpw_sq: false,
+            type_for: Vec::new(),
         }
     }
 }
@@ -117,6 +124,7 @@ impl ConvertOptions {
             }
         }
         self.sq_rules()?;
+        self.type_rules()?;
         Patterns::new(&self.passthrough).map(drop)
     }
 
@@ -125,6 +133,28 @@ impl ConvertOptions {
         self.sq_for
             .iter()
             .map(|(p, r)| Ok((Patterns::of_flag(std::slice::from_ref(p), "--sq-for")?, *r)))
+            .collect()
+    }
+
+    /// `type_for`'s patterns, compiled once per plan; a type the fits cannot write is
+    /// an options error.
+    pub(crate) fn type_rules(
+        &self,
+    ) -> Result<Vec<(Patterns, crate::gguf::GgmlType)>, ConvertError> {
+        self.type_for
+            .iter()
+            .map(|(p, ty)| {
+                if !crate::gguf::fit::can_fit(*ty) {
+                    return Err(ConvertError::Options(format!(
+                        "--type-for {p}={}: cawsfs cannot round into that type",
+                        codec::format_label(crate::model::SourceType::Ggml(*ty))
+                    )));
+                }
+                Ok((
+                    Patterns::of_flag(std::slice::from_ref(p), "--type-for")?,
+                    *ty,
+                ))
+            })
             .collect()
     }
 
@@ -335,20 +365,25 @@ fn encode_one(
         source,
     };
     let choice = plan.map(|p| p.choices[i]);
+    let imp = || -> Result<_, ConvertError> {
+        Ok(match &opts.imatrix {
+            Some(m) => m.for_tensor(&t.name, t.cols())?,
+            None => None,
+        })
+    };
     if is_passthrough(t, pass) || choice == Some(bpw::Choice::Source) {
         let raw = src.raw(i)?;
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
+    } else if let Some(bpw::Choice::Ggml(ty)) = choice {
+        let w = src.f32(i)?;
+        codec::encode_ggml(&w, t.rows(), t.cols(), rpb, ty, imp()?).map_err(wrap)
     } else {
         let w = src.f32(i)?;
         let mut nd = opts.ndsq_for(&t.name, sq_rules);
         if let Some(bpw::Choice::Sq(p)) = choice {
             nd.sq = Some(p);
         }
-        let imp = match &opts.imatrix {
-            Some(m) => m.for_tensor(&t.name, t.cols())?,
-            None => None,
-        };
-        let enc = match imp {
+        let enc = match imp()? {
             Some(imp) => codec::encode_ndsq_weighted(&w, t.rows(), t.cols(), rpb, &nd, imp),
             None => codec::encode_ndsq(&w, t.rows(), t.cols(), rpb, &nd),
         };
@@ -464,7 +499,7 @@ pub fn convert(
         r.bits_per_weight = r.bytes as f64 * 8.0 / desc.tensors[i].numel().max(1) as f64;
     }
     let mut report = ConvertReport::new(reports, archive_bytes, desc, |_, r| {
-        r.codec.starts_with("ndsq")
+        !r.codec.starts_with("passthrough")
     });
     report.imatrix = imatrix;
     report.bpw = plan.map(|p| BpwUse {

@@ -608,10 +608,7 @@ impl RowSource for CawsfArchive {
     }
 
     fn raw_format(&self, tensor: usize) -> Option<SourceType> {
-        match self.tensors.get(tensor)?.codec {
-            TensorCodec::Passthrough { format } => Some(format),
-            TensorCodec::Ndsq { .. } => None,
-        }
+        codec::raw_format(&self.tensors.get(tensor)?.codec)
     }
 
     fn read_raw_rows(
