@@ -509,7 +509,9 @@ fn bpw_target_is_met_and_tighter_targets_cost_accuracy() {
         errs.push(r.mean_rel_err);
         CawsfArchive::open(&out).unwrap();
     }
-    assert!(errs[0] <= errs[1] && errs[1] < errs[2], "{errs:?}");
+    // The mean is over the lossy tensors only: where 16 and 12 bits both give every
+    // lossy tensor Q8_0 and differ in which stay exact, it moves in the fourth digit.
+    assert!(errs[0] <= errs[1] * 1.01 && errs[1] < errs[2], "{errs:?}");
     let e = at(0.5).unwrap_err().to_string();
     assert!(e.contains("--bpw 0.5 is below the smallest archive"), "{e}");
 }
