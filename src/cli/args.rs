@@ -463,6 +463,11 @@ pub struct ConvertArgs {
     /// .dat; docs/IMATRIX.md has the one-command workflow).
     #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
+    /// Second moments of every linear layer's inputs over calibration text, written by
+    /// scripts/calibrate.py: matrices rounded into ggml types get error feedback
+    /// across columns (GPTQ) from them (docs/CODECS.md, "Error feedback").
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
     /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.

@@ -160,6 +160,11 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             p,
         )?));
     }
+    if let Some(p) = &a.calibration {
+        opts.calibration = Some(std::sync::Arc::new(
+            cawsfs::import::calibration::Calibration::open(p)?,
+        ));
+    }
     let (pb, progress) = weights_bar(src.desc());
     let report = convert::convert(src.as_ref(), &a.output, &opts, &progress)
         .with_context(|| format!("converting {}", a.src.display()))?;
@@ -266,7 +271,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let given: [(&str, bool, &[To]); 22] = [
+    let given: [(&str, bool, &[To]); 23] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -286,6 +291,7 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ("--seed", a.seed != 0, &[Cawsf]),
         ("--sq-bits", a.sq_bits.is_some(), &[Cawsf]),
         ("--imatrix", a.imatrix.is_some(), &[Cawsf]),
+        ("--calibration", a.calibration.is_some(), &[Cawsf]),
         ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
         (
             "--no-default-passthrough",

@@ -192,6 +192,19 @@ pub fn encode_ggml(
     ggml::encode(w, rows, cols, rows_per_block, ty, importance)
 }
 
+/// [`encode_ggml`] with error feedback across columns from `h`, the `cols × cols`
+/// second moment of the layer's inputs over calibration text (GPTQ with whole blocks).
+pub fn encode_ggml_feedback(
+    w: &[f32],
+    rows: u64,
+    cols: u64,
+    rows_per_block: u64,
+    ty: GgmlType,
+    h: &[f32],
+) -> Result<EncodedTensor, CodecError> {
+    ggml::encode_feedback(w, rows, cols, rows_per_block, ty, h)
+}
+
 /// Whether rows of `cols` values can be coded as `ty`'s blocks.
 pub fn ggml_fits(ty: GgmlType, cols: u64) -> bool {
     ggml::fits(ty, cols)

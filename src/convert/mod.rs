@@ -52,6 +52,9 @@ pub struct ConvertOptions {
     /// (pattern, type): the tensors matching the pattern are rounded into that ggml
     /// type instead of the one `bpw` would choose, first match first (`bpw` only).
     pub type_for: Vec<(String, crate::gguf::GgmlType)>,
+    /// Second moments of each layer's inputs (`--calibration`): tensors rounded into
+    /// ggml types get error feedback across columns from them.
+    pub calibration: Option<std::sync::Arc<crate::import::calibration::Calibration>>,
 }
 
 /// `cawsfs convert`'s bits-per-weight target when no R is chosen: where NDSQ's
@@ -83,6 +86,7 @@ impl Default for ConvertOptions {
             bpw_at_least_floor: false,
             bpw_sq: false,
             type_for: Vec::new(),
+            calibration: None,
         }
     }
 }
@@ -376,7 +380,15 @@ fn encode_one(
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else if let Some(bpw::Choice::Ggml(ty)) = choice {
         let w = src.f32(i)?;
-        codec::encode_ggml(&w, t.rows(), t.cols(), rpb, ty, imp()?).map_err(wrap)
+        let h = match &opts.calibration {
+            Some(c) => c.for_tensor(&t.name, t.cols())?,
+            None => None,
+        };
+        match h {
+            Some(h) => codec::encode_ggml_feedback(&w, t.rows(), t.cols(), rpb, ty, &h),
+            None => codec::encode_ggml(&w, t.rows(), t.cols(), rpb, ty, imp()?),
+        }
+        .map_err(wrap)
     } else {
         let w = src.f32(i)?;
         let mut nd = opts.ndsq_for(&t.name, sq_rules);

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use crate::model::ModelDesc;
 
+pub mod calibration;
 pub mod gguf;
 pub mod hf;
 pub mod imatrix;

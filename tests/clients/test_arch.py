@@ -678,7 +678,8 @@ def test_moe_pin_infra_pins_all_but_the_experts(cawsfs, converted, work):
         r = gguf.GGUFReader(mp / "model.gguf")
         size = os.path.getsize(mp / "model.gguf")
         stat = json.loads(run([cawsfs, "stat", mp, "--json"]).stdout)
-        spans = [(r.data_offset + t.data_offset, r.data_offset + t.data_offset + t.n_bytes,
+        # gguf-py's ReaderTensor.data_offset is already from the start of the file.
+        spans = [(t.data_offset, t.data_offset + t.n_bytes,
                   "_exps." in t.name) for t in r.tensors]
         del r
         gc.collect()
@@ -712,7 +713,7 @@ def test_moe_expert_predictor_learns_the_routing_and_keeps_it(cawsfs, converted,
         for t in r.tensors:
             m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", t.name)
             if m:
-                at, per = r.data_offset + t.data_offset, t.n_bytes // n
+                at, per = t.data_offset, t.n_bytes // n  # from the start of the file
                 for e in range(n):
                     out.setdefault((int(m.group(1)), e), []).append((at + e * per, per))
         del r

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Second moments of every linear layer's inputs over a calibration text, for
+`cawsfs convert --calibration FILE` (docs/CODECS.md, "Error feedback").
+
+Runs the model with Hugging Face `transformers` on the CPU over TEXT in windows of CTX
+tokens and accumulates, for each distinct input of the model's `nn.Linear` layers,
+H = Σ x xᵀ / n (cols × cols, f32). Layers that read the same input (q/k/v, gate/up)
+share one matrix. Writes a safetensors file: tensor `<weight name>` for the first weight
+reading each input, and metadata `"readers"` mapping every weight name (as in the
+model's safetensors) to the tensor holding its input's moments, plus the token count.
+
+Usage: scripts/calibrate.py HF_DIR TEXT OUT.safetensors [--ctx 512] [--windows 8]
+"""
+import argparse
+import json
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("text")
+    ap.add_argument("out")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=8)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    model.eval()
+    ids = tok(open(a.text, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    windows = [ids[i:i + a.ctx] for i in range(0, len(ids) - a.ctx + 1, a.ctx)][: a.windows]
+    if not windows:
+        raise SystemExit(f"{a.text}: fewer than {a.ctx} tokens")
+    sums, first_reader, readers, count = {}, {}, {}, {}
+
+    def hook(name):
+        def f(mod, inp, _out):
+            x = inp[0].detach().reshape(-1, inp[0].shape[-1]).double()
+            key = id(inp[0])
+            # Modules fed the very same tensor share one matrix (the tensor is held
+            # for the window so that its id is not reused).
+            if key not in first_reader:
+                first_reader[key] = (name, inp[0])
+                sums[name] = sums.get(name, 0) + x.T @ x
+                count[name] = count.get(name, 0) + x.shape[0]
+            readers[name] = first_reader[key][0]
+        return f
+
+    hooks = [m.register_forward_hook(hook(n + ".weight"))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for w in windows:
+            first_reader.clear()
+            model(w[None, :])
+    for h in hooks:
+        h.remove()
+    # A reader's first window may name another module than later ones: resolve once.
+    out = {n: (s / count[n]).float().contiguous() for n, s in sums.items()
+           if n in set(readers.values())}
+    meta = {"readers": json.dumps(readers), "tokens": str(sum(len(w) for w in windows)),
+            "ctx": str(a.ctx)}
+    save_file(out, a.out, metadata=meta)
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()
