@@ -198,7 +198,7 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             }
         );
     }
-    print_report(&report, ("codec", 24), ("archive", "NDSQ"), &a)
+    print_report(&report, ("codec", 24), ("archive", "lossy"), &a)
 }
 
 /// A progress bar over the weights of `desc`'s tensors, with an ETA (tensors differ in

@@ -15,6 +15,36 @@ pub fn fits(ty: GgmlType, cols: u64) -> bool {
     fit::can_fit(ty) && cols > 0 && cols % ty.block().0 == 0
 }
 
+/// Refuses a width `ty`'s blocks do not divide and values that are not finite.
+fn check_values(w: &[f32], cols: u64, ty: GgmlType) -> Result<(), CodecError> {
+    if !fits(ty, cols) {
+        return Err(CodecError::Params(format!(
+            "{ty:?} cannot code rows of {cols} values"
+        )));
+    }
+    match w.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(CodecError::Params(format!(
+            "value {} at {i} is not finite",
+            w[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a value count other than `rows × cols` and empty row blocks.
+fn check_shape(w: &[f32], rows: u64, cols: u64, rows_per_block: u64) -> Result<(), CodecError> {
+    if rows_per_block == 0 {
+        return Err(CodecError::Params("rows_per_block must be ≥ 1".into()));
+    }
+    if rows.checked_mul(cols) != Some(w.len() as u64) {
+        return Err(CodecError::Params(format!(
+            "{rows}×{cols} tensor given {} values",
+            w.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Rows (`rows × cols` values) rounded into `ty`'s blocks, each column weighted by
 /// `importance` over its mean (floored as NDSQ floors it) or all alike: the blocks,
 /// row after row.
@@ -24,17 +54,7 @@ fn round_rows(
     ty: GgmlType,
     importance: Option<&[f32]>,
 ) -> Result<Vec<u8>, CodecError> {
-    if !fits(ty, cols) {
-        return Err(CodecError::Params(format!(
-            "{ty:?} cannot code rows of {cols} values"
-        )));
-    }
-    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
-        return Err(CodecError::Params(format!(
-            "value {} at {i} is not finite",
-            w[i]
-        )));
-    }
+    check_values(w, cols, ty)?;
     let cols = cols as usize;
     let weights = match importance {
         Some(imp) => ndsq::column_weights(imp, cols)?,
@@ -67,17 +87,7 @@ fn round_rows_feedback(
     ty: GgmlType,
     h: &[f32],
 ) -> Result<Vec<u8>, CodecError> {
-    if !fits(ty, cols) {
-        return Err(CodecError::Params(format!(
-            "{ty:?} cannot code rows of {cols} values"
-        )));
-    }
-    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
-        return Err(CodecError::Params(format!(
-            "value {} at {i} is not finite",
-            w[i]
-        )));
-    }
+    check_values(w, cols, ty)?;
     let n = cols as usize;
     if h.len() != n * n {
         return Err(CodecError::Params(format!(
@@ -178,15 +188,7 @@ pub(super) fn encode_feedback(
     ty: GgmlType,
     h: &[f32],
 ) -> Result<EncodedTensor, CodecError> {
-    if rows_per_block == 0 {
-        return Err(CodecError::Params("rows_per_block must be ≥ 1".into()));
-    }
-    if rows.checked_mul(cols) != Some(w.len() as u64) {
-        return Err(CodecError::Params(format!(
-            "{rows}×{cols} tensor given {} values",
-            w.len()
-        )));
-    }
+    check_shape(w, rows, cols, rows_per_block)?;
     let bytes = round_rows_feedback(w, cols, ty, h)?;
     finish(w, rows, rows_per_block, ty, bytes)
 }
@@ -199,15 +201,7 @@ pub(super) fn encode(
     ty: GgmlType,
     importance: Option<&[f32]>,
 ) -> Result<EncodedTensor, CodecError> {
-    if rows_per_block == 0 {
-        return Err(CodecError::Params("rows_per_block must be ≥ 1".into()));
-    }
-    if rows.checked_mul(cols) != Some(w.len() as u64) {
-        return Err(CodecError::Params(format!(
-            "{rows}×{cols} tensor given {} values",
-            w.len()
-        )));
-    }
+    check_shape(w, rows, cols, rows_per_block)?;
     let bytes = round_rows(w, cols, ty, importance)?;
     finish(w, rows, rows_per_block, ty, bytes)
 }

@@ -537,13 +537,14 @@ mod tests {
             .collect()
     }
 
-    fn err(ty: GgmlType, x: &[f32], w: &[f32], fit_it: bool) -> f64 {
+    /// The `w`-weighted squared error of `x` rounded into `ty`: by [`fit`] with weights
+    /// `fit_w`, or (None) by llama-quantize's reference rounding.
+    fn err_of(ty: GgmlType, x: &[f32], w: &[f32], fit_w: Option<&[f32]>) -> f64 {
         let (be, bb) = ty.block();
         let mut b = vec![0u8; x.len() / be as usize * bb as usize];
-        if fit_it {
-            fit(ty, x, w, &mut b).unwrap();
-        } else {
-            super::super::quantize::quantize(ty, x, &mut b).unwrap();
+        match fit_w {
+            Some(fw) => fit(ty, x, fw, &mut b).unwrap(),
+            None => super::super::quantize::quantize(ty, x, &mut b).unwrap(),
         }
         let mut y = vec![0f32; x.len()];
         dequantize(ty, &b, &mut y).unwrap();
@@ -552,6 +553,10 @@ mod tests {
             .zip(w)
             .map(|((&a, &b), &w)| w as f64 * (a - b) as f64 * (a - b) as f64)
             .sum()
+    }
+
+    fn err(ty: GgmlType, x: &[f32], w: &[f32], fit_it: bool) -> f64 {
+        err_of(ty, x, w, fit_it.then_some(w))
     }
 
     /// The fit's blocks decode (ggml's own layout) to values at least as close as
@@ -588,23 +593,10 @@ mod tests {
             GgmlType::Q6_K,
             GgmlType::Q4_K,
         ] {
-            let (weighted, plain) = (err(ty, &x, &w, true), err_w(ty, &x, &w));
+            let ones = vec![1f32; x.len()];
+            let (weighted, plain) = (err(ty, &x, &w, true), err_of(ty, &x, &w, Some(&ones)));
             assert!(weighted < plain * 0.9, "{ty:?}: {weighted} vs {plain}");
         }
-    }
-
-    /// The weighted error of fitting unweighted, measured with `w`.
-    fn err_w(ty: GgmlType, x: &[f32], w: &[f32]) -> f64 {
-        let (be, bb) = ty.block();
-        let mut b = vec![0u8; x.len() / be as usize * bb as usize];
-        fit(ty, x, &vec![1f32; x.len()], &mut b).unwrap();
-        let mut y = vec![0f32; x.len()];
-        dequantize(ty, &b, &mut y).unwrap();
-        x.iter()
-            .zip(&y)
-            .zip(w)
-            .map(|((&a, &b), &w)| w as f64 * (a - b) as f64 * (a - b) as f64)
-            .sum()
     }
 
     #[test]
