@@ -354,6 +354,32 @@ fn imatrix_use(
     })
 }
 
+/// Checks `--calibration` against the tensors to be coded before any work: statistics
+/// of the wrong width, or none for any of them, are an error naming the file.
+fn calibration_use(
+    c: &crate::import::calibration::Calibration,
+    desc: &crate::model::ModelDesc,
+    pass: &Patterns,
+) -> Result<(), ConvertError> {
+    let mut covered = 0;
+    let mut coded = 0;
+    for t in desc.tensors.iter().filter(|t| !is_passthrough(t, pass)) {
+        coded += 1;
+        covered += c.covers(&t.name, t.cols())? as usize;
+    }
+    if coded > 0 && covered == 0 {
+        return Err(crate::error::FileError::invalid(
+            c.path(),
+            format!(
+                "none of its {} entries names a tensor this model codes (statistics of another model?)",
+                c.len()
+            ),
+        )
+        .into());
+    }
+    Ok(())
+}
+
 fn encode_one(
     src: &dyn SourceModel,
     i: usize,
@@ -450,6 +476,9 @@ pub fn convert(
         Some(m) => Some(imatrix_use(m, desc, &pass)?),
         None => None,
     };
+    if let Some(c) = &opts.calibration {
+        calibration_use(c, desc, &pass)?;
+    }
     let n = desc.tensors.len();
     let mut writer = CawsfWriter::create(out, opts.compression)?;
     writer.set_min_saving(opts.min_saving);

@@ -18,6 +18,8 @@ pub struct Calibration {
     map: memmap2::Mmap,
     /// Weight name → name of the tensor holding its input's H.
     readers: HashMap<String, String>,
+    /// Tensor name → its width (checked square at open).
+    widths: HashMap<String, u64>,
     /// Tokens the statistics were gathered over.
     pub tokens: u64,
 }
@@ -59,6 +61,7 @@ impl Calibration {
             })?;
         let tokens = get("tokens").and_then(|s| s.parse().ok()).unwrap_or(0);
         let st = SafeTensors::deserialize(&map).map_err(|e| bad(e.to_string()))?;
+        let mut widths = HashMap::new();
         for (w, t) in &readers {
             let view = st
                 .tensor(t)
@@ -70,12 +73,14 @@ impl Calibration {
                     view.dtype()
                 )));
             }
+            widths.insert(t.clone(), s[0] as u64);
         }
         drop(st);
         Ok(Calibration {
             path: path.to_path_buf(),
             map,
             readers,
+            widths,
             tokens,
         })
     }
@@ -93,6 +98,21 @@ impl Calibration {
         self.readers.is_empty()
     }
 
+    /// Whether the file has statistics for weight `name` of `cols` columns; statistics
+    /// of another width are an error naming the file (another model's).
+    pub fn covers(&self, name: &str, cols: u64) -> Result<bool, ImportError> {
+        let Some(n) = self.readers.get(name).and_then(|t| self.widths.get(t)) else {
+            return Ok(false);
+        };
+        if *n != cols {
+            return Err(ImportError::invalid(
+                &self.path,
+                format!("{name}: statistics of {n} columns, the tensor has {cols} (calibration of another model?)"),
+            ));
+        }
+        Ok(true)
+    }
+
     /// H of the input of weight `name` (HF name), `cols × cols` row-major; None when the
     /// file has none for it. A width other than `cols`, or a value that is not finite,
     /// is an error naming the file (statistics of another model, or a damaged file).
@@ -100,15 +120,10 @@ impl Calibration {
         let Some(t) = self.readers.get(name) else {
             return Ok(None);
         };
+        self.covers(name, cols)?;
         let bad = |why: String| ImportError::invalid(&self.path, why);
         let st = SafeTensors::deserialize(&self.map).map_err(|e| bad(e.to_string()))?;
         let view = st.tensor(t).map_err(|e| bad(e.to_string()))?;
-        let n = view.shape()[0] as u64;
-        if n != cols {
-            return Err(bad(format!(
-                "{name}: statistics of {n} columns, the tensor has {cols} (calibration of another model?)"
-            )));
-        }
         let h: Vec<f32> = view
             .data()
             .chunks_exact(4)

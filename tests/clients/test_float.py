@@ -163,6 +163,9 @@ def test_bad_calibration_files_are_one_line_errors(cawsfs, float_gguf, calibrati
     other = work / "other.safetensors"
     save_file({"x": torch.eye(8)}, other, metadata={"readers": readers, "tokens": "8"})
     cases["another model"] = (other, "statistics of 8 columns, the tensor has 576")
+    stranger = work / "stranger.safetensors"
+    save_file({"x": torch.eye(8)}, stranger, metadata={"readers": _json.dumps({"lm.fc.weight": "x"})})
+    cases["no tensor of this model"] = (stranger, "none of its 1 entries names a tensor this model codes")
     nan = work / "nan.safetensors"
     save_file({"x": torch.full((576, 576), float("nan"))}, nan, metadata={"readers": readers})
     cases["NaN"] = (nan, "is not finite")
