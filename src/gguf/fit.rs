@@ -118,7 +118,7 @@ const NL_MID: [f32; 15] = {
 /// Scale candidates tried on each side of the grid: the largest |x| mapped to the
 /// grid's end times a factor from 0.55 to 1.2 (beyond the end it is clipped, which
 /// pays where one value is far larger than the rest).
-const TRIES: i32 = 12;
+const TRIES: i32 = 6;
 
 fn factor(k: i32) -> f32 {
     0.875 + 0.325 * k as f32 / TRIES as f32
