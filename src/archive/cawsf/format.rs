@@ -44,6 +44,9 @@ pub struct IndexEntry {
 }
 
 impl IndexEntry {
+    /// Bytes of one entry.
+    pub const SIZE: usize = 32;
+
     pub fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.offset.to_le_bytes());
         out.extend_from_slice(&self.csize.to_le_bytes());

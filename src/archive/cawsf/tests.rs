@@ -678,10 +678,12 @@ fn hostile_tables_are_rejected() {
 #[test]
 fn writer_errors_leave_no_files() {
     let m = model();
-    // Out-of-order tensor.
+    // A tensor added twice.
     let (dir, p) = tmp();
     let mut w = CawsfWriter::create(&p, Compression::Zstd(3)).unwrap();
-    assert!(w.add_tensor(1, 1, &encoded(&m, 1)).is_err());
+    w.add_tensor(1, 1, &encoded(&m, 1)).unwrap();
+    let e = w.add_tensor(1, 1, &encoded(&m, 1)).unwrap_err().to_string();
+    assert!(e.contains("tensor 1 added twice"), "{e}");
     drop(w);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     // Block count disagreeing with the shape, found at finish.
@@ -700,6 +702,35 @@ fn writer_errors_leave_no_files() {
     w.add_tensor(0, 3, &encoded(&m, 0)).unwrap();
     assert!(w.finish(&m, serde_json::Value::Null, &[]).is_err());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn tensors_written_in_any_order_read_back() {
+    let m = model();
+    let (_d, p) = tmp();
+    let mut w = CawsfWriter::create(&p, Compression::Zstd(3)).unwrap();
+    for i in [2, 0, 1] {
+        w.add_tensor(i, RPB[i], &encoded(&m, i)).unwrap();
+    }
+    w.finish(&m, serde_json::Value::Null, &[]).unwrap();
+    let a = CawsfArchive::open(&p).unwrap();
+    a.verify().unwrap();
+    // SHARD_BANK holds tensor 2 first; the index is still in tensor order.
+    assert!(a.block_location(2, 0).0 < a.block_location(0, 0).0);
+    for i in 0..3 {
+        let e = encoded(&m, i);
+        for (b, blk) in e.blocks.iter().enumerate() {
+            assert_eq!(&a.block_payload(i, b).unwrap(), blk, "t{i} b{b}");
+        }
+    }
+    // Two tensors' records overlapping is corrupt whatever their order: tensor 0's
+    // first entry (of 4) pointed at tensor 2's record (entry 5), which lies first.
+    drop(a);
+    let e = tamper(&p, |_, idx| {
+        let off2 = u64::from_le_bytes(idx[5 * INDEX_ENTRY..][..8].try_into().unwrap());
+        idx[..8].copy_from_slice(&off2.to_le_bytes());
+    });
+    assert!(e.contains("overlap"), "{e}");
 }
 
 #[test]

@@ -20,11 +20,14 @@ struct PendingTensor {
     codec: TensorCodec,
     rows_per_block: u64,
     n_blocks: u64,
-    first_block: u64,
     global: GlobalRef,
+    /// Its BLOCK_INDEX entries: the index is in tensor order whatever the order of
+    /// adding, so each tensor's are kept apart until `finish`.
+    index: Vec<u8>,
 }
 
-/// Streaming writer: tensors are added in model order as they are encoded, then
+/// Streaming writer: tensors are added in any order as they are encoded (their records
+/// go to SHARD_BANK in that order, docs/FORMAT.md), then
 /// `finish` writes META, CODEBOOKS and ROUTING and the header/TOC. Dropped unfinished
 /// (a failed or abandoned conversion), it leaves no files behind: both temporary files
 /// delete themselves.
@@ -34,9 +37,8 @@ pub struct CawsfWriter {
     cb: BufWriter<NamedTempFile>,
     cb_len: u64,
     cb_hash: Xxh3Default,
-    index: Vec<u8>,
-    n_entries: u64,
-    tensors: Vec<PendingTensor>,
+    /// By tensor index; None until added.
+    tensors: Vec<Option<PendingTensor>>,
 }
 
 impl CawsfWriter {
@@ -57,20 +59,22 @@ impl CawsfWriter {
             cb: BufWriter::with_capacity(1 << 20, cb),
             cb_len: 0,
             cb_hash: Xxh3Default::new(),
-            index: Vec::new(),
-            n_entries: 0,
             tensors: Vec::new(),
         })
     }
 
-    /// Add tensor `index` (its position in `ModelDesc::tensors`); tensors must come in order.
+    /// Add tensor `index` (its position in `ModelDesc::tensors`), each once, in any order.
     pub fn add_tensor(
         &mut self,
         index: usize,
         rows_per_block: u64,
         encoded: &EncodedTensor,
     ) -> Result<(), ArchiveError> {
-        let tensor_u32 = self.w.tensor_index(index, self.tensors.len())?;
+        if self.tensors.get(index).is_some_and(Option::is_some) {
+            return Err(self.invalid(format!("tensor {index} added twice")));
+        }
+        let tensor_u32 = u32::try_from(index)
+            .map_err(|_| self.invalid(format!("tensor index {index} exceeds u32")))?;
         if rows_per_block == 0 {
             return Err(self.invalid(format!("tensor {index}: rows_per_block is 0")));
         }
@@ -103,7 +107,7 @@ impl CawsfWriter {
 
         // Blocks: compress in parallel, write in order.
         let packed = self.w.compress_all(&encoded.blocks);
-        let first_block = self.n_entries;
+        let mut index_bytes = Vec::with_capacity(encoded.blocks.len() * 32);
         for (b, ((comp, stored), raw)) in packed.iter().zip(&encoded.blocks).enumerate() {
             let hdr = RecordHeader {
                 ty: REC_ROW_BLOCK,
@@ -123,15 +127,17 @@ impl CawsfWriter {
                 comp: *comp,
                 tensor: tensor_u32,
             }
-            .write(&mut self.index);
-            self.n_entries += 1;
+            .write(&mut index_bytes);
         }
-        self.tensors.push(PendingTensor {
+        if self.tensors.len() <= index {
+            self.tensors.resize_with(index + 1, || None);
+        }
+        self.tensors[index] = Some(PendingTensor {
             codec: encoded.codec.clone(),
             rows_per_block,
             n_blocks: encoded.blocks.len() as u64,
-            first_block,
             global,
+            index: index_bytes,
         });
         Ok(())
     }
@@ -147,7 +153,11 @@ impl CawsfWriter {
         // Every tensor present, block counts consistent with the shapes.
         self.w.check_count(self.tensors.len(), model)?;
         let mut meta_tensors = Vec::with_capacity(self.tensors.len());
-        for (t, d) in self.tensors.iter().zip(&model.tensors) {
+        let mut index = Vec::new();
+        for (i, (t, d)) in self.tensors.iter().zip(&model.tensors).enumerate() {
+            let Some(t) = t else {
+                return Err(self.invalid(format!("tensor {i} ({}) was never added", d.name)));
+            };
             let rows = d.rows();
             let want = rows.div_ceil(t.rows_per_block);
             if t.n_blocks != want {
@@ -162,10 +172,11 @@ impl CawsfWriter {
                 rows,
                 cols: d.cols(),
                 rows_per_block: t.rows_per_block,
-                first_block: t.first_block,
+                first_block: (index.len() / IndexEntry::SIZE) as u64,
                 n_blocks: t.n_blocks,
                 global: t.global.clone(),
             });
+            index.extend_from_slice(&t.index);
         }
 
         let (cb_len, cb_hash) = (self.cb_len, self.cb_hash.digest());
@@ -200,7 +211,6 @@ impl CawsfWriter {
             },
             extra: &extra,
         };
-        self.w
-            .finish(layout, sections, (&self.index, routing), meta)
+        self.w.finish(layout, sections, (&index, routing), meta)
     }
 }
