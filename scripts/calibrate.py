@@ -13,9 +13,11 @@ Usage: scripts/calibrate.py HF_DIR TEXT OUT.safetensors [--ctx 512] [--windows 8
 """
 import argparse
 import json
+import os
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -28,13 +30,25 @@ def main():
     ap.add_argument("--windows", type=int, default=8)
     a = ap.parse_args()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     model.eval()
-    ids = tok(open(a.text, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
-    windows = [ids[i:i + a.ctx] for i in range(0, len(ids) - a.ctx + 1, a.ctx)][: a.windows]
-    if not windows:
-        raise SystemExit(f"{a.text}: fewer than {a.ctx} tokens")
+    text = open(a.text, encoding="utf-8").read()
+    # The `tokenizers` library on the model's tokenizer.json, as cawsfs tokenizes:
+    # transformers' own tokenizer class may split differently (SmolLM2: "\n\n" as two
+    # tokens), which moves every later window.
+    tj = os.path.join(a.model, "tokenizer.json")
+    if os.path.exists(tj):
+        ids = torch.tensor(Tokenizer.from_file(tj).encode(text).ids)
+    else:
+        ids = AutoTokenizer.from_pretrained(a.model)(text, return_tensors="pt").input_ids[0]
+    # Windows spread evenly over the text, as `cawsfs calibrate` picks them; a text
+    # shorter than one window is one window.
+    ctx = min(a.ctx, len(ids))
+    if ctx < 64:
+        raise SystemExit(f"{a.text}: {len(ids)} tokens, fewer than 64")
+    have = len(ids) // ctx
+    want = max(1, min(have, a.windows))
+    windows = [ids[(w * have // want) * ctx:][:ctx] for w in range(want)]
     sums, first_reader, readers, count = {}, {}, {}, {}
 
     def hook(name):
@@ -62,7 +76,7 @@ def main():
     out = {n: (s / count[n]).float().contiguous() for n, s in sums.items()
            if n in set(readers.values())}
     meta = {"readers": json.dumps(readers), "tokens": str(sum(len(w) for w in windows)),
-            "ctx": str(a.ctx)}
+            "ctx": str(ctx)}
     save_file(out, a.out, metadata=meta)
     print(a.out)
 

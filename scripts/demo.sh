@@ -12,9 +12,9 @@ bin=$(scripts/build-llama-cpp.sh)
 work="${CAWSFS_CACHE:-$HOME/.cache/cawsfs}/demo"
 mkdir -p "$work" mount
 archive="$work/smol.cawsf"
-# Converted every time (a few seconds), so the archive is always this build's default.
+# Converted every time (about 30 s on 2 cores), so the archive is always this build's default.
 if $cawsfs stat mount >/dev/null 2>&1; then $cawsfs umount mount; fi
-$cawsfs convert "$model" -o "$archive" | grep -E "^(bits per weight|total)"
+$cawsfs convert "$model" -o "$archive" | grep -E "^(bits per weight|error feedback|total)"
 $cawsfs verify "$archive"
 $cawsfs mount "$archive" mount --cache-size 512MiB
 trap '$cawsfs umount mount' EXIT

@@ -40,6 +40,23 @@ pub struct Cli {
 pub enum Cmd {
     /// Convert a Hugging Face directory or a GGUF file into an archive (.cawsf, delta or npy-dir).
     Convert(ConvertArgs),
+    /// Gather error feedback's statistics once into a file `convert --calibration`
+    /// reads: a CPU forward pass of a llama-family model over calibration text (what
+    /// convert does by itself each time; docs/CODECS.md, "Error feedback").
+    Calibrate {
+        /// A Hugging Face directory or a GGUF file.
+        src: PathBuf,
+        /// The statistics file to write (safetensors).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Calibration text (default: the bundled prose and code).
+        #[arg(long, value_name = "FILE")]
+        text: Option<PathBuf>,
+        /// Tokens of text to run over (windows of 512).
+        #[arg(long, value_name = "N", default_value_t = cawsfs::convert::calibrate::DEFAULT_TOKENS as u64,
+              value_parser = clap::value_parser!(u64).range(64..=1 << 20))]
+        tokens: u64,
+    },
     /// Show an archive's sections, model and tensors.
     Inspect {
         archive: PathBuf,
@@ -466,8 +483,20 @@ pub struct ConvertArgs {
     /// Second moments of every linear layer's inputs over calibration text, written by
     /// scripts/calibrate.py: matrices rounded into ggml types get error feedback
     /// across columns (GPTQ) from them (docs/CODECS.md, "Error feedback").
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["calibration_text", "no_calibration"])]
     pub calibration: Option<PathBuf>,
+    /// Without --calibration, convert runs the model itself (llama-family models, on
+    /// the CPU) over a calibration text to gather those statistics: this file's text
+    /// instead of the bundled one (prose and code, docs/CODECS.md).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_calibration")]
+    pub calibration_text: Option<PathBuf>,
+    /// Tokens of calibration text the forward pass runs over (windows of 512).
+    #[arg(long, value_name = "N", default_value_t = cawsfs::convert::calibrate::DEFAULT_TOKENS as u64,
+          value_parser = clap::value_parser!(u64).range(64..=1 << 20))]
+    pub calibration_tokens: u64,
+    /// Round without error feedback: no forward pass, each block fitted on its own.
+    #[arg(long)]
+    pub no_calibration: bool,
     /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.

@@ -11,6 +11,37 @@ use cawsfs::reconstruct::DeviceChoice;
 use super::args::{BaseDtypeArg, BpwCodec, Comp, ConvertArgs, To};
 use super::{bar, init_device, init_threads};
 
+/// `cawsfs calibrate`: the statistics file `convert --calibration` reads.
+pub fn cmd_calibrate(
+    src: &std::path::Path,
+    out: &std::path::Path,
+    text: Option<&std::path::Path>,
+    tokens: usize,
+) -> Result<()> {
+    use convert::calibrate::{write_statistics, SelfCalibration};
+    let cal = match text {
+        Some(p) => SelfCalibration::from_file(p, tokens)?,
+        None => SelfCalibration {
+            max_tokens: tokens,
+            ..SelfCalibration::bundled()
+        },
+    };
+    let model = cawsfs::import::open_source(src)?;
+    let t0 = std::time::Instant::now();
+    match write_statistics(model.as_ref(), &cal, out)
+        .with_context(|| format!("calibrating {}", src.display()))?
+    {
+        Ok(n) => println!(
+            "{}: statistics of {n} tokens of {} ({:.1} s)",
+            out.display(),
+            cal.label,
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(why) => bail!("{}: cannot calibrate: {why}", src.display()),
+    }
+    Ok(())
+}
+
 pub fn cmd_convert(a: ConvertArgs) -> Result<()> {
     refuse_foreign_flags(&a)?;
     if !a.verify && (a.device.device != DeviceChoice::Auto || a.device.vram_budget.is_some()) {
@@ -165,6 +196,17 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             cawsfs::import::calibration::Calibration::open(p)?,
         ));
     }
+    opts.self_calibration = match (&a.calibration_text, a.no_calibration) {
+        (_, true) => None,
+        (Some(p), false) => Some(convert::calibrate::SelfCalibration::from_file(
+            p,
+            a.calibration_tokens as usize,
+        )?),
+        (None, false) => Some(convert::calibrate::SelfCalibration {
+            max_tokens: a.calibration_tokens as usize,
+            ..convert::calibrate::SelfCalibration::bundled()
+        }),
+    };
     let (pb, progress) = weights_bar(src.desc());
     let report = convert::convert(src.as_ref(), &a.output, &opts, &progress)
         .with_context(|| format!("converting {}", a.src.display()))?;
@@ -182,6 +224,19 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             "bits per weight: target {target}, planned {:.3} (block compression estimated from samples), achieved {:.3}",
             b.planned, report.bits_per_weight
         );
+    }
+    if let Some(c) = &report.calibration {
+        match &c.skipped {
+            Some(why) => println!("error feedback: none ({why})"),
+            None if c.seconds > 0.0 => println!(
+                "error feedback: statistics of a forward pass over {} tokens of {} ({:.1} s)",
+                c.tokens, c.source, c.seconds
+            ),
+            None => println!(
+                "error feedback: statistics from {} ({} tokens)",
+                c.source, c.tokens
+            ),
+        }
     }
     if let Some(u) = &report.imatrix {
         let chunks = u.chunks.map_or(String::new(), |c| format!(", {c} chunks"));
@@ -271,7 +326,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let given: [(&str, bool, &[To]); 23] = [
+    let given: [(&str, bool, &[To]); 26] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -292,6 +347,13 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ("--sq-bits", a.sq_bits.is_some(), &[Cawsf]),
         ("--imatrix", a.imatrix.is_some(), &[Cawsf]),
         ("--calibration", a.calibration.is_some(), &[Cawsf]),
+        ("--calibration-text", a.calibration_text.is_some(), &[Cawsf]),
+        (
+            "--calibration-tokens",
+            a.calibration_tokens != convert::calibrate::DEFAULT_TOKENS as u64,
+            &[Cawsf],
+        ),
+        ("--no-calibration", a.no_calibration, &[Cawsf]),
         ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
         (
             "--no-default-passthrough",

@@ -54,6 +54,12 @@ pub fn run(cli: Cli) -> Result<()> {
     cawsfs::archive::remote::configure_fetch_cache(fetch_cache_options(&cli));
     match cli.cmd {
         Cmd::Convert(a) => convert::cmd_convert(a),
+        Cmd::Calibrate {
+            src,
+            output,
+            text,
+            tokens,
+        } => convert::cmd_calibrate(&src, &output, text.as_deref(), tokens as usize),
         Cmd::Inspect {
             archive,
             json,

@@ -20,6 +20,7 @@ use crate::import::SourceModel;
 use crate::model::TensorDesc;
 
 pub mod bpw;
+pub mod calibrate;
 pub mod delta;
 pub mod npydir;
 
@@ -55,6 +56,9 @@ pub struct ConvertOptions {
     /// Second moments of each layer's inputs (`--calibration`): tensors rounded into
     /// ggml types get error feedback across columns from them.
     pub calibration: Option<std::sync::Arc<crate::import::calibration::Calibration>>,
+    /// Without `calibration`, the text cawsfs runs the model over to gather those
+    /// statistics itself ([`calibrate`]); None: no error feedback.
+    pub self_calibration: Option<calibrate::SelfCalibration>,
 }
 
 /// `cawsfs convert`'s bits-per-weight target when no R is chosen: where NDSQ's
@@ -87,6 +91,7 @@ impl Default for ConvertOptions {
             bpw_sq: false,
             type_for: Vec::new(),
             calibration: None,
+            self_calibration: Some(calibrate::SelfCalibration::bundled()),
         }
     }
 }
@@ -217,6 +222,22 @@ pub struct ConvertReport {
     /// The `--bpw` target and the planned figure (before block compression), when given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bpw: Option<BpwUse>,
+    /// Where the error feedback's statistics came from, when any tensor could use them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationUse>,
+}
+
+/// The statistics error feedback used: a file's, or those of cawsfs's own forward pass.
+#[derive(Clone, Debug, Serialize)]
+pub struct CalibrationUse {
+    /// The file, or the text the pass ran over.
+    pub source: String,
+    pub tokens: u64,
+    /// Time spent in the forward pass (0 for a file).
+    pub seconds: f64,
+    /// Why the pass could not run this model (then no tensor got feedback).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -267,6 +288,7 @@ impl ConvertReport {
             mean_rel_err: if err_n > 0 { err_w / err_n as f64 } else { 0.0 },
             imatrix: None,
             bpw: None,
+            calibration: None,
             max_rel_err,
         }
     }
@@ -387,6 +409,7 @@ fn encode_one(
     pass: &Patterns,
     sq_rules: &[(Patterns, codec::SqParams)],
     plan: Option<&bpw::Plan>,
+    h: Option<&[f32]>,
 ) -> Result<EncodedTensor, ConvertError> {
     let t = &src.desc().tensors[i];
     let rpb = rows_per_block(t);
@@ -406,12 +429,12 @@ fn encode_one(
         codec::encode_passthrough(&raw, t.source, t.rows(), t.cols(), rpb).map_err(wrap)
     } else if let Some(bpw::Choice::Ggml(ty)) = choice {
         let w = src.f32(i)?;
-        let h = match &opts.calibration {
-            Some(c) => c.for_tensor(&t.name, t.cols())?,
-            None => None,
+        let file_h = match (&opts.calibration, h) {
+            (Some(c), None) => c.for_tensor(&t.name, t.cols())?,
+            _ => None,
         };
-        match h {
-            Some(h) => codec::encode_ggml_feedback(&w, t.rows(), t.cols(), rpb, ty, &h),
+        match h.or(file_h.as_deref()) {
+            Some(h) => codec::encode_ggml_feedback(&w, t.rows(), t.cols(), rpb, ty, h),
             None => codec::encode_ggml(&w, t.rows(), t.cols(), rpb, ty, imp()?),
         }
         .map_err(wrap)
@@ -494,27 +517,79 @@ pub fn convert(
         )?),
         None => None,
     };
-    let mut reports = Vec::with_capacity(n);
-    in_windows(
-        n,
-        opts.window,
-        |i| encode_one(src, i, opts, &pass, &sq_rules, plan.as_ref()),
-        |i, enc: EncodedTensor| {
-            let t = &desc.tensors[i];
-            let rpb = rows_per_block(t);
-            writer.add_tensor(i, rpb, &enc)?;
-            reports.push(TensorReport {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                codec: codec_label(&enc.codec),
-                bytes: 0,
-                bits_per_weight: 0.0,
-                rel_err: enc.rel_err,
-            });
-            progress(i + 1, n, &t.name);
-            Ok(())
-        },
-    )?;
+    let mut forward = None;
+    let mut calibration = opts.calibration.as_ref().map(|c| CalibrationUse {
+        source: c.path().display().to_string(),
+        tokens: c.tokens,
+        seconds: 0.0,
+        skipped: None,
+    });
+    // The tensors rounded into ggml types: only their inputs' moments are gathered.
+    let needs: std::collections::HashSet<String> = match &plan {
+        Some(p) => (p.choices.iter().zip(&desc.tensors))
+            .filter(|(c, _)| matches!(c, bpw::Choice::Ggml(_)))
+            .map(|(_, t)| t.name.clone())
+            .collect(),
+        None => Default::default(),
+    };
+    if let (None, Some(cal), false) = (&opts.calibration, &opts.self_calibration, needs.is_empty())
+    {
+        let t0 = std::time::Instant::now();
+        let f = calibrate::Forward::new(src, cal, Some(needs))?;
+        calibration = Some(CalibrationUse {
+            source: cal.label.clone(),
+            tokens: f.as_ref().map_or(0, |f| f.tokens as u64),
+            seconds: t0.elapsed().as_secs_f64(),
+            skipped: f.as_ref().err().cloned(),
+        });
+        forward = f.ok();
+    }
+    // With the pass, tensors are encoded in its order (a layer's once its statistics
+    // exist, which are dropped after it); else in model order, all as one group.
+    let groups: Vec<(calibrate::Step, Vec<usize>)> = match &forward {
+        Some(_) => calibrate::pass_order(desc),
+        None => vec![(calibrate::Step::None, (0..n).collect())],
+    };
+    let mut reports: Vec<Option<TensorReport>> = vec![None; n];
+    let mut done = 0;
+    for (step, members) in groups {
+        let t0 = std::time::Instant::now();
+        let moments = match (&mut forward, step) {
+            (Some(f), calibrate::Step::Layer(l)) => f.layer(l)?,
+            (Some(f), calibrate::Step::Head) => f.head()?,
+            _ => calibrate::Moments::new(),
+        };
+        if let (Some(c), Some(_)) = (&mut calibration, &forward) {
+            c.seconds += t0.elapsed().as_secs_f64();
+        }
+        in_windows(
+            members.len(),
+            opts.window,
+            |j| {
+                let i = members[j];
+                let h = moments.get(&desc.tensors[i].name).map(|h| h.as_slice());
+                encode_one(src, i, opts, &pass, &sq_rules, plan.as_ref(), h)
+            },
+            |j, enc: EncodedTensor| {
+                let i = members[j];
+                let t = &desc.tensors[i];
+                let rpb = rows_per_block(t);
+                writer.add_tensor(i, rpb, &enc)?;
+                reports[i] = Some(TensorReport {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    codec: codec_label(&enc.codec),
+                    bytes: 0,
+                    bits_per_weight: 0.0,
+                    rel_err: enc.rel_err,
+                });
+                done += 1;
+                progress(done, n, &t.name);
+                Ok(())
+            },
+        )?;
+    }
+    let mut reports: Vec<TensorReport> = reports.into_iter().flatten().collect();
     let extra = serde_json::json!({
         "convert": {
             "rank": opts.ndsq.rank,
@@ -529,6 +604,9 @@ pub fn convert(
                 "path": u.path, "entries": u.entries, "chunks": u.chunks, "weighted": u.weighted,
             })),
             "bpw": opts.bpw,
+            "calibration": calibration.as_ref().map(|c| serde_json::json!({
+                "source": c.source, "tokens": c.tokens, "skipped": c.skipped,
+            })),
         },
         "rel_err": reports.iter().map(|r| (r.name.clone(), serde_json::json!(r.rel_err))).collect::<serde_json::Map<String, serde_json::Value>>(),
     });
@@ -543,6 +621,7 @@ pub fn convert(
         !r.codec.starts_with("passthrough")
     });
     report.imatrix = imatrix;
+    report.calibration = calibration;
     report.bpw = plan.map(|p| BpwUse {
         target: p.target_bpw,
         planned: p.planned_bpw,

@@ -763,3 +763,53 @@ def test_moe_expert_predictor_learns_the_routing_and_keeps_it(cawsfs, converted,
         assert s["experts"]["loaded_steps"] == 0, s["experts"]
         lines = [l for l in open(log) if ".xpred" in l]
         assert len(lines) == 1 and "checksum mismatch" in lines[0], lines
+
+
+def make_qwen2(like, out):
+    """A tiny random Qwen2 (q/k/v biases, rope base 10⁶) with `like`'s tokenizer."""
+    import shutil
+    import transformers as tf
+    vocab = json.load(open(os.path.join(like, "config.json")))["vocab_size"]
+    torch.manual_seed(2)
+    m = tf.Qwen2ForCausalLM(tf.Qwen2Config(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith(".bias"):  # initialized to zero, which would test nothing
+                p.normal_(0, 0.5)
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(like, f), out)
+    return out
+
+
+def test_calibration_statistics_match_transformers(cawsfs, arch_models, work):
+    """`cawsfs calibrate` runs the model itself (the pass `convert` makes for error
+    feedback, docs/CODECS.md) and gathers the moments of every linear layer's input
+    that scripts/calibrate.py gathers with transformers over the same text: Llama (a
+    SentencePiece vocabulary), Qwen3 (per-head q/k norms), Qwen2 (q/k/v biases)."""
+    from safetensors import safe_open
+    models = {n: arch_models[n] for n in ("llama-spm", "qwen3")}
+    models["qwen2"] = make_qwen2(arch_models["qwen3"], work / "qwen2")
+    for name, src in models.items():
+        ours, theirs = work / f"{name}-cawsfs.st", work / f"{name}-torch.st"
+        run([cawsfs, "calibrate", src, "-o", ours])
+        run([ROOT / "scripts" / "calibrate.py", src, ROOT / "assets" / "calibration.txt", theirs])
+        with safe_open(str(ours), "pt") as a, safe_open(str(theirs), "pt") as b:
+            ra, rb = (json.loads(f.metadata()["readers"]) for f in (a, b))
+            assert ra.keys() == rb.keys() and len(ra) == 7 * 2 + 1, (name, sorted(ra))
+            assert a.metadata()["tokens"] == b.metadata()["tokens"] == "4096", name
+            for w in ra:
+                x, y = a.get_tensor(ra[w]), b.get_tensor(rb[w])
+                err = float((x - y).norm() / y.norm())
+                assert err < 1e-5, (name, w, err)
+
+
+def test_an_architecture_without_the_pass_is_converted_without_feedback(cawsfs, arch_models, work):
+    p = run_status([cawsfs, "calibrate", arch_models["gemma2"], "-o", work / "g.st"])
+    err = p.stderr.strip()
+    assert p.returncode != 0 and "no built-in forward pass for architecture gemma2" in err, err
+    assert "\n" not in err and not (work / "g.st").exists()
+    out = run([cawsfs, "convert", arch_models["gemma2"], "-o", work / "g.cawsf"]).stdout
+    assert "error feedback: none (no built-in forward pass for architecture gemma2)" in out, out

@@ -113,42 +113,74 @@ def mounted_kld(cawsfs, archive, llama_bin, base, mp):
 
 def test_kl_divergence_from_the_float_model(cawsfs, default_archive, llama_bin, base_kld, work):
     """llama.cpp's mean KL-divergence of the mounted default archive from the float model
-    in F16. Measured 0.284 over 6144 tokens of Apache-2.0 + MPL-2.0 + GFDL-1.3 at 5.00
-    bits per weight (docs/QUALITY.md), where llama-quantize's best hand mix of the same
-    bits with an importance matrix has 0.220 and cawsfs's scalar groups had 1.51."""
+    in F16. The default rounds with error feedback from cawsfs's own forward pass over
+    its bundled calibration text. Measured 0.075 over 6144 tokens of Apache-2.0 +
+    MPL-2.0 + GFDL-1.3 at 5.00 bits per weight (docs/QUALITY.md), where llama-quantize's
+    best hand mix of the same bits with an importance matrix has 0.220: the ceiling is
+    issue 59's target, 0.8 × 0.200 (its figure for that mix)."""
+    _, report = default_archive
+    assert report["calibration"]["tokens"] == 4096 and "skipped" not in report["calibration"]
     kld = mounted_kld(cawsfs, default_archive[0], llama_bin, base_kld, work / "mnt")
     print("mean KLD", kld)
-    assert 0.0 < kld < 0.40, kld
+    assert 0.0 < kld < 0.16, kld
+
+
+def test_without_feedback_the_divergence_is_several_times_higher(cawsfs, float_gguf, default_archive,
+                                                                 llama_bin, base_kld, work):
+    """`--no-calibration`: each block fitted on its own, as llama-quantize does
+    (measured 0.284, within noise of llama-quantize with the same types)."""
+    out = work / "plain.cawsf"
+    report, _ = convert(cawsfs, float_gguf, out, "--no-calibration")
+    assert "calibration" not in report
+    assert abs(report["bits_per_weight"] - default_archive[1]["bits_per_weight"]) < 0.01
+    kld = mounted_kld(cawsfs, out, llama_bin, base_kld, work / "mnt")
+    print("mean KLD without feedback", kld)
+    assert 0.16 < kld < 0.40, kld
 
 
 @pytest.fixture(scope="module")
-def calibration(cawsfs, float_gguf, shelf):
-    """scripts/calibrate.py over other text (Artistic BSD CC0-1.0), run with
-    `transformers` on the float model as a Hugging Face directory (`cawsfs export`)."""
+def float_hf(cawsfs, float_gguf, shelf):
+    """The float model as a Hugging Face directory (`cawsfs export`)."""
     exact, hf = shelf / "float-exact.cawsf", shelf / "float-hf"
     convert(cawsfs, float_gguf, exact, "--passthrough", "*")
     run([cawsfs, "export", exact, "--format", "hf-dir", "-o", hf])
     exact.unlink()
-    text = shelf / "calib.txt"
-    text.write_text("".join(open(f"/usr/share/common-licenses/{t}").read()
-                            for t in ("Artistic", "BSD", "CC0-1.0")))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def calibration(cawsfs, float_hf, shelf):
+    """scripts/calibrate.py over the bundled calibration text, run with `transformers`."""
     out = shelf / "calib.safetensors"
-    run([ROOT / "scripts" / "calibrate.py", hf, text, out])
+    run([ROOT / "scripts" / "calibrate.py", float_hf, ROOT / "assets" / "calibration.txt", out])
     return out
 
 
-def test_calibration_feeds_the_error_forward(cawsfs, float_gguf, calibration, default_archive, llama_bin,
-                                              base_kld, work):
-    """With `--calibration`, each matrix's rounding error is compensated in the columns
-    rounded after it (docs/CODECS.md, "Error feedback"): at the same bits the divergence
-    falls to a fraction of the default's (measured 0.067 against 0.284 over 6144
-    tokens; llama-quantize's best hand mix with an importance matrix: 0.220)."""
-    out = work / "calibrated.cawsf"
-    report, _ = convert(cawsfs, float_gguf, out, "--calibration", calibration)
-    assert abs(report["bits_per_weight"] - default_archive[1]["bits_per_weight"]) < 0.01
-    kld = mounted_kld(cawsfs, out, llama_bin, base_kld, work / "mnt")
-    print("mean KLD with --calibration", kld)
-    assert 0.0 < kld < 0.12, kld
+def test_own_statistics_are_transformers_and_make_the_same_archive(cawsfs, float_gguf, float_hf, calibration,
+                                                                   default_archive, work):
+    """`cawsfs calibrate` of the GGUF gives the moments transformers gives of the same
+    model and text (relative error ≤ 1e-4 per matrix: f32 sums in another order), and
+    converting with that file (`--calibration`) gives the default archive's tensors
+    byte for byte: the default's pass is the same computation, run layer by layer."""
+    ours = work / "ours.safetensors"
+    run([cawsfs, "calibrate", float_gguf, "-o", ours])
+    with safe_open(str(ours), "pt") as a, safe_open(str(calibration), "pt") as b:
+        ra, rb = (json.loads(f.metadata()["readers"]) for f in (a, b))
+        assert ra.keys() == rb.keys() and len(ra) == 211, len(ra)
+        for w in ra:
+            x, y = a.get_tensor(ra[w]), b.get_tensor(rb[w])
+            err = float((x - y).norm() / y.norm())
+            assert err < 1e-4, (w, err)
+        del x, y
+    out = work / "from-file.cawsf"
+    convert(cawsfs, float_gguf, out, "--calibration", ours)
+    ours.unlink()
+    views = []
+    for archive in (default_archive[0], out):
+        gguf_out = work / (archive.stem + ".gguf")
+        run([cawsfs, "export", archive, "--format", "gguf", "-o", gguf_out])
+        views.append(gguf_out)
+    assert run(["cmp", *views]).returncode == 0
 
 
 def test_bad_calibration_files_are_one_line_errors(cawsfs, float_gguf, calibration, work):
@@ -178,3 +210,22 @@ def test_bad_calibration_files_are_one_line_errors(cawsfs, float_gguf, calibrati
         assert p.returncode != 0 and says in err and str(path) in err, (what, err)
         assert "\n" not in err and "panicked" not in err, (what, err)
         assert not (work / "x.cawsf").exists(), what
+
+
+def test_bad_calibration_texts_are_one_line_errors(cawsfs, float_gguf, work):
+    fifo = work / "fifo"
+    os.mkfifo(fifo)
+    binary = work / "binary.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    short = work / "short.txt"
+    short.write_text("Too short to calibrate a model with.")
+    cases = {fifo: "not a regular file", binary: "is not UTF-8 text",
+             short: "calibration needs at least 64", work / "absent.txt": "No such file"}
+    for path, says in cases.items():
+        for cmd in (["convert", float_gguf, "-o", work / "x.cawsf"], ["calibrate", float_gguf, "-o", work / "x.st"]):
+            flag = "--calibration-text" if cmd[0] == "convert" else "--text"
+            p = run_status([cawsfs, *cmd, flag, path])
+            err = p.stderr.strip()
+            assert p.returncode != 0 and says in err and str(path) in err, (cmd[0], path, err)
+            assert "\n" not in err and "panicked" not in err, err
+            assert not (work / "x.cawsf").exists() and not (work / "x.st").exists()
