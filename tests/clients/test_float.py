@@ -114,9 +114,9 @@ def mounted_kld(cawsfs, archive, llama_bin, base, mp):
 def test_kl_divergence_from_the_float_model(cawsfs, default_archive, llama_bin, base_kld, work):
     """llama.cpp's mean KL-divergence of the mounted default archive from the float model
     in F16. The default rounds with error feedback from cawsfs's own forward pass over
-    its bundled calibration text. Measured 0.075 over 6144 tokens of Apache-2.0 +
-    MPL-2.0 + GFDL-1.3 at 5.00 bits per weight (docs/QUALITY.md), where llama-quantize's
-    best hand mix of the same bits with an importance matrix has 0.220: the ceiling is
+    its bundled calibration text. Measured 0.074 over 6144 tokens of Apache-2.0 +
+    MPL-2.0 + GFDL-1.3 at 5.00 bits per weight (docs/QUALITY-FLOAT.md), where llama-quantize's
+    best hand mix of the same bits with an importance matrix has 0.221: the ceiling is
     issue 59's target, 0.8 × 0.200 (its figure for that mix)."""
     _, report = default_archive
     assert report["calibration"]["tokens"] == 4096 and "skipped" not in report["calibration"]
