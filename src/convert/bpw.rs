@@ -9,7 +9,8 @@
 //! compression shrinks them in an evenly spaced sample of the tensor's rows, and
 //! scored by the error scalar groups leave in that sample. The choice is
 //! the classic greedy over each tensor's lower convex hull of (bits, error), each
-//! tensor's error scaled by its role's sensitivity ([`sensitivity`]): start
+//! tensor's error taken relative to its mean square weight (ggml types) or scaled by
+//! its role's sensitivity (scalar groups, [`sensitivity`]): start
 //! every tensor at its cheapest setting and keep taking the step that removes the most
 //! error per added bit while the budget allows. Deterministic: the sample, the fits
 //! and the order of ties (tensor index) are fixed.
@@ -167,28 +168,16 @@ fn sample_indices(t: &TensorDesc) -> impl Iterator<Item = usize> {
 }
 
 /// How much a unit of squared weight error in tensor `name` costs the model, relative
-/// to most tensors. A heuristic per role, not a measurement of this model.
-/// - NDSQ's scalar groups (`ggml` false): llama.cpp's k-quant mixes spend about two more
-///   bits per weight on the output projection (which the embedding is when the model
-///   ties them: `tied`) and about one more on attn_v and ffn_down; with error falling
-///   4× per bit, factors of 16 and 4 make the greedy do the same.
-/// - ggml types: tried on the rotated float SmolLM2 (docs/CODECS.md, "Bits-per-weight
-///   target"): attention's queries and keys pass through a softmax that squared error
-///   does not see, and the output and embedding need no more than the rest.
-fn sensitivity(name: &str, tied: bool, ggml: bool) -> f64 {
+/// to most tensors, for NDSQ's scalar groups (`--bpw-codec sq`). A heuristic per role,
+/// not a measurement of this model: llama.cpp's k-quant mixes spend about two more bits
+/// per weight on the output projection (which the embedding is when the model ties
+/// them: `tied`) and about one more on attn_v and ffn_down; with error falling 4× per
+/// bit, factors of 16 and 4 make the greedy do the same. ggml types are scored by
+/// relative error instead ([`options_of`]).
+fn sensitivity(name: &str, tied: bool) -> f64 {
     let output = name == "lm_head.weight" || (tied && name == "model.embed_tokens.weight");
     let ends = |s: &str| name.ends_with(s);
-    if ggml {
-        if ends(".q_proj.weight") || ends(".k_proj.weight") {
-            32.0
-        } else if ends(".v_proj.weight") {
-            8.0
-        } else if ends(".o_proj.weight") || ends(".down_proj.weight") {
-            2.0
-        } else {
-            1.0
-        }
-    } else if output {
+    if output {
         16.0
     } else if ends(".v_proj.weight") || ends(".down_proj.weight") {
         4.0
@@ -271,8 +260,19 @@ fn options_of(
         Some(m) => m.for_tensor(&t.name, t.cols())?,
         None => None,
     };
-    let tied = src.desc().tensor_index("lm_head.weight").is_none();
-    let scale = sensitivity(&t.name, tied, !opts.bpw_sq) * t.rows() as f64 / sample_count(t) as f64
+    // ggml types: each tensor's error relative to its mean square weight, every tensor
+    // alike. On the rotated float SmolLM2 with error feedback (docs/CODECS.md) this
+    // halved the KLD at 5.5 and 6.5 bits against absolute error with role factors,
+    // which spent Q8_0 on queries and keys and IQ4_NL on the MLP.
+    let role = if opts.bpw_sq {
+        let tied = src.desc().tensor_index("lm_head.weight").is_none();
+        sensitivity(&t.name, tied)
+    } else {
+        let ms =
+            sample.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / sample.len().max(1) as f64;
+        1.0 / ms.max(f64::MIN_POSITIVE)
+    };
+    let scale = role * t.rows() as f64 / sample_count(t) as f64
         * imp
             .map_or(Ok(1.0), |v| codec::median_column_scale(v, t.cols()))
             .map_err(|source| ConvertError::Codec {

@@ -44,15 +44,17 @@ def test_bits_per_weight(archives):
     bpw = {name: rep["bits_per_weight"] for name, (_, rep) in archives.items()}
     ndsq = lambda rep: [t for t in rep["tensors"] if t["codec"].startswith("ndsq")]
     # The default plans 5 bits per weight for the whole archive: on this model (Q4_1
-    # layers, 5.0 bits, a Q8_0 embedding) it keeps some layers' source bytes and codes
-    # the rest, the embedding included, as scalar groups.
+    # layers, 5.0 bits, a Q8_0 embedding) it keeps some layers' source bytes and rounds
+    # the rest, the embedding included, into ggml types.
     assert 4.85 < bpw["default"] <= 5.0, bpw
     assert archives["default"][1]["bpw"]["target"] == 5.0
-    assert all("sq=" in t["codec"] for t in ndsq(archives["default"][1]))
+    coded = [t["codec"] for t in archives["default"][1]["tensors"] if len(t["shape"]) == 2]
+    assert all(c == "passthrough(q4_1)" or c.startswith("ggml(") for c in coded), set(coded)
+    assert "passthrough(q4_1)" in coded and any(c.startswith("ggml(") for c in coded), set(coded)
     # With PQ, 2-D projection weights are NDSQ-coded; embeddings and norms are passthrough.
     assert len(ndsq(archives["pq"][1])) == 210
     mean_bpw = {k: np.mean([t["bits_per_weight"] for t in ndsq(rep)]) for k, (_, rep) in archives.items()
-                if k != "exact"}
+                if k not in ("exact", "default")}
     assert 3.7 < mean_bpw["q4"] < 4.3, mean_bpw
     assert mean_bpw["q4"] < mean_bpw["pq"] < 4.7, mean_bpw
     assert 2.2 < mean_bpw["low"] < 3.4, mean_bpw
