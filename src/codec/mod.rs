@@ -17,6 +17,7 @@ pub mod intq;
 pub mod le;
 mod ndsq;
 mod passthrough;
+mod planes;
 mod pq;
 mod sq;
 
@@ -38,6 +39,11 @@ pub enum TensorCodec {
     /// Rounded at conversion into `ty`'s blocks, stored as those blocks (laid out as a
     /// passthrough payload of `ty`; see `ggml`).
     Ggml { ty: GgmlType },
+    /// As `Ggml`, each row block's blocks stored in planes compressed apart (scale
+    /// bytes, codes; see `planes`), unpacked to `Ggml`'s layout by [`unpack_block`]
+    /// when read. Its own name, so that readers that know only `ggml` refuse it.
+    #[serde(rename = "ggml_planes")]
+    GgmlPlanes { ty: GgmlType },
     /// W ≈ D + L + R + S (see `ndsq`).
     Ndsq {
         rank: u32,
@@ -205,6 +211,59 @@ pub fn encode_ggml_feedback(
     ggml::encode_feedback(w, rows, cols, rows_per_block, ty, h)
 }
 
+/// `enc` (a `ggml` tensor) with each row block's blocks stored in planes
+/// (`ggml_planes`): scales and codes compressed apart, the archive's own block
+/// compression then has nothing left to gain. Types without a plane layout stay as
+/// they are.
+pub fn into_planes(mut enc: EncodedTensor) -> Result<EncodedTensor, CodecError> {
+    let TensorCodec::Ggml { ty } = enc.codec else {
+        return Err(CodecError::Params("only ggml blocks go into planes".into()));
+    };
+    if !planes::has_planes(ty) {
+        return Ok(enc);
+    }
+    enc.blocks = enc
+        .blocks
+        .iter()
+        .map(|b| planes::pack(ty, b))
+        .collect::<Result<_, _>>()?;
+    enc.codec = TensorCodec::GgmlPlanes { ty };
+    Ok(enc)
+}
+
+/// Bytes `blocks` (whole blocks of `ty`) take in planes, or None where `ty` has no
+/// plane layout.
+pub fn planes_bytes(ty: GgmlType, blocks: &[u8]) -> Result<Option<usize>, CodecError> {
+    if !planes::has_planes(ty) {
+        return Ok(None);
+    }
+    planes::pack(ty, blocks).map(|p| Some(p.len()))
+}
+
+/// A stored block's payload as every other function here takes it: unchanged, except a
+/// `ggml_planes` block, whose planes are unpacked into its `block_rows × cols` values'
+/// blocks (Some). Corrupt planes are an error, never other bytes.
+pub fn unpack_block(
+    codec: &TensorCodec,
+    payload: &[u8],
+    block_rows: u64,
+    cols: u64,
+) -> Result<Option<Vec<u8>>, CodecError> {
+    let TensorCodec::GgmlPlanes { ty } = codec else {
+        return Ok(None);
+    };
+    let per_row = ty.row_bytes(cols).ok_or_else(|| {
+        CodecError::Corrupt(format!(
+            "{ty:?}: rows of {cols} values are not whole blocks"
+        ))
+    })? / ty.block().1;
+    let n = block_rows
+        .checked_mul(per_row)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| CodecError::Corrupt(format!("{block_rows} rows of {cols} overflow")))?;
+    planes::unpack(*ty, payload, n).map(Some)
+}
+
 /// Whether rows of `cols` values can be coded as `ty`'s blocks.
 pub fn ggml_fits(ty: GgmlType, cols: u64) -> bool {
     ggml::fits(ty, cols)
@@ -226,7 +285,7 @@ pub fn ggml_trial(
 pub fn raw_format(codec: &TensorCodec) -> Option<SourceType> {
     match codec {
         TensorCodec::Passthrough { format } => Some(*format),
-        TensorCodec::Ggml { ty } => Some(SourceType::Ggml(*ty)),
+        TensorCodec::Ggml { ty } | TensorCodec::GgmlPlanes { ty } => Some(SourceType::Ggml(*ty)),
         TensorCodec::Ndsq { .. } => None,
     }
 }
@@ -253,7 +312,9 @@ pub fn decode_global(
     cols: u64,
 ) -> Result<DecodedGlobal, CodecError> {
     let inner = match codec {
-        TensorCodec::Passthrough { .. } | TensorCodec::Ggml { .. } => {
+        TensorCodec::Passthrough { .. }
+        | TensorCodec::Ggml { .. }
+        | TensorCodec::GgmlPlanes { .. } => {
             if !global.is_empty() {
                 return Err(CodecError::Corrupt(format!(
                     "passthrough or ggml global blob must be empty, has {} bytes",
@@ -610,7 +671,9 @@ fn blocks_of(rows: u64, rows_per_block: u64) -> impl Iterator<Item = (u64, u64)>
 pub fn codec_label(c: &TensorCodec) -> String {
     match c {
         TensorCodec::Passthrough { format } => format!("passthrough({})", format_label(*format)),
-        TensorCodec::Ggml { ty } => format!("ggml({})", format_label(SourceType::Ggml(*ty))),
+        TensorCodec::Ggml { ty } | TensorCodec::GgmlPlanes { ty } => {
+            format!("ggml({})", format_label(SourceType::Ggml(*ty)))
+        }
         TensorCodec::Ndsq {
             rank, sq: Some(s), ..
         } => format!("ndsq(r={rank},sq={}b/{})", s.bits, s.group),

@@ -21,6 +21,7 @@
 //! and serves it as that grid's type instead of re-quantizing (docs/MOE.md).
 
 use crate::archive::container::rows_per_block;
+use crate::archive::Compression;
 use crate::codec::{self, SqParams};
 use crate::gguf::GgmlType;
 use crate::import::SourceModel;
@@ -92,6 +93,21 @@ fn ratio(bytes: &[u8], opts: &ConvertOptions) -> f64 {
     let (_, stored) =
         crate::archive::container::compress_saving(bytes, opts.compression, opts.min_saving);
     stored.len() as f64 / bytes.len().max(1) as f64
+}
+
+/// `stored / raw` of ggml blocks as convert stores them: in planes where the archive
+/// compresses with zstd (`codec::into_planes`), else under its block compression.
+fn ggml_ratio(ty: GgmlType, blocks: &[u8], opts: &ConvertOptions) -> Result<f64, ConvertError> {
+    if let Compression::Zstd(_) = opts.compression {
+        let planes = codec::planes_bytes(ty, blocks).map_err(|source| ConvertError::Codec {
+            tensor: format!("{ty:?} trial blocks"),
+            source,
+        })?;
+        if let Some(n) = planes {
+            return Ok(n as f64 / blocks.len().max(1) as f64);
+        }
+    }
+    Ok(ratio(blocks, opts))
 }
 
 /// Bytes an archive spends per block beyond the payload: the record header, alignment
@@ -301,7 +317,7 @@ fn options_of(
         })?;
         all.push(Setting {
             choice: Choice::Ggml(ty),
-            bits: ggml_bytes(t, ty, ratio(&blocks, opts)) as f64 * 8.0,
+            bits: ggml_bytes(t, ty, ggml_ratio(ty, &blocks, opts)?) as f64 * 8.0,
             err: err * scale,
         });
     }

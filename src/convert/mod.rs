@@ -433,9 +433,14 @@ fn encode_one(
             (Some(c), None) => c.for_tensor(&t.name, t.cols())?,
             _ => None,
         };
-        match h.or(file_h.as_deref()) {
+        let enc = match h.or(file_h.as_deref()) {
             Some(h) => codec::encode_ggml_feedback(&w, t.rows(), t.cols(), rpb, ty, h),
             None => codec::encode_ggml(&w, t.rows(), t.cols(), rpb, ty, imp()?),
+        };
+        // Planes are zstd frames: only where the archive compresses with zstd anyway.
+        match opts.compression {
+            Compression::Zstd(_) => enc.and_then(codec::into_planes),
+            _ => enc,
         }
         .map_err(wrap)
     } else {

@@ -14,8 +14,11 @@ def test_bits_per_weight_target_is_met_with_bounded_divergence(cawsfs, archives,
         report, stdout = convert(cawsfs, model_gguf, out, "--bpw", str(target))
         achieved = report["bits_per_weight"]
         # Planned with block compression estimated from samples; compression does a
-        # little better than the samples say, so the archive lands just under.
-        assert target - 0.15 < achieved <= target, (target, achieved)
+        # little better than the samples say, so the archive lands just under. At 5
+        # bits, further under: the Q4_1 layers' own grid is found at 4.5 bits (planes)
+        # and more bits would buy no less error.
+        assert target - 0.25 < achieved <= target, (target, achieved)
+        assert abs(report["bpw"]["planned"] - achieved) < 0.05, report["bpw"]
         assert report["bpw"]["target"] == target and report["bpw"]["planned"] <= target + 1e-9
         assert f"target {target:g}, planned" in stdout, stdout
         g = work / f"bpw{target}.gguf"

@@ -43,14 +43,17 @@ def test_convert_verify_inspect(cawsfs, archives, model_gguf):
 def test_bits_per_weight(archives):
     bpw = {name: rep["bits_per_weight"] for name, (_, rep) in archives.items()}
     ndsq = lambda rep: [t for t in rep["tensors"] if t["codec"].startswith("ndsq")]
-    # The default plans 5 bits per weight for the whole archive: on this model (Q4_1
-    # layers, 5.0 bits, a Q8_0 embedding) it keeps some layers' source bytes and rounds
-    # the rest, the embedding included, into ggml types.
-    assert 4.85 < bpw["default"] <= 5.0, bpw
+    # The default plans at most 5 bits per weight for the whole archive. On this model
+    # (Q4_1 layers, 5.0 bits, a Q8_0 embedding) the Q4_1 fit finds the layers' own grid:
+    # ggml(q4_1) holds their values exactly, and in planes (docs/CODECS.md) takes about 0.9
+    # of the source bytes, so there is nothing left to buy with the last bits.
+    assert 4.7 < bpw["default"] <= 5.0, bpw
     assert archives["default"][1]["bpw"]["target"] == 5.0
-    coded = [t["codec"] for t in archives["default"][1]["tensors"] if len(t["shape"]) == 2]
-    assert all(c == "passthrough(q4_1)" or c.startswith("ggml(") for c in coded), set(coded)
-    assert "passthrough(q4_1)" in coded and any(c.startswith("ggml(") for c in coded), set(coded)
+    coded = [t for t in archives["default"][1]["tensors"] if len(t["shape"]) == 2]
+    assert all(t["codec"] == "passthrough(q4_1)" or t["codec"].startswith("ggml(") for t in coded), coded
+    exact_q41 = [t for t in coded if t["codec"] == "ggml(q4_1)" and t["rel_err"] == 0.0]
+    assert len(exact_q41) >= 180, len(exact_q41)
+    assert all(t["bits_per_weight"] < 4.9 for t in exact_q41)
     # With PQ, 2-D projection weights are NDSQ-coded; embeddings and norms are passthrough.
     assert len(ndsq(archives["pq"][1])) == 210
     mean_bpw = {k: np.mean([t["bits_per_weight"] for t in ndsq(rep)]) for k, (_, rep) in archives.items()

@@ -257,13 +257,19 @@ impl CawsfArchive {
                 "record header {hdr} disagrees with the block index {want:?}"
             )));
         }
-        match decompress(stored, e.comp, e.usize as usize).map_err(corrupt)? {
-            Cow::Owned(v) => Ok(v),
+        let payload = match decompress(stored, e.comp, e.usize as usize).map_err(corrupt)? {
+            Cow::Owned(v) => v,
             Cow::Borrowed(_) => {
                 // Stored raw: the payload is the read buffer past the record header.
                 rec.drain(..REC_HEADER);
-                Ok(rec)
+                rec
             }
+        };
+        let rows = (t.rows - block as u64 * t.rows_per_block).min(t.rows_per_block);
+        match codec::unpack_block(&t.codec, &payload, rows, t.cols) {
+            Ok(Some(blocks)) => Ok(blocks),
+            Ok(None) => Ok(payload),
+            Err(e) => Err(corrupt(e.to_string())),
         }
     }
 
