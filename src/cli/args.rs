@@ -490,7 +490,8 @@ pub struct ConvertArgs {
     /// instead of the bundled one (prose and code, docs/CODECS.md).
     #[arg(long, value_name = "FILE", conflicts_with = "no_calibration")]
     pub calibration_text: Option<PathBuf>,
-    /// Tokens of calibration text the forward pass runs over (windows of 512).
+    /// Tokens of calibration text the forward pass runs over (windows of 512; one
+    /// shorter window below 512).
     #[arg(long, value_name = "N", default_value_t = cawsfs::convert::calibrate::DEFAULT_TOKENS as u64,
           value_parser = clap::value_parser!(u64).range(64..=1 << 20))]
     pub calibration_tokens: u64,

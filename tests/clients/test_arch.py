@@ -804,6 +804,11 @@ def test_calibration_statistics_match_transformers(cawsfs, arch_models, work):
                 x, y = a.get_tensor(ra[w]), b.get_tensor(rb[w])
                 err = float((x - y).norm() / y.norm())
                 assert err < 1e-5, (name, w, err)
+    # Fewer tokens than a window (512) asked for: one window of that many.
+    few = work / "few.st"
+    run([cawsfs, "calibrate", models["llama-spm"], "-o", few, "--tokens", "200"])
+    with safe_open(str(few), "pt") as f:
+        assert f.metadata()["tokens"] == "200", f.metadata()
 
 
 def test_an_architecture_without_the_pass_is_converted_without_feedback(cawsfs, arch_models, work):

@@ -175,8 +175,9 @@ impl<'a> Forward<'a> {
             )));
         }
         // Windows of CTX tokens spread evenly over the text (prose and code alike), as
-        // many as max_tokens allows; a shorter text is one window.
-        let ctx = CTX.min(ids.len());
+        // many as max_tokens allows; a shorter text, or fewer tokens asked for than a
+        // window holds, is one window.
+        let ctx = CTX.min(ids.len()).min(cal.max_tokens.max(MIN_TOKENS));
         let have = ids.len() / ctx;
         let want = (cal.max_tokens / ctx).clamp(1, have);
         let mut picked = Vec::with_capacity(want * ctx);
