@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""How fast llama.cpp runs the default archive's GGUF view of the float model, against
+llama-quantize's files of the nearest types measured in the same run (issue 59: the view
+at ≥ 0.98 × the tokens/s of the nearest type).
+
+  scripts/bench-float-speed.py [--rounds 5] [--threads N] [--out docs/QUALITY-FLOAT.md]
+
+Cases: the default archive mounted (`model.gguf`; the disk tier on, so after the warm-up
+round its opens are passthrough opens of the tier file), the same bytes exported to a
+local file, and llama-quantize's IQ4_XS, Q3_K_M, Q4_K_M and the 5.0-bit hand mix of
+docs/QUALITY-FLOAT.md (IQ4_NL, Q5_0 for attn_q/k/v/output, ffn_down and the output
+matrix) of the same float weights. Each round runs every case once, in the same order
+(A B C … A B C …), after one warm-up round; medians. Prompt processing from
+llama-completion's "prompt eval time" (a 200-token prompt), generation from its
+"eval time" (64 tokens, greedy). Files live under a temporary directory on local disk;
+nothing else should run (say what did).
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CAWSFS = os.path.join(ROOT, "target", "release", "cawsfs")
+PROMPT_FILE = "/usr/share/common-licenses/Apache-2.0"
+
+
+def sh(*argv):
+    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{argv[0]} failed: {p.stderr.strip()[-600:]}")
+    return p.stdout
+
+
+def llama_speed(bin_dir, model, threads, prompt):
+    """(prompt tokens/s, generation tokens/s) of one llama-completion run."""
+    p = subprocess.run([os.path.join(bin_dir, "llama-completion"), "-m", model, "-t", str(threads),
+                        "-no-cnv", "--no-warmup", "--temp", "0", "-n", "64", "-c", "1024", "-p", prompt],
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    if p.returncode != 0:
+        sys.exit(f"llama-completion on {model} failed: {out[-600:]}")
+    pp = float(re.search(r"prompt eval time =.*?([\d.]+) tokens per second", out).group(1))
+    tg = float(re.search(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", out).group(1))
+    return pp, tg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", help="docs file whose `speed` section gets the table")
+    a = ap.parse_args()
+    sh("cargo", "build", "--release", "--quiet")
+    bin_dir = sh(os.path.join(ROOT, "scripts", "build-llama-cpp.sh")).strip().splitlines()[-1]
+    model = sh(os.path.join(ROOT, "scripts", "make-float-model.py")).strip().splitlines()[-1]
+    # About 200 tokens of licence text as the prompt.
+    prompt = " ".join(open(PROMPT_FILE).read().split()[:150])
+    with tempfile.TemporaryDirectory(dir=os.path.expanduser("~")) as work:
+        arc = os.path.join(work, "default.cawsf")
+        sh(CAWSFS, "convert", model, "-o", arc)
+        exported = os.path.join(work, "default-view.gguf")
+        sh(CAWSFS, "export", arc, "--format", "gguf", "-o", exported)
+        quants = {
+            "llama-quantize IQ4_XS": ["IQ4_XS"],
+            "llama-quantize Q3_K_M": ["Q3_K_M"],
+            "llama-quantize Q4_K_M": ["Q4_K_M"],
+            "llama-quantize hand mix 5.0": [
+                *[x for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
+                  for x in ("--tensor-type", f"{t}=q5_0")],
+                "--output-tensor-type", "q5_0", "IQ4_NL"],
+        }
+        cases = {}
+        for name, args in quants.items():
+            out = os.path.join(work, name.split()[-1].replace(".", "") + ".gguf")
+            # The types' speed does not depend on an importance matrix; IQ4_XS only
+            # warns without one.
+            sh(os.path.join(bin_dir, "llama-quantize"), *args[:-1], model, out, args[-1])
+            cases[name] = out
+        cases["cawsfs default, exported view"] = exported
+        mp = os.path.join(work, "mnt")
+        os.makedirs(mp)
+        sh(CAWSFS, "mount", arc, mp)
+        try:
+            cases["cawsfs default, mounted view"] = os.path.join(mp, "model.gguf")
+            sizes = {n: os.path.getsize(p) for n, p in cases.items()}
+            got = {n: ([], []) for n in cases}
+            for r in range(a.rounds + 1):
+                for n, p in cases.items():
+                    pp, tg = llama_speed(bin_dir, p, a.threads, prompt)
+                    if r > 0:
+                        got[n][0].append(pp)
+                        got[n][1].append(tg)
+                        print(f"round {r} {n:32} pp {pp:8.1f} tg {tg:7.1f}", file=sys.stderr, flush=True)
+        finally:
+            subprocess.run([CAWSFS, "umount", mp], capture_output=True)
+            time.sleep(0.5)
+    med = {n: (statistics.median(v[0]), statistics.median(v[1])) for n, v in got.items()}
+    view = med["cawsfs default, mounted view"]
+    lines = [f"Produced by `scripts/bench-float-speed.py` on {time.strftime('%Y-%m-%d', time.gmtime())} "
+             f"({os.cpu_count()} cores, llama.cpp with {a.threads} threads, medians of {a.rounds} "
+             "interleaved rounds after a warm-up round). **×** columns: the mounted view's tokens/s "
+             "over the row's.",
+             "",
+             "| file | MiB | prompt tokens/s | × | generation tokens/s | × |",
+             "|---|---|---|---|---|---|"]
+    for n, (pp, tg) in med.items():
+        lines.append(f"| {n} | {sizes[n] / 2**20:.1f} | {pp:.1f} | {view[0] / pp:.2f} | "
+                     f"{tg:.1f} | {view[1] / tg:.2f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if a.out:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        from docsection import replace_section
+        replace_section(a.out, "speed", table)
+
+
+if __name__ == "__main__":
+    main()
