@@ -47,6 +47,15 @@ fn planes_of(ty: GgmlType) -> Option<&'static [Plane]> {
         Q4_1 => &[B(0, 1), B(1, 2), B(2, 3), B(3, 4), B(4, 20)],
         Q5_0 => &[B(0, 1), B(1, 2), Codes5 { qh: 2, qs: 6 }],
         Q5_1 => &[B(0, 1), B(1, 2), B(2, 3), B(3, 4), Codes5 { qh: 4, qs: 8 }],
+        Q2_K => &[
+            B(0, 16),
+            B(16, 80),
+            B(80, 81),
+            B(81, 82),
+            B(82, 83),
+            B(83, 84),
+        ],
+        Q3_K => &[B(0, 32), B(32, 96), B(96, 108), B(108, 109), B(109, 110)],
         Q4_K => &[B(0, 1), B(1, 2), B(2, 3), B(3, 4), B(4, 16), B(16, 144)],
         Q5_K => &[
             B(0, 1),
@@ -228,7 +237,7 @@ mod tests {
     fn planes_cover_each_block_byte_once() {
         use GgmlType::*;
         for ty in [
-            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
         ] {
             let (planes, bs) = layout(ty).unwrap();
             let mut seen = vec![0u32; bs];
@@ -257,7 +266,7 @@ mod tests {
             s
         };
         for ty in [
-            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
         ] {
             let bs = ty.block().1 as usize;
             for n in [0usize, 1, 7, 300] {
@@ -299,7 +308,7 @@ mod tests {
         planes.iter().for_each(|pl| raw.extend_from_slice(pl));
         let e = unpack(ty, &raw, 50).unwrap_err().to_string();
         assert!(e.contains("code plane holds 32"), "{e}");
-        assert!(pack(GgmlType::Q2_K, &[0; 84]).is_err());
+        assert!(pack(GgmlType::Q8_K, &[0; 292]).is_err());
         assert!(pack(ty, &blocks[..21]).is_err());
     }
 }

@@ -50,9 +50,11 @@ fn settings_for(cols: u64) -> Vec<SqParams> {
 }
 
 /// The ggml types tried on every tensor whose width they divide, cheapest first
-/// (IQ4_NL 4.5 bits per weight before compression ... Q8_0 8.5; the 256-value types
+/// (Q2_K 2.625 bits per weight before compression ... Q8_0 8.5; the 256-value types
 /// only where the width is a multiple of 256).
 const GGML_TYPES: &[GgmlType] = &[
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::IQ4_XS,
     GgmlType::IQ4_NL,
     GgmlType::Q4_K,

@@ -23,7 +23,7 @@ pub fn can_fit(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | Q4_K | Q5_K | Q6_K | IQ4_XS
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS
     )
 }
 
@@ -66,6 +66,8 @@ pub fn fit(ty: GgmlType, x: &[f32], w: &[f32], out: &mut [u8]) -> Result<(), Qua
             GgmlType::IQ4_XS => iq4_xs(x, w, o),
             GgmlType::Q4_K => qk_affine(x, w, 15, o),
             GgmlType::Q5_K => qk_affine(x, w, 31, o),
+            GgmlType::Q3_K => q3_k(x, w, o),
+            GgmlType::Q2_K => q2_k(x, w, o),
             _ => unreachable!("checked by can_fit"),
         }
     }
@@ -518,6 +520,86 @@ fn qk_affine(x: &[f32], w: &[f32], nmax: u8, o: &mut [u8]) {
     }
 }
 
+/// The 2-bit crumbs of 256 codes as Q2_K and Q3_K place them: code i in byte
+/// `32·(i / 128) + i % 32` of `q`, at bit `2·((i % 128) / 32)`.
+fn crumbs(c: &[u8; 256], q: &mut [u8]) {
+    for (i, &v) in c.iter().enumerate() {
+        q[32 * (i / 128) + i % 32] |= (v & 3) << (2 * ((i % 128) / 32));
+    }
+}
+
+/// Q3_K: 16 sub-blocks of 16, codes −4..3, 6-bit scales (stored + 32) under an f16 d.
+/// Layout (ggml's `block_q3_K`): hmask[32] (each code's third bit), qs[64] (its low two
+/// bits, [`crumbs`]), scales[12] (low nibbles in bytes 0..8, scale j ≥ 8 in the high
+/// nibble of byte j − 8; the two high bits of scale j in byte 8 + j % 4 at bit 2·(j / 4)),
+/// d.
+fn q3_k(x: &[f32], w: &[f32], o: &mut [u8]) {
+    let lv = Levels::Int(-4, 3);
+    let mut c = [0u8; 256];
+    let s: [f32; 16] = std::array::from_fn(|j| {
+        let r = 16 * j..16 * j + 16;
+        fit_scale(&x[r.clone()], &w[r.clone()], lv, &mut c[r])
+    });
+    let (d, sc) = fit_scales(&s, Levels::Int(-32, 31), |j, e| {
+        sub_err(&x[16 * j..16 * j + 16], &w[16 * j..16 * j + 16], e, lv)
+    });
+    o.fill(0);
+    for (j, &l) in sc.iter().enumerate() {
+        let r = 16 * j..16 * j + 16;
+        round_to(
+            &x[r.clone()],
+            d.to_f32() * (l as i32 - 32) as f32,
+            lv,
+            &mut c[r],
+        );
+        o[96 + j % 8] |= (l & 15) << (4 * (j / 8));
+        o[104 + j % 4] |= (l >> 4) << (2 * (j / 4));
+    }
+    for (i, &v) in c.iter().enumerate() {
+        o[i % 32] |= (v >> 2) << (4 * (i / 128) + (i % 128) / 32);
+    }
+    crumbs(&c, &mut o[32..96]);
+    o[108..110].copy_from_slice(&d.to_le_bytes());
+}
+
+/// Q2_K: 16 sub-blocks of 16, `x ≈ d·sc·q − dmin·mn` with 4-bit sc and mn under f16 d
+/// and dmin, codes 0..3. Layout (ggml's `block_q2_K`): scales[16] (sc in the low nibble,
+/// mn in the high), qs[64] ([`crumbs`]), d, dmin.
+fn q2_k(x: &[f32], w: &[f32], o: &mut [u8]) {
+    let (mut s, mut mn) = ([0f32; 16], [0f32; 16]);
+    let mut c = [0u8; 256];
+    for j in 0..16 {
+        let r = 16 * j..16 * j + 16;
+        let (d, m) = fit_affine(&x[r.clone()], &w[r.clone()], 3, true, &mut c[r]);
+        s[j] = d.max(0.0);
+        mn[j] = -m;
+    }
+    let sub = |j: usize| (&x[16 * j..16 * j + 16], &w[16 * j..16 * j + 16]);
+    let (dmin, mc) = fit_scales(&mn, Levels::Int(0, 15), |j, m| {
+        let (x, w) = sub(j);
+        aff_err(x, w, s[j], m, 3)
+    });
+    let (d, sc) = fit_scales(&s, Levels::Int(0, 15), |j, e| {
+        let (x, w) = sub(j);
+        aff_err(x, w, e, dmin.to_f32() * mc[j] as f32, 3)
+    });
+    o.fill(0);
+    for j in 0..16 {
+        o[j] = sc[j] | (mc[j] << 4);
+        let (e, m) = (d.to_f32() * sc[j] as f32, dmin.to_f32() * mc[j] as f32);
+        let inv = if e > 0.0 { 1.0 / e } else { 0.0 };
+        for (&x, c) in x[16 * j..16 * j + 16]
+            .iter()
+            .zip(&mut c[16 * j..16 * j + 16])
+        {
+            *c = round_in((x + m) * inv, 0.0, 3.0) as u8;
+        }
+    }
+    crumbs(&c, &mut o[16..80]);
+    o[80..82].copy_from_slice(&d.to_le_bytes());
+    o[82..84].copy_from_slice(&dmin.to_le_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -575,8 +657,9 @@ mod tests {
         let x = values(256 * 16, 7);
         let w = vec![1f32; x.len()];
         use GgmlType::*;
-        for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K] {
+        for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K] {
             let (f, r) = (err(ty, &x, &w, true), err(ty, &x, &w, false));
+            println!("{ty:?}: fit / reference error {:.3}", f / r);
             assert!(f <= r * 1.0001, "{ty:?}: fit {f} > reference {r}");
             assert!(f > 0.0);
         }
@@ -600,6 +683,8 @@ mod tests {
             GgmlType::Q4_1,
             GgmlType::Q6_K,
             GgmlType::Q4_K,
+            GgmlType::Q3_K,
+            GgmlType::Q2_K,
         ] {
             let ones = vec![1f32; x.len()];
             let (weighted, plain) = (err(ty, &x, &w, true), err_of(ty, &x, &w, Some(&ones)));
@@ -611,7 +696,7 @@ mod tests {
     fn zero_blocks_and_bad_sizes() {
         use GgmlType::*;
         for ty in [
-            Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
         ] {
             let (be, bb) = ty.block();
             let x = vec![0f32; be as usize];
@@ -623,6 +708,6 @@ mod tests {
             assert!(fit(ty, &x[1..], &x[1..], &mut b).is_err());
             assert!(fit(ty, &x, &x, &mut b[1..]).is_err());
         }
-        assert!(fit(Q2_K, &[0.0; 256], &[1.0; 256], &mut [0; 84]).is_err());
+        assert!(fit(Q8_K, &[0.0; 256], &[1.0; 256], &mut [0; 292]).is_err());
     }
 }

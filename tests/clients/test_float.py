@@ -54,18 +54,18 @@ def gguf_values(path):
     return out
 
 
-def test_views_serve_the_stored_blocks(cawsfs, default_archive, work):
-    """Each rounded tensor is served in the GGUF view as its stored type (no second
-    rounding: a re-quantized tensor would not decode to the same values), and gguf-py's
-    dequantization of it equals what the safetensors view serves."""
-    path, _ = default_archive
+def check_stored_blocks_served(cawsfs, path, mp):
+    """Each ggml-rounded tensor of archive `path` is served in the GGUF view as its stored
+    type (no second rounding: a re-quantized tensor would not decode to the same
+    values), and gguf-py's dequantization of it equals what the safetensors view serves.
+    Returns ({stored type: tensors checked}, archive size / GGUF view size)."""
     plan = json.loads(run([cawsfs, "inspect", path, "--json"]).stdout)
     by_gguf = {t["gguf"]["name"]: t for t in plan["tensors"] if t["gguf"]}
-    m = Mount(cawsfs, path, work / "mnt")
+    m = Mount(cawsfs, path, mp)
+    checked = {}
     try:
         served = gguf_values(m.mp / "model.gguf")
         with safe_open(str(m.mp / "model.safetensors"), "np") as st:
-            checked = 0
             for name, (ty, got) in served.items():
                 t = by_gguf[name]
                 if not t["codec"].startswith("ggml("):
@@ -76,16 +76,32 @@ def test_views_serve_the_stored_blocks(cawsfs, default_archive, work):
                     # llama.cpp orders the rows of each head's rotary halves its own way.
                     got, want = got[np.lexsort(got.T[::-1])], want[np.lexsort(want.T[::-1])]
                 assert np.array_equal(got, want), name
-                checked += 1
-        assert checked == 212
-        # Stored in planes (scales and codes compressed apart), the archive is smaller
-        # than the GGUF it serves (measured 0.95 of it).
+                checked[ty] = checked.get(ty, 0) + 1
         ratio = os.path.getsize(path) / os.path.getsize(m.mp / "model.gguf")
-        assert ratio < 0.97, ratio
     finally:
         served = None
         gc.collect()
         m.close()
+    return checked, ratio
+
+
+def test_views_serve_the_stored_blocks(cawsfs, default_archive, work):
+    checked, ratio = check_stored_blocks_served(cawsfs, default_archive[0], work / "mnt")
+    assert sum(checked.values()) == 212, checked
+    # Stored in planes (scales and codes compressed apart), the archive is smaller
+    # than the GGUF it serves (measured 0.95 of it).
+    assert ratio < 0.97, ratio
+
+
+def test_low_bit_k_quants_are_served_as_stored(cawsfs, float_gguf, work):
+    """Q2_K and Q3_K (the only widths of this model they divide: ffn_down's 1536),
+    chosen with --type-for, likewise."""
+    out = work / "k.cawsf"
+    report, _ = convert(cawsfs, float_gguf, out, "--no-calibration",
+                        "--type-for", "model.layers.1?.mlp.down_proj.weight=q2_k",
+                        "--type-for", "*down_proj*=q3_k")
+    checked, _ = check_stored_blocks_served(cawsfs, out, work / "mnt")
+    assert checked["q2_k"] == 10 and checked["q3_k"] == 20, checked
 
 
 @pytest.fixture(scope="module")
