@@ -466,10 +466,15 @@ pub struct ConvertArgs {
     /// Round the tensors matching PATTERN (a --passthrough glob) into this ggml type
     /// instead of the one --bpw chooses; they count against the budget; the first
     /// matching rule wins (repeatable). Types: q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl, and
-    /// for widths that are a multiple of 256 q4_k q5_k q6_k iq4_xs. Example:
+    /// for widths that are a multiple of 256 q2_k q3_k q4_k q5_k q6_k iq4_xs. Example:
     /// --type-for '*.down_proj.weight=q5_0'.
     #[arg(long = "type-for", value_name = "PATTERN=TYPE")]
     pub type_for: Vec<String>,
+    /// The ggml types --bpw may choose from, comma-separated (default: all those
+    /// --type-for lists), e.g. to leave out types the backend that runs the model
+    /// lacks or runs slowly.
+    #[arg(long, value_name = "TYPE,TYPE...", value_delimiter = ',')]
+    pub bpw_types: Vec<String>,
     /// What --bpw chooses each tensor's coding from: ggml block types rounded by
     /// cawsfs, which the GGUF view serves as stored (the default), or NDSQ's scalar
     /// groups of 2-8 bits (docs/CODECS.md).

@@ -180,6 +180,19 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
         }
         opts.type_for.push(r);
     }
+    if !a.bpw_types.is_empty() {
+        let mut types = Vec::new();
+        for name in &a.bpw_types {
+            match cawsfs::gguf::GgmlType::from_name(name) {
+                Some(ty) if cawsfs::gguf::fit::can_fit(ty) => types.push(ty),
+                _ => bail!("--bpw-types: {name:?} is not a type cawsfs rounds into (q2_k q3_k q4_0 q4_1 q4_k q5_0 q5_1 q5_k q6_k q8_0 iq4_nl iq4_xs)"),
+            }
+        }
+        if opts.bpw.is_none() || opts.bpw_sq {
+            bail!("--bpw-types chooses among ggml types within a --bpw plan; it cannot be combined with --sq-bits, --bpw-codec sq or PQ options");
+        }
+        opts.bpw_types = Some(types);
+    }
     if a.no_default_passthrough {
         opts.passthrough.clear();
     }
@@ -326,7 +339,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let given: [(&str, bool, &[To]); 26] = [
+    let given: [(&str, bool, &[To]); 27] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -338,6 +351,7 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
         ("--outlier-q", a.outlier_q.is_some(), &[Cawsf]),
         ("--bpw", a.bpw.is_some(), &[Cawsf]),
         ("--type-for", !a.type_for.is_empty(), &[Cawsf]),
+        ("--bpw-types", !a.bpw_types.is_empty(), &[Cawsf]),
         ("--bpw-codec", a.bpw_codec != BpwCodec::Ggml, &[Cawsf]),
         ("--pq-m", a.pq_m.is_some(), &[Cawsf]),
         ("--pq-dim", a.pq_dim.is_some(), &[Cawsf]),

@@ -254,7 +254,11 @@ fn options_of(
         .copied()
         .filter(|&ty| match forced {
             Some(f) => ty == f,
-            None => !opts.bpw_sq && codec::ggml_fits(ty, t.cols()),
+            None => {
+                !opts.bpw_sq
+                    && codec::ggml_fits(ty, t.cols())
+                    && opts.bpw_types.as_ref().is_none_or(|l| l.contains(&ty))
+            }
         })
         .collect();
     if (fits.is_empty() && types.is_empty()) || t.rows() == 0 {

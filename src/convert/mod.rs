@@ -53,6 +53,9 @@ pub struct ConvertOptions {
     /// (pattern, type): the tensors matching the pattern are rounded into that ggml
     /// type instead of the one `bpw` would choose, first match first (`bpw` only).
     pub type_for: Vec<(String, crate::gguf::GgmlType)>,
+    /// The ggml types `bpw` may choose from (None: every type cawsfs rounds into);
+    /// `type_for` may name others.
+    pub bpw_types: Option<Vec<crate::gguf::GgmlType>>,
     /// Second moments of each layer's inputs (`--calibration`): tensors rounded into
     /// ggml types get error feedback across columns from them.
     pub calibration: Option<std::sync::Arc<crate::import::calibration::Calibration>>,
@@ -90,6 +93,7 @@ impl Default for ConvertOptions {
             bpw_at_least_floor: false,
             bpw_sq: false,
             type_for: Vec::new(),
+            bpw_types: None,
             calibration: None,
             self_calibration: Some(calibrate::SelfCalibration::bundled()),
         }

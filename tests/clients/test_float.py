@@ -104,6 +104,20 @@ def test_low_bit_k_quants_are_served_as_stored(cawsfs, float_gguf, work):
     assert checked["q2_k"] == 10 and checked["q3_k"] == 20, checked
 
 
+def test_bpw_types_limit_the_plan(cawsfs, float_gguf, work):
+    """`--bpw-types` restricts what the planner may choose; a type cawsfs cannot round
+    into is one line naming it."""
+    out = work / "t.cawsf"
+    report, _ = convert(cawsfs, float_gguf, out, "--no-calibration", "--bpw-types", "iq4_nl,q8_0")
+    types = {t["codec"] for t in report["tensors"] if len(t["shape"]) == 2}
+    assert types == {"ggml(iq4_nl)", "ggml(q8_0)"}, types
+    assert 4.85 < report["bits_per_weight"] <= 5.0, report["bits_per_weight"]
+    p = run_status([cawsfs, "convert", float_gguf, "-o", work / "x.cawsf", "--bpw-types", "q5_0,iq2_xs"])
+    err = p.stderr.strip()
+    assert p.returncode != 0 and "iq2_xs" in err and "\n" not in err, err
+    assert not (work / "x.cawsf").exists()
+
+
 @pytest.fixture(scope="module")
 def base_kld(float_gguf, llama_bin, shelf):
     """The float model's token distributions in F16 over `TEXTS` (8 chunks of 512)."""
