@@ -111,7 +111,9 @@ speed=$( [ -f "$out" ] && sed -n '/<!-- speed:begin -->/,/<!-- speed:end -->/p' 
   echo "files of the nearest types (issue 59's target: ≥ 0.98 ×), from \`scripts/bench-float-speed.py"
   echo "--out docs/QUALITY-FLOAT.md\`. The mounted view runs at its exported file's speed; what"
   echo "separates it from llama-quantize's files is the block types the plan picks (Q5_0 for most"
-  echo "matrices, slower on the CPU than IQ4_NL and IQ4_XS): the planner does not weigh speed yet."
+  echo "matrices, slower on the CPU than IQ4_NL and IQ4_XS). \`--bpw-types\` without them (FAST) trades"
+  echo "some divergence for llama.cpp's CPU speed; the default keeps every type, as a type's speed"
+  echo "depends on the backend that runs it."
   echo
   echo "${speed:-<!-- speed:begin -->
 <!-- speed:end -->}"
