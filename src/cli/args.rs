@@ -39,7 +39,7 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Cmd {
     /// Convert a Hugging Face directory or a GGUF file into an archive (.cawsf, delta or npy-dir).
-    Convert(ConvertArgs),
+    Convert(Box<ConvertArgs>),
     /// Gather error feedback's statistics once into a file `convert --calibration`
     /// reads: a CPU forward pass of a llama-family model over calibration text (what
     /// convert does by itself each time; docs/CODECS.md, "Error feedback").
@@ -470,9 +470,10 @@ pub struct ConvertArgs {
     /// --type-for '*.down_proj.weight=q5_0'.
     #[arg(long = "type-for", value_name = "PATTERN=TYPE")]
     pub type_for: Vec<String>,
-    /// The ggml types --bpw may choose from, comma-separated (default: all those
-    /// --type-for lists), e.g. to leave out types the backend that runs the model
-    /// lacks or runs slowly.
+    /// The ggml types --bpw may choose from, comma-separated (default: those --type-for
+    /// lists but q4_1, q5_0 and q5_1, which llama.cpp runs slower on the CPU and the
+    /// plan keeps only for a tensor already on their grid), e.g. to add those for a
+    /// GPU or to leave out types a backend lacks.
     #[arg(long, value_name = "TYPE,TYPE...", value_delimiter = ',')]
     pub bpw_types: Vec<String>,
     /// What --bpw chooses each tensor's coding from: ggml block types rounded by
@@ -503,6 +504,12 @@ pub struct ConvertArgs {
     /// Round without error feedback: no forward pass, each block fitted on its own.
     #[arg(long)]
     pub no_calibration: bool,
+    /// Tokens of the calibration text over which --bpw measures how much each matrix's
+    /// error moves the model's output (docs/CODECS.md, "Measured sensitivity"; the
+    /// llama family, and not with --no-calibration); 0: plan by relative error alone.
+    #[arg(long, value_name = "N", default_value_t = cawsfs::convert::calibrate::probe::DEFAULT_TOKENS as u64,
+          value_parser = clap::value_parser!(u64).range(0..=4096))]
+    pub sensitivity_tokens: u64,
     /// Store tensors matching this glob (`*` any run) as bit-exact passthrough (repeatable).
     /// 1-D tensors, the token embedding and the output head always are unless
     /// --no-default-passthrough is given.

@@ -220,6 +220,7 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             ..convert::calibrate::SelfCalibration::bundled()
         }),
     };
+    opts.sensitivity_tokens = a.sensitivity_tokens as usize;
     let (pb, progress) = weights_bar(src.desc());
     let report = convert::convert(src.as_ref(), &a.output, &opts, &progress)
         .with_context(|| format!("converting {}", a.src.display()))?;
@@ -248,6 +249,17 @@ fn convert_cawsf(a: ConvertArgs) -> Result<()> {
             None => println!(
                 "error feedback: statistics from {} ({} tokens)",
                 c.source, c.tokens
+            ),
+        }
+    }
+    if let Some(s) = &report.sensitivity {
+        match &s.skipped {
+            Some(why) => {
+                println!("sensitivity: not measured ({why}); relative error planned alike")
+            }
+            None => println!(
+                "sensitivity: measured for {} tensors over {} tokens ({:.1} s)",
+                s.tensors, s.tokens, s.seconds
             ),
         }
     }
@@ -339,7 +351,7 @@ fn write_report_json(report: &impl serde::Serialize, a: &ConvertArgs) -> Result<
 /// are refused, in one line naming each with the kinds it is for.
 fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
     use To::{Cawsf, Delta, NpyDir};
-    let given: [(&str, bool, &[To]); 27] = [
+    let given: [(&str, bool, &[To]); 28] = [
         ("--rank", a.rank.is_some(), &[Cawsf, Delta]),
         ("--max-rel-err", a.max_rel_err.is_some(), &[Delta]),
         ("--bases", a.bases != 1, &[Delta]),
@@ -368,6 +380,11 @@ fn refuse_foreign_flags(a: &ConvertArgs) -> Result<()> {
             &[Cawsf],
         ),
         ("--no-calibration", a.no_calibration, &[Cawsf]),
+        (
+            "--sensitivity-tokens",
+            a.sensitivity_tokens != convert::calibrate::probe::DEFAULT_TOKENS as u64,
+            &[Cawsf],
+        ),
         ("--passthrough", !a.passthrough.is_empty(), &[Cawsf, NpyDir]),
         (
             "--no-default-passthrough",

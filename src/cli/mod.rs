@@ -53,7 +53,7 @@ pub fn run(cli: Cli) -> Result<()> {
     }
     cawsfs::archive::remote::configure_fetch_cache(fetch_cache_options(&cli));
     match cli.cmd {
-        Cmd::Convert(a) => convert::cmd_convert(a),
+        Cmd::Convert(a) => convert::cmd_convert(*a),
         Cmd::Calibrate {
             src,
             output,

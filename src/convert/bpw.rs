@@ -23,6 +23,7 @@
 use crate::archive::container::rows_per_block;
 use crate::archive::Compression;
 use crate::codec::{self, SqParams};
+use crate::convert::calibrate::probe::Sensitivity;
 use crate::gguf::GgmlType;
 use crate::import::SourceModel;
 use crate::model::{names, TensorDesc};
@@ -66,6 +67,21 @@ const GGML_TYPES: &[GgmlType] = &[
     GgmlType::Q6_K,
     GgmlType::Q8_0,
 ];
+
+/// Types the default plan gives a layer's matrix only where it already lies on their
+/// grid (then exact, served as the source's bytes): llama.cpp's CPU kernels run them
+/// slower than IQ4_NL and IQ4_XS (docs/QUALITY-FLOAT.md: a float model's view with Q5_0
+/// for most matrices generated at 0.92 × IQ4_XS's tokens/s, without it at 1.05 ×). The
+/// embedding and the output matrix may still take them: on a 576-wide model the only
+/// other steps are IQ4_NL's 4.5 bits and Q8_0's 8.5, and a tied output in IQ4_NL took
+/// the Q4_1 test model's divergence from 0.015 to 0.106. `--bpw-types` overrides.
+const SLOW_ON_CPU: &[GgmlType] = &[GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1];
+
+/// How much more a unit of scalar-group error costs than a ggml type's when the
+/// conversion has error feedback, which only ggml types get: the feedback cut the float
+/// model's mean KLD about 4 × at 5 bits (0.261 → 0.063, docs/CODECS.md), and the plan's
+/// trial fits are without it.
+const UNFED: f64 = 4.0;
 
 /// The widest scalar groups a ggml plan also tries (below every ggml type it has).
 const LOW_SQ_BITS: u32 = 3;
@@ -302,6 +318,20 @@ fn options_of(
                 source,
             })?;
     let (rank, q) = (opts.ndsq.rank as u64, opts.ndsq.outlier_q);
+    // A ggml plan's GGUF view rounds scalar groups of 2 or 3 bits again, into Q4_1
+    // (layout's `grid_type`): the errors add, and the view's is what llama.cpp runs.
+    let again = if !opts.bpw_sq && !fits.is_empty() && codec::ggml_fits(GgmlType::Q4_1, t.cols()) {
+        codec::ggml_trial(&sample, t.cols(), GgmlType::Q4_1, imp)
+            .map_err(|source| ConvertError::Codec {
+                tensor: t.name.clone(),
+                source,
+            })?
+            .0
+    } else {
+        0.0
+    };
+    let fed = opts.calibration.is_some() || opts.self_calibration.is_some();
+    let unfed = if !opts.bpw_sq && fed { UNFED } else { 1.0 };
     for p in fits {
         let (err, payload) =
             codec::sq_trial(&sample, t.cols(), p, imp).map_err(|source| ConvertError::Codec {
@@ -311,7 +341,7 @@ fn options_of(
         all.push(Setting {
             choice: Choice::Sq(p),
             bits: sq_bytes(t, p, rank, q, ratio(&payload, opts)) as f64 * 8.0,
-            err: err * scale,
+            err: (err + again) * scale * unfed,
         });
     }
     for ty in types {
@@ -321,6 +351,13 @@ fn options_of(
                 source,
             }
         })?;
+        if opts.bpw_types.is_none()
+            && SLOW_ON_CPU.contains(&ty)
+            && err > 0.0
+            && names::layer_of(&t.name).is_some()
+        {
+            continue;
+        }
         all.push(Setting {
             choice: Choice::Ggml(ty),
             bits: ggml_bytes(t, ty, ggml_ratio(ty, &blocks, opts)?) as f64 * 8.0,
@@ -328,6 +365,26 @@ fn options_of(
         });
     }
     Ok(all)
+}
+
+/// Scales each tensor's errors (relative error times its weights) to the output
+/// divergence they cost: by its measured sensitivity over its weight count. A tensor
+/// the probe did not reach takes the median measured factor.
+fn weigh(src: &dyn SourceModel, s: &Sensitivity, options: &mut [Vec<Setting>]) {
+    let tensors = &src.desc().tensors;
+    let factor = |i: usize| {
+        let t = &tensors[i];
+        s.per_tensor
+            .get(&t.name)
+            .map(|c| c / t.numel().max(1) as f64)
+    };
+    let mut known: Vec<f64> = (0..tensors.len()).filter_map(factor).collect();
+    known.sort_by(f64::total_cmp);
+    let median = known.get(known.len() / 2).copied().unwrap_or(1.0);
+    for (i, o) in options.iter_mut().enumerate() {
+        let f = factor(i).unwrap_or(median);
+        o.iter_mut().for_each(|s| s.err *= f);
+    }
 }
 
 /// The tensors planned as one: each alone, but a stack of experts together when all
@@ -394,6 +451,7 @@ pub fn plan(
     pass: &Patterns,
     target: f64,
     reserved: u64,
+    sensitivity: &mut dyn FnMut() -> Result<Option<Sensitivity>, ConvertError>,
     progress: &(dyn Fn(usize, usize, &str) + Sync),
 ) -> Result<Plan, ConvertError> {
     let desc = src.desc();
@@ -424,6 +482,27 @@ pub fn plan(
         },
     )?;
     let units = units(src, &options);
+    let budget0 = target * total_weights as f64 - reserved as f64 * 8.0;
+    // Measured only when the plan must trade error for bits: not when every tensor
+    // fits exact (a source already on a ggml grid, a generous target).
+    let exact: f64 = units
+        .iter()
+        .map(|members| {
+            let zero = |m: usize| {
+                options[m]
+                    .iter()
+                    .filter(|o| o.err == 0.0)
+                    .map(|o| o.bits)
+                    .fold(f64::INFINITY, f64::min)
+            };
+            members.iter().map(|&m| zero(m)).sum::<f64>()
+        })
+        .sum();
+    if exact > budget0 {
+        if let Some(s) = sensitivity()? {
+            weigh(src, &s, &mut options);
+        }
+    }
     let hulls_of = |low_sq: bool| -> Vec<Vec<Setting>> {
         units
             .iter()
@@ -444,7 +523,6 @@ pub fn plan(
             })
             .collect()
     };
-    let budget0 = target * total_weights as f64 - reserved as f64 * 8.0;
     let mut hulls = hulls_of(opts.bpw_sq);
     if hulls.iter().map(|h| h[0].bits).sum::<f64>() > budget0 {
         hulls = hulls_of(true);

@@ -62,6 +62,10 @@ pub struct ConvertOptions {
     /// Without `calibration`, the text cawsfs runs the model over to gather those
     /// statistics itself ([`calibrate`]); None: no error feedback.
     pub self_calibration: Option<calibrate::SelfCalibration>,
+    /// Tokens of `self_calibration`'s text over which `bpw` measures how much each
+    /// tensor's error moves the output ([`calibrate::probe`]); 0: every tensor's
+    /// relative error counts alike.
+    pub sensitivity_tokens: usize,
 }
 
 /// `cawsfs convert`'s bits-per-weight target when no R is chosen: where NDSQ's
@@ -96,6 +100,7 @@ impl Default for ConvertOptions {
             bpw_types: None,
             calibration: None,
             self_calibration: Some(calibrate::SelfCalibration::bundled()),
+            sensitivity_tokens: calibrate::probe::DEFAULT_TOKENS,
         }
     }
 }
@@ -106,6 +111,13 @@ impl ConvertOptions {
     pub fn validate(&self) -> Result<(), ConvertError> {
         let o = &self.ndsq;
         let bad = |m: String| Err(ConvertError::Options(m));
+        if (1..calibrate::MIN_TOKENS).contains(&self.sensitivity_tokens) {
+            return bad(format!(
+                "--sensitivity-tokens {}: 0 (off) or at least {} tokens",
+                self.sensitivity_tokens,
+                calibrate::MIN_TOKENS
+            ));
+        }
         if let Some(b) = self.bpw {
             if !(b.is_finite() && b > 0.0) {
                 return bad(format!("--bpw {b} is not a positive number"));
@@ -229,6 +241,9 @@ pub struct ConvertReport {
     /// Where the error feedback's statistics came from, when any tensor could use them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<CalibrationUse>,
+    /// The measured sensitivities the plan used, when `--bpw` measured them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sensitivity: Option<SensitivityUse>,
 }
 
 /// The statistics error feedback used: a file's, or those of cawsfs's own forward pass.
@@ -240,6 +255,18 @@ pub struct CalibrationUse {
     /// Time spent in the forward pass (0 for a file).
     pub seconds: f64,
     /// Why the pass could not run this model (then no tensor got feedback).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// The measured sensitivities `--bpw` planned with ([`calibrate::probe`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct SensitivityUse {
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Tensors measured.
+    pub tensors: usize,
+    /// Why none could be (then the plan weighs every tensor's relative error alike).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
 }
@@ -293,6 +320,7 @@ impl ConvertReport {
             imatrix: None,
             bpw: None,
             calibration: None,
+            sensitivity: None,
             max_rel_err,
         }
     }
@@ -515,6 +543,13 @@ pub fn convert(
     let mut writer = CawsfWriter::create(out, opts.compression)?;
     writer.set_min_saving(opts.min_saving);
     let routing = routing_bytes(src)?;
+    let (mut sensitivity, mut measured) = (None, None);
+    let mut measure = || {
+        let (used, s) = measure_sensitivity(src, opts, &pass)?;
+        sensitivity = used;
+        measured = s.clone();
+        Ok(s)
+    };
     let plan = match opts.bpw {
         Some(target) => Some(bpw::plan(
             src,
@@ -522,6 +557,7 @@ pub fn convert(
             &pass,
             target,
             reserved_bytes(desc, routing.len())?,
+            &mut measure,
             progress,
         )?),
         None => None,
@@ -616,6 +652,16 @@ pub fn convert(
             "calibration": calibration.as_ref().map(|c| serde_json::json!({
                 "source": c.source, "tokens": c.tokens, "skipped": c.skipped,
             })),
+            "sensitivity": sensitivity.as_ref().map(|s| serde_json::json!({
+                "tokens": s.tokens, "tensors": s.tensors, "skipped": s.skipped,
+                // Mean KLD per unit of relative squared error, as the plan used it.
+                "per_tensor": measured.as_ref().map(|m| {
+                    let mut v: Vec<_> = m.per_tensor.iter().collect();
+                    v.sort_by(|a, b| a.0.cmp(b.0));
+                    v.into_iter().map(|(k, c)| (k.clone(), serde_json::json!(c)))
+                        .collect::<serde_json::Map<String, serde_json::Value>>()
+                }),
+            })),
         },
         "rel_err": reports.iter().map(|r| (r.name.clone(), serde_json::json!(r.rel_err))).collect::<serde_json::Map<String, serde_json::Value>>(),
     });
@@ -631,12 +677,52 @@ pub fn convert(
     });
     report.imatrix = imatrix;
     report.calibration = calibration;
+    report.sensitivity = sensitivity;
     report.bpw = plan.map(|p| BpwUse {
         target: p.target_bpw,
         planned: p.planned_bpw,
         at_floor: p.at_floor,
     });
     Ok(report)
+}
+
+/// The sensitivities a ggml `--bpw` plan weighs each tensor's relative error by: of
+/// every 2-D tensor it may round, over `self_calibration`'s text. None without a text,
+/// with `sensitivity_tokens` 0 or for a scalar-group plan (whose role factors scale
+/// absolute error).
+fn measure_sensitivity(
+    src: &dyn SourceModel,
+    opts: &ConvertOptions,
+    pass: &Patterns,
+) -> Result<
+    (
+        Option<SensitivityUse>,
+        Option<calibrate::probe::Sensitivity>,
+    ),
+    ConvertError,
+> {
+    let Some(cal) = &opts.self_calibration else {
+        return Ok((None, None));
+    };
+    if opts.sensitivity_tokens == 0 || opts.bpw_sq {
+        return Ok((None, None));
+    }
+    let wanted: std::collections::HashSet<String> = src
+        .desc()
+        .tensors
+        .iter()
+        .filter(|t| t.shape.len() == 2 && !is_passthrough(t, pass))
+        .map(|t| t.name.clone())
+        .collect();
+    let t0 = std::time::Instant::now();
+    let s = calibrate::probe::probe(src, cal, &wanted, opts.sensitivity_tokens)?;
+    let used = SensitivityUse {
+        tokens: s.as_ref().map_or(0, |s| s.tokens as u64),
+        seconds: t0.elapsed().as_secs_f64(),
+        tensors: s.as_ref().map_or(0, |s| s.per_tensor.len()),
+        skipped: s.as_ref().err().cloned(),
+    };
+    Ok((Some(used), s.ok()))
 }
 
 /// What an archive of `desc` spends outside its tensors, estimated for `--bpw`: the

@@ -23,6 +23,7 @@ use super::ConvertError;
 use ops::{add, attention, gram, linear, rms_norm, rope};
 
 mod ops;
+pub mod probe;
 use crate::error::FileError;
 use crate::import::SourceModel;
 
@@ -35,7 +36,7 @@ pub const CTX: usize = 512;
 /// model's weights × tokens floating-point operations.
 pub const DEFAULT_TOKENS: usize = 4096;
 /// Fewest tokens a text must give: fewer make H too poorly conditioned to use.
-const MIN_TOKENS: usize = 64;
+pub const MIN_TOKENS: usize = 64;
 
 /// The text a conversion gathers its statistics over.
 #[derive(Clone, Debug)]
@@ -150,41 +151,10 @@ impl<'a> Forward<'a> {
             Ok(d) => d,
             Err(why) => return Ok(Err(why)),
         };
-        let desc = src.desc();
-        let tok = match crate::router::load_tokenizer(desc) {
-            Ok(t) => t,
-            Err(e) => return Ok(Err(e)),
+        let (picked, ctx, e) = match pick_tokens(src, cal, CTX, cal.max_tokens)? {
+            Ok(p) => p,
+            Err(why) => return Ok(Err(why)),
         };
-        let enc = tok
-            .encode(&*cal.text, true)
-            .map_err(|e| cal.error(format!("cannot be tokenized: {e}")))?;
-        let ids = enc.get_ids();
-        if ids.len() < MIN_TOKENS {
-            return Err(cal.error(format!(
-                "gives {} tokens; calibration needs at least {MIN_TOKENS}",
-                ids.len()
-            )));
-        }
-        let Some(e) = desc.tensor_index("model.embed_tokens.weight") else {
-            return Ok(Err("the model has no model.embed_tokens.weight".into()));
-        };
-        let vocab = desc.tensors[e].rows() as u32;
-        if let Some(id) = ids.iter().find(|&&id| id >= vocab) {
-            return Ok(Err(format!(
-                "its tokenizer gives token {id}, beyond the embedding's {vocab} rows"
-            )));
-        }
-        // Windows of CTX tokens spread evenly over the text (prose and code alike), as
-        // many as max_tokens allows; a shorter text, or fewer tokens asked for than a
-        // window holds, is one window.
-        let ctx = CTX.min(ids.len()).min(cal.max_tokens.max(MIN_TOKENS));
-        let have = ids.len() / ctx;
-        let want = (cal.max_tokens / ctx).clamp(1, have);
-        let mut picked = Vec::with_capacity(want * ctx);
-        for w in 0..want {
-            let start = (w * have / want) * ctx;
-            picked.extend_from_slice(&ids[start..start + ctx]);
-        }
         let emb = src.f32(e)?;
         let d = dims.d;
         let mut h = vec![0f32; picked.len() * d];
@@ -218,28 +188,203 @@ impl<'a> Forward<'a> {
     }
 
     fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>, ConvertError> {
-        let desc = self.src.desc();
-        let i = desc
-            .tensor_index(name)
-            .ok_or_else(|| ConvertError::Options(format!("calibration: no tensor {name}")))?;
-        let t = &desc.tensors[i];
-        if t.numel() != (rows * cols) as u64 {
-            return Err(ConvertError::Options(format!(
-                "calibration: {name} has shape {:?}, expected [{rows}, {cols}]",
-                t.shape
-            )));
+        weight(self.src, name, rows, cols)
+    }
+}
+
+/// Tensor `name` as f32, checked to hold `rows × cols` values.
+fn weight(
+    src: &dyn SourceModel,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, ConvertError> {
+    let desc = src.desc();
+    let i = desc
+        .tensor_index(name)
+        .ok_or_else(|| ConvertError::Options(format!("calibration: no tensor {name}")))?;
+    let t = &desc.tensors[i];
+    if t.numel() != (rows * cols) as u64 {
+        return Err(ConvertError::Options(format!(
+            "calibration: {name} has shape {:?}, expected [{rows}, {cols}]",
+            t.shape
+        )));
+    }
+    Ok(src.f32(i)?)
+}
+
+/// Optional bias or norm of `len` values.
+fn vector(src: &dyn SourceModel, name: &str, len: usize) -> Result<Option<Vec<f32>>, ConvertError> {
+    match src.desc().tensor_index(name) {
+        Some(_) => weight(src, name, len, 1).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Tokens picked, the window length, the embedding's tensor index.
+type Picked = (Vec<u32>, usize, usize);
+
+/// Sees each linear layer's input: the roles reading it, its values, its width.
+type Keep<'k> = dyn FnMut(&[&str], &[f32], usize) + 'k;
+
+/// The calibration tokens: windows of up to `ctx` tokens spread evenly over the text
+/// (prose and code alike), as many as `max_tokens` allows; a shorter text, or fewer
+/// tokens asked for than a window holds, is one window. With the window length and the
+/// embedding's tensor index; `Ok(Err(why))` when the model has no tokenizer or
+/// embedding these tokens can index.
+fn pick_tokens(
+    src: &dyn SourceModel,
+    cal: &SelfCalibration,
+    ctx: usize,
+    max_tokens: usize,
+) -> Result<Result<Picked, String>, ConvertError> {
+    let desc = src.desc();
+    let tok = match crate::router::load_tokenizer(desc) {
+        Ok(t) => t,
+        Err(e) => return Ok(Err(e)),
+    };
+    let enc = tok
+        .encode(&*cal.text, true)
+        .map_err(|e| cal.error(format!("cannot be tokenized: {e}")))?;
+    let ids = enc.get_ids();
+    if ids.len() < MIN_TOKENS {
+        return Err(cal.error(format!(
+            "gives {} tokens; calibration needs at least {MIN_TOKENS}",
+            ids.len()
+        )));
+    }
+    let Some(e) = desc.tensor_index("model.embed_tokens.weight") else {
+        return Ok(Err("the model has no model.embed_tokens.weight".into()));
+    };
+    let vocab = desc.tensors[e].rows() as u32;
+    if let Some(id) = ids.iter().find(|&&id| id >= vocab) {
+        return Ok(Err(format!(
+            "its tokenizer gives token {id}, beyond the embedding's {vocab} rows"
+        )));
+    }
+    let ctx = ctx.min(ids.len()).min(max_tokens.max(MIN_TOKENS));
+    let have = ids.len() / ctx;
+    let want = (max_tokens / ctx).clamp(1, have);
+    let mut picked = Vec::with_capacity(want * ctx);
+    for w in 0..want {
+        let start = (w * have / want) * ctx;
+        picked.extend_from_slice(&ids[start..start + ctx]);
+    }
+    Ok(Ok((picked, ctx, e)))
+}
+
+/// One decoder layer's weights as f32, by the role names of [`ROLES`].
+struct Layer {
+    ln1: Vec<f32>,
+    ln2: Vec<f32>,
+    /// q, k, v, o, gate, up, down (each as stored: out × in).
+    m: [Vec<f32>; 7],
+    bias: [Option<Vec<f32>>; 3],
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// The linear layers of a decoder layer, in [`Layer::m`]'s order.
+const ROLES: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+impl Layer {
+    fn load(src: &dyn SourceModel, dims: &Dims, l: u32) -> Result<Layer, ConvertError> {
+        let p = |part: &str| format!("model.layers.{l}.{part}");
+        let (d, q, kv, ff) = (
+            dims.d,
+            dims.heads * dims.head_dim,
+            dims.kv_heads * dims.head_dim,
+            dims.ff,
+        );
+        let shapes = [(q, d), (kv, d), (kv, d), (d, q), (ff, d), (ff, d), (d, ff)];
+        let mut m: [Vec<f32>; 7] = Default::default();
+        for ((w, role), (rows, cols)) in m.iter_mut().zip(ROLES).zip(shapes) {
+            *w = weight(src, &p(&format!("{role}.weight")), rows, cols)?;
         }
-        Ok(self.src.f32(i)?)
+        let mut bias: [Option<Vec<f32>>; 3] = Default::default();
+        for (b, (role, rows)) in bias.iter_mut().zip(ROLES.iter().zip([q, kv, kv])) {
+            *b = vector(src, &p(&format!("{role}.bias")), rows)?;
+        }
+        Ok(Layer {
+            ln1: weight(src, &p("input_layernorm.weight"), d, 1)?,
+            ln2: weight(src, &p("post_attention_layernorm.weight"), d, 1)?,
+            m,
+            bias,
+            q_norm: vector(src, &p("self_attn.q_norm.weight"), dims.head_dim)?,
+            k_norm: vector(src, &p("self_attn.k_norm.weight"), dims.head_dim)?,
+        })
     }
 
-    /// Optional bias or norm of `len` values.
-    fn vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>, ConvertError> {
-        match self.src.desc().tensor_index(name) {
-            Some(_) => self.weight(name, len, 1).map(Some),
-            None => Ok(None),
+    /// Moves the residual stream `h` (tokens × d, windows of `ctx`) past this layer,
+    /// handing `keep` each linear layer's input with the roles that read it.
+    /// `over`: a matrix (by its index in [`ROLES`]) used in place of the layer's own.
+    fn run(
+        &self,
+        dims: &Dims,
+        h: &mut [f32],
+        ctx: usize,
+        keep: &mut Keep,
+        over: Option<(usize, &[f32])>,
+    ) {
+        let Dims {
+            d,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            ff,
+            eps,
+            theta,
+            ..
+        } = *dims;
+        let n = h.len() / d;
+        let m = |i: usize| match over {
+            Some((j, w)) if j == i => w,
+            _ => &self.m[i][..],
+        };
+        let [wq, wk, wv, wo, wg, wu, wd] = [0, 1, 2, 3, 4, 5, 6].map(m);
+        let x = rms_norm(h, d, &self.ln1, eps);
+        keep(&ROLES[..3], &x, d);
+        let mut q = linear(&x, n, d, wq, heads * hd, self.bias[0].as_deref());
+        let mut k = linear(&x, n, d, wk, kv_heads * hd, self.bias[1].as_deref());
+        let v = linear(&x, n, d, wv, kv_heads * hd, self.bias[2].as_deref());
+        drop(x);
+        // qwen3 normalizes each head's query and key before the rotation.
+        if let Some(g) = &self.q_norm {
+            q = rms_norm(&q, hd, g, eps);
         }
+        if let Some(g) = &self.k_norm {
+            k = rms_norm(&k, hd, g, eps);
+        }
+        rope(&mut q, heads, hd, ctx, theta);
+        rope(&mut k, kv_heads, hd, ctx, theta);
+        let a = attention(&q, &k, &v, n, ctx, heads, kv_heads, hd);
+        drop((q, k, v));
+        keep(&ROLES[3..4], &a, heads * hd);
+        add(h, &linear(&a, n, heads * hd, wo, d, None));
+        drop(a);
+        let x = rms_norm(h, d, &self.ln2, eps);
+        keep(&ROLES[4..6], &x, d);
+        let mut gate = linear(&x, n, d, wg, ff, None);
+        let up = linear(&x, n, d, wu, ff, None);
+        drop(x);
+        gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        });
+        drop(up);
+        keep(&ROLES[6..], &gate, ff);
+        add(h, &linear(&gate, n, ff, wd, d, None));
     }
+}
 
+impl Forward<'_> {
     /// Layer `l`'s input moments, the residual stream moved past it. Layers are taken
     /// in order: those skipped are run, and one already passed (or beyond the model's
     /// last) has none.
@@ -257,86 +402,24 @@ impl<'a> Forward<'a> {
     /// The next layer's input moments, and the residual stream moved past it.
     fn step(&mut self) -> Result<Moments, ConvertError> {
         let l = self.next_layer;
-        let Dims {
-            d,
-            heads,
-            kv_heads,
-            head_dim: hd,
-            ff,
-            eps,
-            theta,
-            ..
-        } = self.dims;
-        let p = |part: &str| format!("model.layers.{l}.{part}");
+        let w = Layer::load(self.src, &self.dims, l)?;
         let n = self.tokens;
         let mut out = Moments::new();
-
         // Moments of an input none of whose readers is wanted are not computed.
         let needs = &self.needs;
-        let mut keep = |readers: &[String], x: &[f32], width: usize| {
+        let mut keep = |readers: &[&str], x: &[f32], width: usize| {
+            let readers: Vec<String> = readers
+                .iter()
+                .map(|r| format!("model.layers.{l}.{r}.weight"))
+                .collect();
             if readers.iter().any(|r| needs.contains(r)) {
                 let hx = Arc::new(gram(x, n, width));
                 for r in readers {
-                    out.insert(r.clone(), hx.clone());
+                    out.insert(r, hx.clone());
                 }
             }
         };
-        let g = self.weight(&p("input_layernorm.weight"), d, 1)?;
-        let x = rms_norm(&self.h, d, &g, eps);
-        let qkv = ["q_proj", "k_proj", "v_proj"].map(|w| p(&format!("self_attn.{w}.weight")));
-        keep(&qkv, &x, d);
-        let proj = |w: &str, rows: usize| -> Result<Vec<f32>, ConvertError> {
-            let m = self.weight(&p(&format!("self_attn.{w}.weight")), rows, d)?;
-            let b = self.vector(&p(&format!("self_attn.{w}.bias")), rows)?;
-            Ok(linear(&x, n, d, &m, rows, b.as_deref()))
-        };
-        let mut q = proj("q_proj", heads * hd)?;
-        let mut k = proj("k_proj", kv_heads * hd)?;
-        let v = proj("v_proj", kv_heads * hd)?;
-        drop(x);
-        // qwen3 normalizes each head's query and key before the rotation.
-        if let Some(g) = self.vector(&p("self_attn.q_norm.weight"), hd)? {
-            q = rms_norm(&q, hd, &g, eps);
-        }
-        if let Some(g) = self.vector(&p("self_attn.k_norm.weight"), hd)? {
-            k = rms_norm(&k, hd, &g, eps);
-        }
-        rope(&mut q, heads, hd, self.ctx, theta);
-        rope(&mut k, kv_heads, hd, self.ctx, theta);
-        let a = attention(&q, &k, &v, n, self.ctx, heads, kv_heads, hd);
-        drop((q, k, v));
-        keep(&[p("self_attn.o_proj.weight")], &a, heads * hd);
-        let wo = self.weight(&p("self_attn.o_proj.weight"), d, heads * hd)?;
-        add(&mut self.h, &linear(&a, n, heads * hd, &wo, d, None));
-        drop((a, wo));
-
-        let g = self.weight(&p("post_attention_layernorm.weight"), d, 1)?;
-        let x = rms_norm(&self.h, d, &g, eps);
-        keep(&[p("mlp.gate_proj.weight"), p("mlp.up_proj.weight")], &x, d);
-        let mut gate = linear(
-            &x,
-            n,
-            d,
-            &self.weight(&p("mlp.gate_proj.weight"), ff, d)?,
-            ff,
-            None,
-        );
-        let up = linear(
-            &x,
-            n,
-            d,
-            &self.weight(&p("mlp.up_proj.weight"), ff, d)?,
-            ff,
-            None,
-        );
-        drop(x);
-        gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        });
-        drop(up);
-        keep(&[p("mlp.down_proj.weight")], &gate, ff);
-        let wd = self.weight(&p("mlp.down_proj.weight"), d, ff)?;
-        add(&mut self.h, &linear(&gate, n, ff, &wd, d, None));
+        w.run(&self.dims, &mut self.h, self.ctx, &mut keep, None);
         self.next_layer += 1;
         Ok(out)
     }
