@@ -7,8 +7,8 @@ at ≥ 0.98 × the tokens/s of the nearest type).
 
 Cases: the default archive mounted (`model.gguf`; the disk tier on, so after the warm-up
 round its opens are passthrough opens of the tier file), the same bytes exported to a
-local file, an archive planned from the types llama.cpp's CPU kernels run fastest
-(`--bpw-types`, FAST below) mounted, and llama-quantize's IQ4_XS, Q3_K_M, Q4_K_M and the 5.0-bit hand mix of
+local file, an archive planned from every type cawsfs rounds into, Q4_1, Q5_0 and Q5_1
+included (`--bpw-types`, ALL below; the default leaves those out) mounted, and llama-quantize's IQ4_XS, Q3_K_M, Q4_K_M and the 5.0-bit hand mix of
 docs/QUALITY-FLOAT.md (IQ4_NL, Q5_0 for attn_q/k/v/output, ffn_down and the output
 matrix) of the same float weights. Each round runs every case once, in the same order
 (A B C … A B C …), after one warm-up round; medians. Prompt processing from
@@ -30,9 +30,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAWSFS = os.path.join(ROOT, "target", "release", "cawsfs")
 PROMPT_FILE = "/usr/share/common-licenses/Apache-2.0"
-# No Q5_0/Q5_1/Q4_1: their CPU dot products cost more per weight than IQ4_NL's and
-# Q8_0's (this script's first table).
-FAST = "iq4_nl,q4_0,q8_0,iq4_xs,q2_k,q3_k,q4_k,q5_k,q6_k"
+# Every type, Q5_0/Q5_1/Q4_1 included: less divergence for the bits, but their CPU dot
+# products cost more per weight than IQ4_NL's and Q8_0's.
+ALL = "iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,q2_k,q3_k,q4_k,q5_k,q6_k"
 KLD_TEXTS = ["Apache-2.0", "MPL-2.0", "GFDL-1.3"]
 
 
@@ -82,8 +82,8 @@ def main():
     with tempfile.TemporaryDirectory(dir=os.path.expanduser("~")) as work:
         arc = os.path.join(work, "default.cawsf")
         sh(CAWSFS, "convert", model, "-o", arc)
-        fast = os.path.join(work, "fast.cawsf")
-        sh(CAWSFS, "convert", model, "-o", fast, "--bpw-types", FAST)
+        alls = os.path.join(work, "all.cawsf")
+        sh(CAWSFS, "convert", model, "-o", alls, "--bpw-types", ALL)
         exported = os.path.join(work, "default-view.gguf")
         sh(CAWSFS, "export", arc, "--format", "gguf", "-o", exported)
         quants = {
@@ -103,14 +103,14 @@ def main():
             sh(os.path.join(bin_dir, "llama-quantize"), *args[:-1], model, out, args[-1])
             cases[name] = out
         cases["cawsfs default, exported view"] = exported
-        mp, mp_fast = os.path.join(work, "mnt"), os.path.join(work, "mnt-fast")
+        mp, mp_all = os.path.join(work, "mnt"), os.path.join(work, "mnt-all")
         os.makedirs(mp)
-        os.makedirs(mp_fast)
+        os.makedirs(mp_all)
         sh(CAWSFS, "mount", arc, mp)
-        sh(CAWSFS, "mount", fast, mp_fast)
+        sh(CAWSFS, "mount", alls, mp_all)
         try:
             cases["cawsfs default, mounted view"] = os.path.join(mp, "model.gguf")
-            cases["cawsfs --bpw-types FAST, mounted view"] = os.path.join(mp_fast, "model.gguf")
+            cases["cawsfs --bpw-types ALL, mounted view"] = os.path.join(mp_all, "model.gguf")
             text = os.path.join(work, "text.txt")
             with open(text, "w") as f:
                 f.write("".join(open(f"/usr/share/common-licenses/{t}").read() for t in KLD_TEXTS))
@@ -119,7 +119,7 @@ def main():
             sh(os.path.join(bin_dir, "llama-perplexity"), "-m", ref, "-f", text, "-c", "512", "--chunks", "12",
                "-t", a.threads, "--kl-divergence-base", base)
             klds = {n: mean_kld(bin_dir, cases[n], base, text, a.threads)
-                    for n in ("cawsfs default, mounted view", "cawsfs --bpw-types FAST, mounted view")}
+                    for n in ("cawsfs default, mounted view", "cawsfs --bpw-types ALL, mounted view")}
             sizes = {n: os.path.getsize(p) for n, p in cases.items()}
             got = {n: ([], []) for n in cases}
             for r in range(a.rounds + 1):
@@ -131,24 +131,24 @@ def main():
                         print(f"round {r} {n:32} pp {pp:8.1f} tg {tg:7.1f}", file=sys.stderr, flush=True)
         finally:
             subprocess.run([CAWSFS, "umount", mp], capture_output=True)
-            subprocess.run([CAWSFS, "umount", mp_fast], capture_output=True)
+            subprocess.run([CAWSFS, "umount", mp_all], capture_output=True)
             time.sleep(0.5)
     med = {n: (statistics.median(v[0]), statistics.median(v[1])) for n, v in got.items()}
     view = med["cawsfs default, mounted view"]
     lines = [f"Produced by `scripts/bench-float-speed.py` on {time.strftime('%Y-%m-%d', time.gmtime())} "
              f"({os.cpu_count()} cores, llama.cpp with {a.threads} threads, medians of {a.rounds} "
              "interleaved rounds after a warm-up round). **×** columns: the default mounted view's "
-             "tokens/s over the row's, then FAST's over the row's. FAST = `--bpw-types " + FAST + "`. "
+             "tokens/s over the row's, then ALL's over the row's. ALL = `--bpw-types " + ALL + "`. "
              "Mean KLD as in the table above.",
              "",
-             "| file | MiB | mean KLD | prompt tokens/s | × default | × FAST | generation tokens/s "
-             "| × default | × FAST |",
+             "| file | MiB | mean KLD | prompt tokens/s | × default | × ALL | generation tokens/s "
+             "| × default | × ALL |",
              "|---|---|---|---|---|---|---|---|---|"]
-    fastv = med["cawsfs --bpw-types FAST, mounted view"]
+    allv = med["cawsfs --bpw-types ALL, mounted view"]
     for n, (pp, tg) in med.items():
         k = f"{klds[n][0]:.4f}" if n in klds else ""
         lines.append(f"| {n} | {sizes[n] / 2**20:.1f} | {k} | {pp:.1f} | {view[0] / pp:.2f} | "
-                     f"{fastv[0] / pp:.2f} | {tg:.1f} | {view[1] / tg:.2f} | {fastv[1] / tg:.2f} |")
+                     f"{allv[0] / pp:.2f} | {tg:.1f} | {view[1] / tg:.2f} | {allv[1] / tg:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     if a.out:

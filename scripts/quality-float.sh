@@ -70,9 +70,12 @@ for row in "${rows[@]}"; do
   ratio=$(python3 -c "print(f'{$ck / $lk:.2f}')")
   echo "| $name | $b | $lk | $lt | $cb ($vb) | $ck | $ct | **$ratio** |" | tee -a "$table"
 done
-# The default conversion, the same plan without error feedback, and issue 59's
-# moonshot: 4.0 bits per weight with Q4_K_M's divergence.
-for setting in "" "--no-calibration" "--bpw 4.0"; do
+# The default conversion; its plan without measured sensitivity; without error
+# feedback (and so without sensitivity); with every type (Q4_1, Q5_0 and Q5_1 too, which
+# llama.cpp runs slower on the CPU); and issue 59's moonshot: 4.0 bits per weight with
+# Q4_K_M's divergence.
+all_types=iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,q2_k,q3_k,q4_k,q5_k,q6_k
+for setting in "" "--sensitivity-tokens 0" "--no-calibration" "--bpw-types $all_types" "--bpw 4.0"; do
   "$cawsfs" convert "$model" -o "$work/c.cawsf" $setting > "$work/c.log"
   cb=$(grep -o '[0-9.]* bits per weight' "$work/c.log" | tail -1 | cut -d' ' -f1)
   "$cawsfs" export "$work/c.cawsf" --format gguf -o "$work/c.gguf" > /dev/null
@@ -110,10 +113,10 @@ speed=$( [ -f "$out" ] && sed -n '/<!-- speed:begin -->/,/<!-- speed:end -->/p' 
   echo "llama.cpp's tokens/s on the default archive's mounted GGUF view against llama-quantize's"
   echo "files of the nearest types (issue 59's target: ≥ 0.98 ×), from \`scripts/bench-float-speed.py"
   echo "--out docs/QUALITY-FLOAT.md\`. The mounted view runs at its exported file's speed; what"
-  echo "separates it from llama-quantize's files is the block types the plan picks (Q5_0 for most"
-  echo "matrices, slower on the CPU than IQ4_NL and IQ4_XS). \`--bpw-types\` without them (FAST) trades"
-  echo "some divergence for llama.cpp's CPU speed; the default keeps every type, as a type's speed"
-  echo "depends on the backend that runs it."
+  echo "separates it from llama-quantize's files is the block types the plan picks. The default"
+  echo "plans Q4_1, Q5_0 and Q5_1 only for tensors already on their grid: llama.cpp's CPU kernels run"
+  echo "them slower than IQ4_NL and IQ4_XS. \`--bpw-types\` naming every type (ALL) trades that speed"
+  echo "for less divergence at the same bits, for a backend that runs them fast."
   echo
   echo "${speed:-<!-- speed:begin -->
 <!-- speed:end -->}"
