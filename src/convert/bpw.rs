@@ -69,7 +69,8 @@ const GGML_TYPES: &[GgmlType] = &[
 ];
 
 /// Types the default plan gives a layer's matrix only where it already lies on their
-/// grid (then exact, served as the source's bytes): llama.cpp's CPU kernels run them
+/// grid (then exact, served as the source's bytes), when the conversion has error
+/// feedback from cawsfs's forward pass ([`plan`]): llama.cpp's CPU kernels run them
 /// slower than IQ4_NL and IQ4_XS (docs/QUALITY-FLOAT.md: a float model's view with Q5_0
 /// for most matrices generated at 0.92 × IQ4_XS's tokens/s, without it at 1.05 ×). The
 /// embedding and the output matrix may still take them: on a 576-wide model the only
@@ -351,13 +352,6 @@ fn options_of(
                 source,
             }
         })?;
-        if opts.bpw_types.is_none()
-            && SLOW_ON_CPU.contains(&ty)
-            && err > 0.0
-            && names::layer_of(&t.name).is_some()
-        {
-            continue;
-        }
         all.push(Setting {
             choice: Choice::Ggml(ty),
             bits: ggml_bytes(t, ty, ggml_ratio(ty, &blocks, opts)?) as f64 * 8.0,
@@ -481,6 +475,21 @@ pub fn plan(
             Ok(())
         },
     )?;
+    // With error feedback from the pass, leave out of layer matrices the types llama.cpp
+    // runs slower on the CPU, unless a matrix lies on their grid. Without feedback they
+    // stay: IQ4_NL's plain rounding is then too coarse to stand in for them (MiniLM's
+    // sentence embeddings fell below the 0.98 cosine they keep with Q5_0).
+    let fed = opts.calibration.is_some() || opts.self_calibration.is_some();
+    if opts.bpw_types.is_none() && fed && super::calibrate::runs(src) {
+        for (o, t) in options.iter_mut().zip(&desc.tensors) {
+            if names::layer_of(&t.name).is_some() {
+                o.retain(|s| match s.choice {
+                    Choice::Ggml(ty) => !SLOW_ON_CPU.contains(&ty) || s.err == 0.0,
+                    _ => true,
+                });
+            }
+        }
+    }
     let units = units(src, &options);
     let budget0 = target * total_weights as f64 - reserved as f64 * 8.0;
     // Measured only when the plan must trade error for bits: not when every tensor
@@ -498,7 +507,7 @@ pub fn plan(
             members.iter().map(|&m| zero(m)).sum::<f64>()
         })
         .sum();
-    if exact > budget0 {
+    if exact > budget0 && options.iter().any(|o| o.len() > 1) {
         if let Some(s) = sensitivity()? {
             weigh(src, &s, &mut options);
         }

@@ -714,6 +714,9 @@ fn measure_sensitivity(
         .filter(|t| t.shape.len() == 2 && !is_passthrough(t, pass))
         .map(|t| t.name.clone())
         .collect();
+    if wanted.is_empty() {
+        return Ok((None, None));
+    }
     let t0 = std::time::Instant::now();
     let s = calibrate::probe::probe(src, cal, &wanted, opts.sensitivity_tokens)?;
     let used = SensitivityUse {

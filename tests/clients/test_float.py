@@ -187,16 +187,16 @@ def test_measured_sensitivity_lowers_the_divergence(cawsfs, float_gguf, default_
 def test_without_feedback_the_divergence_is_several_times_higher(cawsfs, float_gguf, default_archive,
                                                                  llama_bin, base_kld, work):
     """`--no-calibration`: no forward pass, so each block fitted on its own, as
-    llama-quantize does, and no sensitivity measured (measured 0.376 over the three texts
-    of docs/QUALITY-FLOAT.md; llama-quantize's best hand mix of the same bits, which
-    spends Q5_0 where the default plan does not, 0.221)."""
+    llama-quantize does, and no sensitivity measured; without feedback the plan keeps
+    Q5_0 and its kin among its types (measured 0.261 over the three texts of
+    docs/QUALITY-FLOAT.md; llama-quantize's best hand mix of the same bits 0.221)."""
     out = work / "plain.cawsf"
     report, _ = convert(cawsfs, float_gguf, out, "--no-calibration")
     assert "calibration" not in report and "sensitivity" not in report
     assert abs(report["bits_per_weight"] - default_archive[1]["bits_per_weight"]) < 0.01
     kld = mounted_kld(cawsfs, out, llama_bin, base_kld, work / "mnt")
     print("mean KLD without feedback", kld)
-    assert 0.16 < kld < 0.6, kld
+    assert 0.16 < kld < 0.40, kld
 
 
 @pytest.fixture(scope="module")

@@ -476,6 +476,11 @@ pub fn layer_of(name: &str) -> Option<u32> {
         .ok()
 }
 
+/// Whether this pass runs `src` (its architecture, names and shapes).
+pub fn runs(src: &dyn SourceModel) -> bool {
+    dims_of(src).is_ok()
+}
+
 /// The model's dimensions when this pass can run it, or why not.
 fn dims_of(src: &dyn SourceModel) -> Result<Dims, String> {
     let desc = src.desc();
