@@ -587,6 +587,54 @@ pub fn plan(
     })
 }
 
+/// The measured sensitivities `--bpw` planned with ([`super::calibrate::probe`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SensitivityUse {
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Tensors measured.
+    pub tensors: usize,
+    /// Why none could be (then the plan weighs every tensor's relative error alike).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// The sensitivities a ggml `--bpw` plan weighs each tensor's relative error by: of
+/// every 2-D tensor it may round, over `self_calibration`'s text. None without a text,
+/// with `sensitivity_tokens` 0 or for a scalar-group plan (whose role factors scale
+/// absolute error).
+pub(super) fn measure_sensitivity(
+    src: &dyn SourceModel,
+    opts: &ConvertOptions,
+    pass: &Patterns,
+) -> Result<(Option<SensitivityUse>, Option<Sensitivity>), ConvertError> {
+    let Some(cal) = &opts.self_calibration else {
+        return Ok((None, None));
+    };
+    if opts.sensitivity_tokens == 0 || opts.bpw_sq {
+        return Ok((None, None));
+    }
+    let wanted: std::collections::HashSet<String> = src
+        .desc()
+        .tensors
+        .iter()
+        .filter(|t| t.shape.len() == 2 && !is_passthrough(t, pass))
+        .map(|t| t.name.clone())
+        .collect();
+    if wanted.is_empty() {
+        return Ok((None, None));
+    }
+    let t0 = std::time::Instant::now();
+    let s = crate::convert::calibrate::probe::probe(src, cal, &wanted, opts.sensitivity_tokens)?;
+    let used = SensitivityUse {
+        tokens: s.as_ref().map_or(0, |s| s.tokens as u64),
+        seconds: t0.elapsed().as_secs_f64(),
+        tensors: s.as_ref().map_or(0, |s| s.per_tensor.len()),
+        skipped: s.as_ref().err().cloned(),
+    };
+    Ok((Some(used), s.ok()))
+}
+
 /// An f64 ordered by `total_cmp`, for the heap.
 #[derive(Clone, Copy, PartialEq)]
 struct Worth(f64);

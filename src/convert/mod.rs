@@ -21,6 +21,7 @@ use crate::model::TensorDesc;
 
 pub mod bpw;
 pub mod calibrate;
+pub use bpw::SensitivityUse;
 pub mod delta;
 pub mod npydir;
 
@@ -255,18 +256,6 @@ pub struct CalibrationUse {
     /// Time spent in the forward pass (0 for a file).
     pub seconds: f64,
     /// Why the pass could not run this model (then no tensor got feedback).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub skipped: Option<String>,
-}
-
-/// The measured sensitivities `--bpw` planned with ([`calibrate::probe`]).
-#[derive(Clone, Debug, Serialize)]
-pub struct SensitivityUse {
-    pub tokens: u64,
-    pub seconds: f64,
-    /// Tensors measured.
-    pub tensors: usize,
-    /// Why none could be (then the plan weighs every tensor's relative error alike).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
 }
@@ -545,7 +534,7 @@ pub fn convert(
     let routing = routing_bytes(src)?;
     let (mut sensitivity, mut measured) = (None, None);
     let mut measure = || {
-        let (used, s) = measure_sensitivity(src, opts, &pass)?;
+        let (used, s) = bpw::measure_sensitivity(src, opts, &pass)?;
         sensitivity = used;
         measured = s.clone();
         Ok(s)
@@ -684,48 +673,6 @@ pub fn convert(
         at_floor: p.at_floor,
     });
     Ok(report)
-}
-
-/// The sensitivities a ggml `--bpw` plan weighs each tensor's relative error by: of
-/// every 2-D tensor it may round, over `self_calibration`'s text. None without a text,
-/// with `sensitivity_tokens` 0 or for a scalar-group plan (whose role factors scale
-/// absolute error).
-fn measure_sensitivity(
-    src: &dyn SourceModel,
-    opts: &ConvertOptions,
-    pass: &Patterns,
-) -> Result<
-    (
-        Option<SensitivityUse>,
-        Option<calibrate::probe::Sensitivity>,
-    ),
-    ConvertError,
-> {
-    let Some(cal) = &opts.self_calibration else {
-        return Ok((None, None));
-    };
-    if opts.sensitivity_tokens == 0 || opts.bpw_sq {
-        return Ok((None, None));
-    }
-    let wanted: std::collections::HashSet<String> = src
-        .desc()
-        .tensors
-        .iter()
-        .filter(|t| t.shape.len() == 2 && !is_passthrough(t, pass))
-        .map(|t| t.name.clone())
-        .collect();
-    if wanted.is_empty() {
-        return Ok((None, None));
-    }
-    let t0 = std::time::Instant::now();
-    let s = calibrate::probe::probe(src, cal, &wanted, opts.sensitivity_tokens)?;
-    let used = SensitivityUse {
-        tokens: s.as_ref().map_or(0, |s| s.tokens as u64),
-        seconds: t0.elapsed().as_secs_f64(),
-        tensors: s.as_ref().map_or(0, |s| s.per_tensor.len()),
-        skipped: s.as_ref().err().cloned(),
-    };
-    Ok((Some(used), s.ok()))
 }
 
 /// What an archive of `desc` spends outside its tensors, estimated for `--bpw`: the
