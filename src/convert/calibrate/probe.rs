@@ -186,6 +186,8 @@ pub fn probe(
     if wanted.contains(emb_name) {
         probes.push((emb_name.to_string(), noisy));
     }
+    // Kept through the layers only when it is also the output matrix.
+    let tied_head = (head_name == emb_name).then_some(emb);
     for l in 0..dims.layers {
         let layer = Layer::load(src, &dims, l)?;
         let input = clean.clone();
@@ -217,11 +219,9 @@ pub fn probe(
         probes.extend(started);
     }
     let g = weight(src, "model.norm.weight", d, 1)?;
-    let head = if head_name == emb_name {
-        emb
-    } else {
-        drop(emb);
-        weight(src, head_name, vocab, d)?
+    let head = match tied_head {
+        Some(emb) => emb,
+        None => weight(src, head_name, vocab, d)?,
     };
     // The clean distribution over the whole vocabulary picks the entries scored.
     let entries = top_entries(&log_probs(&clean, d, &g, dims.eps, &head), vocab);
