@@ -74,7 +74,7 @@ done
 # feedback (and so without sensitivity); with every type (Q4_1, Q5_0 and Q5_1 too, which
 # llama.cpp runs slower on the CPU); and issue 59's moonshot: 4.0 bits per weight with
 # Q4_K_M's divergence.
-all_types=iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,q2_k,q3_k,q4_k,q5_k,q6_k
+all_types=iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,iq3_xxs,iq3_s,iq2_s,q2_k,q3_k,q4_k,q5_k,q6_k
 for setting in "" "--sensitivity-tokens 0" "--no-calibration" "--bpw-types $all_types" "--bpw 4.0"; do
   "$cawsfs" convert "$model" -o "$work/c.cawsf" $setting > "$work/c.log"
   cb=$(grep -o '[0-9.]* bits per weight' "$work/c.log" | tail -1 | cut -d' ' -f1)

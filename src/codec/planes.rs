@@ -74,6 +74,16 @@ fn planes_of(ty: GgmlType) -> Option<&'static [Plane]> {
             B(209, 210),
         ],
         IQ4_XS => &[B(0, 1), B(1, 2), B(2, 4), B(4, 8), B(8, 136)],
+        IQ3_XXS => &[B(0, 1), B(1, 2), B(2, 66), B(66, 98)],
+        IQ3_S => &[
+            B(0, 1),
+            B(1, 2),
+            B(2, 66),
+            B(66, 74),
+            B(74, 106),
+            B(106, 110),
+        ],
+        IQ2_S => &[B(0, 1), B(1, 2), B(2, 34), B(34, 66), B(66, 74), B(74, 82)],
         _ => return None,
     })
 }
@@ -237,7 +247,8 @@ mod tests {
     fn planes_cover_each_block_byte_once() {
         use GgmlType::*;
         for ty in [
-            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS,
+            IQ3_S, IQ2_S,
         ] {
             let (planes, bs) = layout(ty).unwrap();
             let mut seen = vec![0u32; bs];
@@ -266,7 +277,8 @@ mod tests {
             s
         };
         for ty in [
-            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS,
+            IQ3_S, IQ2_S,
         ] {
             let bs = ty.block().1 as usize;
             for n in [0usize, 1, 7, 300] {

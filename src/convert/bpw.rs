@@ -51,11 +51,14 @@ fn settings_for(cols: u64) -> Vec<SqParams> {
 }
 
 /// The ggml types tried on every tensor whose width they divide, cheapest first
-/// (Q2_K 2.625 bits per weight before compression ... Q8_0 8.5; the 256-value types
+/// (IQ2_S 2.5625 bits per weight before compression ... Q8_0 8.5; the 256-value types
 /// only where the width is a multiple of 256).
 const GGML_TYPES: &[GgmlType] = &[
+    GgmlType::IQ2_S,
     GgmlType::Q2_K,
+    GgmlType::IQ3_XXS,
     GgmlType::Q3_K,
+    GgmlType::IQ3_S,
     GgmlType::IQ4_XS,
     GgmlType::IQ4_NL,
     GgmlType::Q4_K,

@@ -18,12 +18,27 @@ use half::f16;
 use super::quant::{QuantError, IQ4_NL_GRID};
 use super::GgmlType;
 
+mod iq;
+
 /// Whether [`fit`] handles this type.
 pub fn can_fit(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS
+        Q4_0 | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | IQ4_NL
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | IQ4_XS
+            | IQ3_XXS
+            | IQ3_S
+            | IQ2_S
     )
 }
 
@@ -68,18 +83,23 @@ pub fn fit(ty: GgmlType, x: &[f32], w: &[f32], out: &mut [u8]) -> Result<(), Qua
             GgmlType::Q5_K => qk_affine(x, w, 31, o),
             GgmlType::Q3_K => q3_k(x, w, o),
             GgmlType::Q2_K => q2_k(x, w, o),
+            GgmlType::IQ3_XXS => iq::iq3_xxs(x, w, o),
+            GgmlType::IQ3_S => iq::iq3_s(x, w, o),
+            GgmlType::IQ2_S => iq::iq2_s(x, w, o),
             _ => unreachable!("checked by can_fit"),
         }
     }
     Ok(())
 }
 
-/// The levels codes stand for: integers `lo..=hi` (code = level − lo), or IQ4_NL's
-/// grid (code = index).
+/// The levels codes stand for: integers `lo..=hi` (code = level − lo), IQ4_NL's
+/// grid (code = index), or the odd numbers `1, 3, …, 2n − 1` (code = (level − 1) / 2:
+/// the sub-block scales of the IQ grid types).
 #[derive(Clone, Copy)]
 enum Levels {
     Int(i32, i32),
     Nl,
+    Odd(u8),
 }
 
 /// `x` clamped to the integers `lo..=hi` and rounded to the nearest, half to even.
@@ -95,6 +115,25 @@ impl Levels {
         match self {
             Levels::Int(lo, hi) => (lo as f32, hi as f32),
             Levels::Nl => (IQ4_NL_GRID[0] as f32, IQ4_NL_GRID[15] as f32),
+            Levels::Odd(n) => (1.0, (2 * n - 1) as f32),
+        }
+    }
+    /// The level of code `c`.
+    fn level(self, c: u8) -> f32 {
+        match self {
+            Levels::Int(lo, _) => (c as i32 + lo) as f32,
+            Levels::Nl => IQ4_NL_GRID[c as usize] as f32,
+            Levels::Odd(_) => (2 * c as u32 + 1) as f32,
+        }
+    }
+    /// The codes of the levels just below and just above `v` (equal at the ends).
+    fn around(self, v: f32) -> (u8, u8) {
+        match self {
+            Levels::Odd(n) => {
+                let lo = ((v - 1.0) / 2.0).floor().clamp(0.0, (n - 1) as f32) as u8;
+                (lo, (lo + 1).min(n - 1))
+            }
+            _ => (self.nearest(v.floor()).0, self.nearest(v.ceil()).0),
         }
     }
     /// The code of the level nearest to `v`, and that level.
@@ -109,6 +148,10 @@ impl Levels {
                 // First level whose midpoint with its successor lies above v.
                 let i = NL_MID.partition_point(|&m| m <= v);
                 (i as u8, IQ4_NL_GRID[i] as f32)
+            }
+            Levels::Odd(n) => {
+                let c = round_in((v - 1.0) / 2.0, 0.0, (n - 1) as f32);
+                (c as u8, 2.0 * c + 1.0)
             }
         }
     }
@@ -332,10 +375,12 @@ fn affine_32(x: &[f32], w: &[f32], nmax: u8, o: &mut [u8]) {
 /// has when its values are rounded again to `d · level` (`err(j, scale)`): a scale
 /// slightly off costs little once the codes follow it, which a fixed-code model of the
 /// error would overstate. Candidates for `d` map the largest `|s|` near either end of
-/// `levels`; each sub-block takes the better of the two levels around `s / d`.
+/// `levels`; each sub-block takes the better of the two levels around `s / d`. A block
+/// stores `d / unit` (a power of two: IQ types scale their sub-block codes so).
 fn fit_scales<const N: usize>(
     s: &[f32; N],
     levels: Levels,
+    unit: f32,
     err: impl Fn(usize, f32) -> f32,
 ) -> (f16, [u8; N]) {
     let sm = s
@@ -352,8 +397,8 @@ fn fit_scales<const N: usize>(
             continue;
         }
         for k in 0..=8 {
-            let d = h(sm / (e * (0.8 + 0.03 * k as f32)));
-            let df = d.to_f32();
+            let d = h(sm / (e * (0.8 + 0.03 * k as f32)) / unit);
+            let df = d.to_f32() * unit;
             if df == 0.0 || !df.is_finite() {
                 continue;
             }
@@ -361,13 +406,8 @@ fn fit_scales<const N: usize>(
             let mut total = 0f32;
             for j in 0..N {
                 let v = s[j] / df;
-                let (a, _) = levels.nearest(v.floor());
-                let (b, _) = levels.nearest(v.ceil());
-                let level = |c: u8| match levels {
-                    Levels::Int(lo, _) => (c as i32 + lo) as f32,
-                    Levels::Nl => IQ4_NL_GRID[c as usize] as f32,
-                };
-                let (ea, eb) = (err(j, df * level(a)), err(j, df * level(b)));
+                let (a, b) = levels.around(v);
+                let (ea, eb) = (err(j, df * levels.level(a)), err(j, df * levels.level(b)));
                 let (c, e) = if eb < ea { (b, eb) } else { (a, ea) };
                 codes[j] = c;
                 total += e;
@@ -401,7 +441,7 @@ fn q6_k(x: &[f32], w: &[f32], o: &mut [u8]) {
         let r = 16 * j..16 * j + 16;
         fit_scale(&x[r.clone()], &w[r.clone()], lv, &mut c[r])
     });
-    let (d, sc) = fit_scales(&s, Levels::Int(-128, 127), |j, e| {
+    let (d, sc) = fit_scales(&s, Levels::Int(-128, 127), 1.0, |j, e| {
         sub_err(&x[16 * j..16 * j + 16], &w[16 * j..16 * j + 16], e, lv)
     });
     for (j, &code) in sc.iter().enumerate() {
@@ -430,7 +470,7 @@ fn iq4_xs(x: &[f32], w: &[f32], o: &mut [u8]) {
         let r = 32 * j..32 * j + 32;
         fit_scale(&x[r.clone()], &w[r.clone()], Levels::Nl, &mut c[r])
     });
-    let (d, ls) = fit_scales(&s, Levels::Int(-32, 31), |j, e| {
+    let (d, ls) = fit_scales(&s, Levels::Int(-32, 31), 1.0, |j, e| {
         sub_err(
             &x[32 * j..32 * j + 32],
             &w[32 * j..32 * j + 32],
@@ -480,11 +520,11 @@ fn qk_affine(x: &[f32], w: &[f32], nmax: u8, o: &mut [u8]) {
     let sub = |j: usize| (&x[32 * j..32 * j + 32], &w[32 * j..32 * j + 32]);
     // The offsets first (at the sub-blocks' own scales), then the scales under the
     // offsets as stored.
-    let (dmin, mc) = fit_scales(&mn, Levels::Int(0, 63), |j, m| {
+    let (dmin, mc) = fit_scales(&mn, Levels::Int(0, 63), 1.0, |j, m| {
         let (x, w) = sub(j);
         aff_err(x, w, s[j], m, nmax)
     });
-    let (d, sc) = fit_scales(&s, Levels::Int(0, 63), |j, e| {
+    let (d, sc) = fit_scales(&s, Levels::Int(0, 63), 1.0, |j, e| {
         let (x, w) = sub(j);
         aff_err(x, w, e, dmin.to_f32() * mc[j] as f32, nmax)
     });
@@ -540,7 +580,7 @@ fn q3_k(x: &[f32], w: &[f32], o: &mut [u8]) {
         let r = 16 * j..16 * j + 16;
         fit_scale(&x[r.clone()], &w[r.clone()], lv, &mut c[r])
     });
-    let (d, sc) = fit_scales(&s, Levels::Int(-32, 31), |j, e| {
+    let (d, sc) = fit_scales(&s, Levels::Int(-32, 31), 1.0, |j, e| {
         sub_err(&x[16 * j..16 * j + 16], &w[16 * j..16 * j + 16], e, lv)
     });
     o.fill(0);
@@ -575,11 +615,11 @@ fn q2_k(x: &[f32], w: &[f32], o: &mut [u8]) {
         mn[j] = -m;
     }
     let sub = |j: usize| (&x[16 * j..16 * j + 16], &w[16 * j..16 * j + 16]);
-    let (dmin, mc) = fit_scales(&mn, Levels::Int(0, 15), |j, m| {
+    let (dmin, mc) = fit_scales(&mn, Levels::Int(0, 15), 1.0, |j, m| {
         let (x, w) = sub(j);
         aff_err(x, w, s[j], m, 3)
     });
-    let (d, sc) = fit_scales(&s, Levels::Int(0, 15), |j, e| {
+    let (d, sc) = fit_scales(&s, Levels::Int(0, 15), 1.0, |j, e| {
         let (x, w) = sub(j);
         aff_err(x, w, e, dmin.to_f32() * mc[j] as f32, 3)
     });
@@ -668,6 +708,11 @@ mod tests {
             let f = err(ty, &x, &w, true);
             assert!(f < q4, "{ty:?}: {f} ≥ Q4_0's {q4}");
         }
+        // The grid types against the reference's k-quants of about their bits.
+        for (ty, than) in [(IQ3_S, Q3_K), (IQ3_XXS, Q3_K), (IQ2_S, Q2_K)] {
+            let (f, r) = (err(ty, &x, &w, true), err(than, &x, &w, false));
+            println!("{ty:?}: fit / reference {than:?} error {:.3}", f / r);
+        }
     }
 
     /// Weights move the error where they are small: every fourth value, weighted
@@ -685,6 +730,9 @@ mod tests {
             GgmlType::Q4_K,
             GgmlType::Q3_K,
             GgmlType::Q2_K,
+            GgmlType::IQ3_XXS,
+            GgmlType::IQ3_S,
+            GgmlType::IQ2_S,
         ] {
             let ones = vec![1f32; x.len()];
             let (weighted, plain) = (err(ty, &x, &w, true), err_of(ty, &x, &w, Some(&ones)));
@@ -696,7 +744,8 @@ mod tests {
     fn zero_blocks_and_bad_sizes() {
         use GgmlType::*;
         for ty in [
-            Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+            Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS,
+            IQ3_S, IQ2_S,
         ] {
             let (be, bb) = ty.block();
             let x = vec![0f32; be as usize];

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod fit;
+pub mod grids;
 pub mod quant;
 pub mod quantize;
 pub mod reader;
@@ -37,6 +38,13 @@ pub enum GgmlType {
     IQ4_NL,
     /// IQ4_NL's grid with a 6-bit scale per 32 under one f16 scale per 256.
     IQ4_XS,
+    /// Sign-coded magnitudes from a 256-entry grid of 4, a 4-bit scale per 32 under one
+    /// f16 scale per 256 (3.06 bits per weight).
+    IQ3_XXS,
+    /// A 512-entry grid of 4 magnitudes, free signs, 4-bit scales per 32 (3.44 bits).
+    IQ3_S,
+    /// A 1024-entry grid of 8 magnitudes, free signs, 4-bit scales per 16 (2.56 bits).
+    IQ2_S,
     BF16,
 }
 
@@ -58,7 +66,10 @@ impl GgmlType {
             13 => Q5_K,
             14 => Q6_K,
             15 => Q8_K,
+            18 => IQ3_XXS,
             20 => IQ4_NL,
+            21 => IQ3_S,
+            22 => IQ2_S,
             23 => IQ4_XS,
             30 => BF16,
             _ => return None,
@@ -81,7 +92,10 @@ impl GgmlType {
             Q5_K => 13,
             Q6_K => 14,
             Q8_K => 15,
+            IQ3_XXS => 18,
             IQ4_NL => 20,
+            IQ3_S => 21,
+            IQ2_S => 22,
             IQ4_XS => 23,
             BF16 => 30,
         }
@@ -106,6 +120,9 @@ impl GgmlType {
             Q8_K => (256, 292),
             IQ4_NL => (32, 18),
             IQ4_XS => (256, 136),
+            IQ3_XXS => (256, 98),
+            IQ3_S => (256, 110),
+            IQ2_S => (256, 82),
         }
     }
     /// The type named `name` as ggml spells it, in any case (`q4_k`, `IQ4_NL`).

@@ -12,6 +12,7 @@
 
 use half::f16;
 
+use crate::gguf::grids::{IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID};
 use crate::gguf::GgmlType;
 
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +102,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         GgmlType::Q6_K => blocks.for_each(|(b, y)| dq_q6_k(b, y)),
         GgmlType::IQ4_NL => blocks.for_each(|(b, y)| dq_iq4_nl(b, y)),
         GgmlType::IQ4_XS => blocks.for_each(|(b, y)| dq_iq4_xs(b, y)),
+        GgmlType::IQ3_XXS => blocks.for_each(|(b, y)| dq_iq3_xxs(b, y)),
+        GgmlType::IQ3_S => blocks.for_each(|(b, y)| dq_iq3_s(b, y)),
+        GgmlType::IQ2_S => blocks.for_each(|(b, y)| dq_iq2_s(b, y)),
         GgmlType::Q8_1 | GgmlType::Q8_K => unreachable!("rejected above"),
     }
     Ok(())
@@ -336,6 +340,83 @@ fn dq_iq4_xs(b: &[u8], y: &mut [f32]) {
         for j in 0..16 {
             y[j] = dl * IQ4_NL_GRID[(qs[j] & 0x0F) as usize] as f32;
             y[j + 16] = dl * IQ4_NL_GRID[(qs[j] >> 4) as usize] as f32;
+        }
+    }
+}
+
+/// The sign byte of IQ3_XXS's 7-bit sign index `i` (ggml's `ksigns_iq2xs`): the eighth
+/// sign makes the count of minus signs even.
+pub(crate) const fn ksign(i: u8) -> u8 {
+    (i & 127) | (((i & 127).count_ones() as u8 & 1) << 7)
+}
+
+/// `db · mag · (−1 if bit j of sign)` for the `mags` (little end first) of a grid entry,
+/// the sign bits starting at `bit`.
+#[inline]
+fn grid_values(db: f32, mags: u64, sign: u8, bit: usize, y: &mut [f32]) {
+    for (j, y) in y.iter_mut().enumerate() {
+        let m = ((mags >> (8 * j)) & 0xFF) as f32;
+        let s = if sign & (1 << (bit + j)) != 0 {
+            -1.0
+        } else {
+            1.0
+        };
+        *y = db * m * s;
+    }
+}
+
+/// IQ3_XXS: f16 d, qs[64] (grid indices, two per 8 values), then per sub-block of 32 a
+/// u32: four 7-bit sign indices ([`ksign`]) and a 4-bit scale `s` in bits 28..32;
+/// `db = d · (0.5 + s) · 0.5`.
+fn dq_iq3_xxs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let aux = u32::from_le_bytes(b[66 + 4 * ib..70 + 4 * ib].try_into().expect("4 bytes"));
+        let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
+        for l in 0..4 {
+            let sign = ksign(((aux >> (7 * l)) & 127) as u8);
+            let q = &b[2 + 8 * ib + 2 * l..];
+            let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+            grid_values(db, IQ3XXS_GRID[q[0] as usize] as u64, sign, 0, &mut y[..4]);
+            grid_values(db, IQ3XXS_GRID[q[1] as usize] as u64, sign, 4, &mut y[4..]);
+        }
+    }
+}
+
+/// IQ3_S: f16 d, qs[64] (low 8 bits of 9-bit grid indices), qh[8] (their ninth bits,
+/// one byte per sub-block of 32), signs[32] (a byte per 8 values), scales[4] (a nibble
+/// `s` per sub-block); `db = d · (1 + 2s)`.
+fn dq_iq3_s(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let db = d * (1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15) as i32) as f32;
+        let qh = b[66 + ib] as usize;
+        for l in 0..4 {
+            let idx =
+                |k: usize| b[2 + 8 * ib + 2 * l + k] as usize | ((qh >> (2 * l + k)) & 1) << 8;
+            let sign = b[74 + 4 * ib + l];
+            let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+            grid_values(db, IQ3S_GRID[idx(0)] as u64, sign, 0, &mut y[..4]);
+            grid_values(db, IQ3S_GRID[idx(1)] as u64, sign, 4, &mut y[4..]);
+        }
+    }
+}
+
+/// IQ2_S: f16 d, qs[32] (low 8 bits of 10-bit grid indices, one per 8 values),
+/// signs[32], qh[8] (the indices' two high bits, a byte per 32 values), scales[8] (a
+/// nibble `s` per 16 values, low first); `db = d · (0.5 + s) · 0.25`.
+fn dq_iq2_s(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let sc = b[74 + ib];
+        let db = [
+            d * (0.5 + (sc & 15) as f32) * 0.25,
+            d * (0.5 + (sc >> 4) as f32) * 0.25,
+        ];
+        for l in 0..4 {
+            let idx = b[2 + 4 * ib + l] as usize | ((b[66 + ib] as usize >> (2 * l)) & 3) << 8;
+            let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+            grid_values(db[l / 2], IQ2S_GRID[idx], b[34 + 4 * ib + l], 0, y);
         }
     }
 }

@@ -81,7 +81,13 @@ pub fn quantize(ty: GgmlType, src: &[f32], out: &mut [u8]) -> Result<(), QuantEr
         GgmlType::Q4_K => fast::q4_k(src, out),
         GgmlType::Q5_K => fast::q5_k(src, out),
         GgmlType::Q6_K => fast::q6_k(src, out),
-        GgmlType::Q8_1 | GgmlType::Q8_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
+        GgmlType::Q8_1
+        | GgmlType::Q8_K
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ4_XS
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ2_S => {
             unreachable!("rejected by can_quantize")
         }
     }

@@ -118,6 +118,9 @@ pub fn type_name(t: GgmlType) -> &'static str {
         Q8_K => "q8_k",
         IQ4_NL => "iq4_nl",
         IQ4_XS => "iq4_xs",
+        IQ3_XXS => "iq3_xxs",
+        IQ3_S => "iq3_s",
+        IQ2_S => "iq2_s",
     }
 }
 
@@ -465,6 +468,9 @@ fn ftype_of(t: GgmlType) -> u32 {
         Q6_K => 18,
         IQ4_NL => 25,
         IQ4_XS => 30,
+        IQ3_XXS => 23,
+        IQ3_S => 26,
+        IQ2_S => 28,
         BF16 => 32,
         Q8_1 | Q8_K => 1,
     }

@@ -110,6 +110,24 @@ def test_low_bit_k_quants_are_served_as_stored(cawsfs, float_gguf, work):
     assert checked["q2_k"] == 10 and checked["q3_k"] == 20, checked
 
 
+def test_grid_types_are_served_as_stored(cawsfs, float_gguf, work):
+    """IQ2_S, IQ3_XXS and IQ3_S (llama.cpp's grids: magnitudes of 8 or 4 values taken
+    together from a table of vectors, signs apart), chosen with --type-for, likewise: the
+    GGUF view serves the blocks cawsfs rounded, and gguf-py's dequantization of them
+    (llama.cpp's tables and layout) equals what cawsfs's safetensors view decodes."""
+    out = work / "iq.cawsf"
+    report, _ = convert(cawsfs, float_gguf, out, "--no-calibration",
+                        "--type-for", "model.layers.?.mlp.down_proj.weight=iq2_s",
+                        "--type-for", "model.layers.1?.mlp.down_proj.weight=iq3_xxs",
+                        "--type-for", "*down_proj*=iq3_s")
+    checked, _ = check_stored_blocks_served(cawsfs, out, work / "mnt")
+    assert (checked["iq2_s"], checked["iq3_xxs"], checked["iq3_s"]) == (10, 10, 10), checked
+    err = {t["codec"]: t["rel_err"] for t in report["tensors"] if t["name"].endswith("layers.5.mlp.down_proj.weight")
+           or t["name"].endswith("layers.15.mlp.down_proj.weight") or t["name"].endswith("layers.25.mlp.down_proj.weight")}
+    # More bits, less error: IQ2_S 2.56 bits, IQ3_XXS 3.06, IQ3_S 3.44.
+    assert err["ggml(iq2_s)"] > err["ggml(iq3_xxs)"] > err["ggml(iq3_s)"] > 0, err
+
+
 def test_bpw_types_limit_the_plan(cawsfs, float_gguf, work):
     """`--bpw-types` restricts what the planner may choose; a type cawsfs cannot round
     into is one line naming it."""

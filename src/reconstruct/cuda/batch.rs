@@ -479,7 +479,13 @@ pub fn batchable_prefix(jobs: &[(Work<'_>, &mut [f32])]) -> (usize, bool) {
         Work::Block(BlockParts::Raw {
             format: SourceType::F32
                 | SourceType::Plain(_)
-                | SourceType::Ggml(GgmlType::IQ4_NL | GgmlType::IQ4_XS),
+                | SourceType::Ggml(
+                    GgmlType::IQ4_NL
+                        | GgmlType::IQ4_XS
+                        | GgmlType::IQ3_XXS
+                        | GgmlType::IQ3_S
+                        | GgmlType::IQ2_S
+                ),
             ..
         })
     );
