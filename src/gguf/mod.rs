@@ -45,6 +45,14 @@ pub enum GgmlType {
     IQ3_S,
     /// A 1024-entry grid of 8 magnitudes, free signs, 4-bit scales per 16 (2.56 bits).
     IQ2_S,
+    /// A 256-entry grid of 8 magnitudes, 7-bit sign indices, a 4-bit scale per 32.
+    IQ2_XXS,
+    /// A 512-entry grid of 8 magnitudes, 7-bit sign indices, 4-bit scales per 16.
+    IQ2_XS,
+    /// A 2048-entry grid of 8 values in −1..=1 plus a ±1/8 shift, 3-bit scales per 32.
+    IQ1_S,
+    /// IQ1_S's grid, a shift per 8, 3-bit scales per 16, the f16 scale spread over them.
+    IQ1_M,
     BF16,
 }
 
@@ -66,11 +74,15 @@ impl GgmlType {
             13 => Q5_K,
             14 => Q6_K,
             15 => Q8_K,
+            16 => IQ2_XXS,
+            17 => IQ2_XS,
             18 => IQ3_XXS,
+            19 => IQ1_S,
             20 => IQ4_NL,
             21 => IQ3_S,
             22 => IQ2_S,
             23 => IQ4_XS,
+            29 => IQ1_M,
             30 => BF16,
             _ => return None,
         })
@@ -92,11 +104,15 @@ impl GgmlType {
             Q5_K => 13,
             Q6_K => 14,
             Q8_K => 15,
+            IQ2_XXS => 16,
+            IQ2_XS => 17,
             IQ3_XXS => 18,
+            IQ1_S => 19,
             IQ4_NL => 20,
             IQ3_S => 21,
             IQ2_S => 22,
             IQ4_XS => 23,
+            IQ1_M => 29,
             BF16 => 30,
         }
     }
@@ -123,7 +139,20 @@ impl GgmlType {
             IQ3_XXS => (256, 98),
             IQ3_S => (256, 110),
             IQ2_S => (256, 82),
+            IQ2_XXS => (256, 66),
+            IQ2_XS => (256, 74),
+            IQ1_S => (256, 50),
+            IQ1_M => (256, 56),
         }
+    }
+    /// Whether values are coded through a table of vectors (IQ4_NL's and IQ4_XS's levels
+    /// included): CUDA reconstruction has no such tables.
+    pub fn has_table(self) -> bool {
+        use GgmlType::*;
+        matches!(
+            self,
+            IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_S | IQ2_XXS | IQ2_XS | IQ1_S | IQ1_M
+        )
     }
     /// The type named `name` as ggml spells it, in any case (`q4_k`, `IQ4_NL`).
     pub fn from_name(name: &str) -> Option<GgmlType> {

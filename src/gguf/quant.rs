@@ -12,7 +12,7 @@
 
 use half::f16;
 
-use crate::gguf::grids::{IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID};
+use crate::gguf::grids::{iq1s, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 use crate::gguf::GgmlType;
 
 #[derive(Debug, thiserror::Error)]
@@ -105,6 +105,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         GgmlType::IQ3_XXS => blocks.for_each(|(b, y)| dq_iq3_xxs(b, y)),
         GgmlType::IQ3_S => blocks.for_each(|(b, y)| dq_iq3_s(b, y)),
         GgmlType::IQ2_S => blocks.for_each(|(b, y)| dq_iq2_s(b, y)),
+        GgmlType::IQ2_XXS => blocks.for_each(|(b, y)| dq_iq2_xxs(b, y)),
+        GgmlType::IQ2_XS => blocks.for_each(|(b, y)| dq_iq2_xs(b, y)),
+        GgmlType::IQ1_S => blocks.for_each(|(b, y)| dq_iq1_s(b, y)),
+        GgmlType::IQ1_M => blocks.for_each(|(b, y)| dq_iq1_m(b, y)),
         GgmlType::Q8_1 | GgmlType::Q8_K => unreachable!("rejected above"),
     }
     Ok(())
@@ -417,6 +421,102 @@ fn dq_iq2_s(b: &[u8], y: &mut [f32]) {
             let idx = b[2 + 4 * ib + l] as usize | ((b[66 + ib] as usize >> (2 * l)) & 3) << 8;
             let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
             grid_values(db[l / 2], IQ2S_GRID[idx], b[34 + 4 * ib + l], 0, y);
+        }
+    }
+}
+
+/// IQ2_XXS: f16 d, then per sub-block of 32 two u32: four grid indices (a byte each,
+/// one per 8 values), and four 7-bit sign indices ([`ksign`]) with a 4-bit scale `s` in
+/// bits 28..32; `db = d · (0.5 + s) · 0.25`.
+fn dq_iq2_xxs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let q = &b[2 + 8 * ib..10 + 8 * ib];
+        let aux = u32::from_le_bytes(q[4..8].try_into().expect("4 bytes"));
+        let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+        for l in 0..4 {
+            let sign = ksign(((aux >> (7 * l)) & 127) as u8);
+            let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+            grid_values(db, IQ2XXS_GRID[q[l] as usize], sign, 0, y);
+        }
+    }
+}
+
+/// IQ2_XS: f16 d, qs[32] u16 (a 9-bit grid index and a 7-bit sign index per 8 values),
+/// scales[8] (a nibble `s` per 16 values, low first); `db = d · (0.5 + s) · 0.25`.
+fn dq_iq2_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let sc = b[66 + ib];
+        let db = [
+            d * (0.5 + (sc & 15) as f32) * 0.25,
+            d * (0.5 + (sc >> 4) as f32) * 0.25,
+        ];
+        for l in 0..4 {
+            let at = 2 + 2 * (4 * ib + l);
+            let q = u16::from_le_bytes([b[at], b[at + 1]]);
+            let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
+            let sign = ksign((q >> 9) as u8);
+            grid_values(db[l / 2], IQ2XS_GRID[(q & 511) as usize], sign, 0, y);
+        }
+    }
+}
+
+/// IQ1's shift of every value of a group of 8 (`IQ1S_DELTA`, `IQ1M_DELTA`).
+const IQ1_DELTA: f32 = 0.125;
+
+/// `dl · (grid value + delta)` for the 8 values of `iq1s_grid` entry `idx`.
+#[inline]
+fn iq1_values(dl: f32, idx: usize, delta: f32, y: &mut [f32]) {
+    for (y, g) in y.iter_mut().zip(iq1s(idx)) {
+        *y = dl * (g as f32 + delta);
+    }
+}
+
+/// IQ1_S: f16 d, qs[32] (low 8 bits of 11-bit grid indices), qh[8] u16 per sub-block of
+/// 32: the indices' high 3 bits (3 per group), a 3-bit scale `s` in bits 12..15 and the
+/// shift's sign in bit 15; `dl = d · (2s + 1)`.
+fn dq_iq1_s(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let qh = u16::from_le_bytes([b[34 + 2 * ib], b[35 + 2 * ib]]) as usize;
+        let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
+        let delta = if qh & 0x8000 != 0 {
+            -IQ1_DELTA
+        } else {
+            IQ1_DELTA
+        };
+        for l in 0..4 {
+            let idx = b[2 + 4 * ib + l] as usize | ((qh >> (3 * l)) & 7) << 8;
+            iq1_values(dl, idx, delta, &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8]);
+        }
+    }
+}
+
+/// IQ1_M: qs[32] (low 8 bits of 11-bit grid indices), qh[16] (per 8 values: the high 3
+/// bits, then the shift's sign at bit 3 of the nibble), scales[8] as four u16: 3-bit
+/// scales `s` per 16 values (four per u16, 6 bits apart for each pair) and, in their top
+/// nibbles, the f16 d; `dl = d · (2s + 1)`.
+fn dq_iq1_m(b: &[u8], y: &mut [f32]) {
+    let sc: [u16; 4] = std::array::from_fn(|i| u16::from_le_bytes([b[48 + 2 * i], b[49 + 2 * i]]));
+    let d16 = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
+    let d = f16::from_bits(d16).to_f32();
+    for ib in 0..8 {
+        let s = sc[ib / 2] >> (6 * (ib % 2));
+        let dl = [
+            d * (2 * (s & 7) + 1) as f32,
+            d * (2 * ((s >> 3) & 7) + 1) as f32,
+        ];
+        for l in 0..4 {
+            let h = b[32 + 2 * ib + l / 2] >> (4 * (l % 2));
+            let idx = b[4 * ib + l] as usize | ((h & 7) as usize) << 8;
+            let delta = if h & 8 != 0 { -IQ1_DELTA } else { IQ1_DELTA };
+            iq1_values(
+                dl[l / 2],
+                idx,
+                delta,
+                &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8],
+            );
         }
     }
 }

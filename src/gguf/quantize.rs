@@ -87,7 +87,11 @@ pub fn quantize(ty: GgmlType, src: &[f32], out: &mut [u8]) -> Result<(), QuantEr
         | GgmlType::IQ4_XS
         | GgmlType::IQ3_XXS
         | GgmlType::IQ3_S
-        | GgmlType::IQ2_S => {
+        | GgmlType::IQ2_S
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ1_S
+        | GgmlType::IQ1_M => {
             unreachable!("rejected by can_quantize")
         }
     }

@@ -536,10 +536,10 @@ mod tests {
         t.extend_from_slice(b"blk.x");
         t.extend_from_slice(&1u32.to_le_bytes());
         t.extend_from_slice(&32u64.to_le_bytes());
-        t.extend_from_slice(&19u32.to_le_bytes());
+        t.extend_from_slice(&24u32.to_le_bytes());
         t.extend_from_slice(&0u64.to_le_bytes());
         let e = parse_header(&header(1, 0, &t)).unwrap_err();
-        assert_eq!(e, "unsupported ggml type 19 for tensor blk.x");
+        assert_eq!(e, "unsupported ggml type 24 for tensor blk.x");
     }
 
     #[test]

@@ -121,6 +121,10 @@ pub fn type_name(t: GgmlType) -> &'static str {
         IQ3_XXS => "iq3_xxs",
         IQ3_S => "iq3_s",
         IQ2_S => "iq2_s",
+        IQ2_XXS => "iq2_xxs",
+        IQ2_XS => "iq2_xs",
+        IQ1_S => "iq1_s",
+        IQ1_M => "iq1_m",
     }
 }
 
@@ -471,6 +475,10 @@ fn ftype_of(t: GgmlType) -> u32 {
         IQ3_XXS => 23,
         IQ3_S => 26,
         IQ2_S => 28,
+        IQ2_XXS => 19,
+        IQ2_XS => 20,
+        IQ1_S => 24,
+        IQ1_M => 31,
         BF16 => 32,
         Q8_1 | Q8_K => 1,
     }

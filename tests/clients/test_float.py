@@ -128,6 +128,61 @@ def test_grid_types_are_served_as_stored(cawsfs, float_gguf, work):
     assert err["ggml(iq2_s)"] > err["ggml(iq3_xxs)"] > err["ggml(iq3_s)"] > 0, err
 
 
+# llama.cpp's IQ types, each on a few layers' ffn_down (the only width of this model
+# that is a multiple of 256), the rest Q8_0: the types of IQ1_S ... IQ3_M files.
+IQ_MIX = {"iq2_xxs": "[0-3]", "iq2_xs": "[4-7]", "iq1_s": "(8|9|10|11)", "iq1_m": "1[2-5]",
+          "iq3_xxs": "1[6-9]", "iq3_s": "2[0-4]", "iq2_s": "2[5-9]"}
+
+
+def test_iq_gguf_files_import_bit_exact(cawsfs, float_gguf, llama_bin, work):
+    """A GGUF holding every IQ type llama.cpp's low-bit files use, made by llama-quantize
+    with an importance matrix: stored bit-exact, its GGUF view serves each tensor's
+    original bytes, and its f32 safetensors export equals gguf-py's dequantization
+    (llama.cpp's grids, sign tables and layouts) value for value."""
+    calib = work / "calib.txt"
+    calib.write_text(open("/usr/share/common-licenses/BSD").read() * 4)
+    imatrix = work / "imatrix.gguf"
+    run([llama_bin / "llama-imatrix", "-m", float_gguf, "-f", calib, "-c", "512", "--chunks", "2",
+         "-t", str(os.cpu_count() or 1), "-o", imatrix])
+    src = work / "iq.gguf"
+    types = [a for ty, layers in IQ_MIX.items() for a in ("--tensor-type", rf"blk\.{layers}\.ffn_down={ty}")]
+    run([llama_bin / "llama-quantize", "--imatrix", imatrix, *types, float_gguf, src, "Q8_0"])
+    imatrix.unlink()
+    out = work / "iq.cawsf"
+    report, _ = convert(cawsfs, src, out, "--passthrough", "*")
+    assert report["bits_per_weight"] > 7
+    r = gguf.GGUFReader(str(src))
+    orig = {t.name: t for t in r.tensors}
+    seen = {}
+
+    def same_bytes(path):  # a function, so that no array of the mounted file outlives it
+        for t in gguf.GGUFReader(str(path)).tensors:
+            o = orig[t.name]
+            assert t.tensor_type == o.tensor_type and bytes(t.data) == bytes(o.data), t.name
+
+    m = Mount(cawsfs, out, work / "mnt")
+    try:
+        same_bytes(m.mp / "model.gguf")
+    finally:
+        gc.collect()
+        m.close()
+    st_path = work / "f32.safetensors"
+    run([cawsfs, "export", out, "--format", "safetensors", "--dtype", "f32", "-o", st_path])
+    with safe_open(str(st_path), "np") as st:
+        for name, t in orig.items():
+            ty = t.tensor_type.name.lower()
+            if not ty.startswith("iq"):
+                continue
+            want = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            layer = name.split(".")[1]
+            got = st.get_tensor(f"model.layers.{layer}.mlp.down_proj.weight")
+            assert np.array_equal(got.reshape(want.shape), want), (name, ty)
+            seen[ty] = seen.get(ty, 0) + 1
+    del r, orig
+    assert seen == {"iq2_xxs": 4, "iq2_xs": 4, "iq1_s": 4, "iq1_m": 4, "iq3_xxs": 4, "iq3_s": 5,
+                    "iq2_s": 5}, seen
+
+
 def test_bpw_types_limit_the_plan(cawsfs, float_gguf, work):
     """`--bpw-types` restricts what the planner may choose; a type cawsfs cannot round
     into is one line naming it."""

@@ -6,7 +6,6 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelA
 
 use super::{Cuda, GpuError, OutType, ALIGN, KT, ROWS, THREADS_1D, TILE};
 use crate::codec::BlockParts;
-use crate::gguf::GgmlType;
 use crate::model::SourceType;
 use crate::reconstruct::Work;
 
@@ -474,20 +473,13 @@ pub fn batchable_prefix(jobs: &[(Work<'_>, &mut [f32])]) -> (usize, bool) {
     let n = jobs.iter().take_while(|(w, _)| alike(w)).count();
     // F32 rows are a copy; plain types (integers, fp8 ...) are small and rare; the
     // kernel has no IQ grids.
-    let gpu = !matches!(
-        first,
-        Work::Block(BlockParts::Raw {
-            format: SourceType::F32
-                | SourceType::Plain(_)
-                | SourceType::Ggml(
-                    GgmlType::IQ4_NL
-                        | GgmlType::IQ4_XS
-                        | GgmlType::IQ3_XXS
-                        | GgmlType::IQ3_S
-                        | GgmlType::IQ2_S
-                ),
-            ..
-        })
-    );
+    let gpu = match first {
+        Work::Block(BlockParts::Raw { format, .. }) => match format {
+            SourceType::F32 | SourceType::Plain(_) => false,
+            SourceType::Ggml(t) => !t.has_table(),
+            SourceType::F16 | SourceType::BF16 => true,
+        },
+        _ => true,
+    };
     (n, gpu)
 }
