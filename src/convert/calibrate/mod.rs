@@ -26,6 +26,7 @@ mod ops;
 pub mod probe;
 use crate::error::FileError;
 use crate::import::SourceModel;
+use crate::model::names::layer_of;
 
 /// The text used when none is named: three licence texts (prose) and Rust source (code).
 pub const BUNDLED_TEXT: &str = include_str!("../../../assets/calibration.txt");
@@ -465,15 +466,6 @@ pub fn pass_order(desc: &crate::model::ModelDesc) -> Vec<(Step, Vec<usize>)> {
     out.extend(layers.into_iter().map(|(l, m)| (Step::Layer(l), m)));
     out.push((Step::Head, head));
     out
-}
-
-/// The layer of a tensor name (`model.layers.{l}.…`), for encoding in pass order.
-pub fn layer_of(name: &str) -> Option<u32> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
 }
 
 /// Whether this pass runs `src` (its architecture, names and shapes).
