@@ -32,7 +32,7 @@ CAWSFS = os.path.join(ROOT, "target", "release", "cawsfs")
 PROMPT_FILE = "/usr/share/common-licenses/Apache-2.0"
 # Every type, Q5_0/Q5_1/Q4_1 included: less divergence for the bits, but their CPU dot
 # products cost more per weight than IQ4_NL's and Q8_0's.
-ALL = "iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,q2_k,q3_k,q4_k,q5_k,q6_k"
+ALL = "iq4_nl,q4_0,q4_1,q5_0,q5_1,q8_0,iq4_xs,iq3_xxs,iq3_s,iq2_s,q2_k,q3_k,q4_k,q5_k,q6_k"
 KLD_TEXTS = ["Apache-2.0", "MPL-2.0", "GFDL-1.3"]
 
 
