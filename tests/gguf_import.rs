@@ -55,23 +55,7 @@ fn assert_bits_eq(what: &str, got: &[f32], want: &[f32]) {
 }
 
 fn ty_of(name: &str) -> GgmlType {
-    use GgmlType::*;
-    match name {
-        "F32" => F32,
-        "F16" => F16,
-        "BF16" => BF16,
-        "Q4_0" => Q4_0,
-        "Q4_1" => Q4_1,
-        "Q5_0" => Q5_0,
-        "Q5_1" => Q5_1,
-        "Q8_0" => Q8_0,
-        "Q2_K" => Q2_K,
-        "Q3_K" => Q3_K,
-        "Q4_K" => Q4_K,
-        "Q5_K" => Q5_K,
-        "Q6_K" => Q6_K,
-        _ => panic!("unknown type {name}"),
-    }
+    GgmlType::from_name(name).unwrap_or_else(|| panic!("unknown type {name}"))
 }
 
 /// Every supported type, random blocks and gguf-quantized ones, dequantized by gguf

@@ -406,17 +406,23 @@ fn dq_iq3_s(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// IQ2_S's and IQ2_XS's two sub-block scales in one byte, low nibble first:
+/// `d · (0.5 + s) · 0.25`.
+#[inline]
+fn nibble_scales(d: f32, sc: u8) -> [f32; 2] {
+    [
+        d * (0.5 + (sc & 15) as f32) * 0.25,
+        d * (0.5 + (sc >> 4) as f32) * 0.25,
+    ]
+}
+
 /// IQ2_S: f16 d, qs[32] (low 8 bits of 10-bit grid indices, one per 8 values),
 /// signs[32], qh[8] (the indices' two high bits, a byte per 32 values), scales[8] (a
 /// nibble `s` per 16 values, low first); `db = d · (0.5 + s) · 0.25`.
 fn dq_iq2_s(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for ib in 0..8 {
-        let sc = b[74 + ib];
-        let db = [
-            d * (0.5 + (sc & 15) as f32) * 0.25,
-            d * (0.5 + (sc >> 4) as f32) * 0.25,
-        ];
+        let db = nibble_scales(d, b[74 + ib]);
         for l in 0..4 {
             let idx = b[2 + 4 * ib + l] as usize | ((b[66 + ib] as usize >> (2 * l)) & 3) << 8;
             let y = &mut y[32 * ib + 8 * l..32 * ib + 8 * l + 8];
@@ -447,11 +453,7 @@ fn dq_iq2_xxs(b: &[u8], y: &mut [f32]) {
 fn dq_iq2_xs(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for ib in 0..8 {
-        let sc = b[66 + ib];
-        let db = [
-            d * (0.5 + (sc & 15) as f32) * 0.25,
-            d * (0.5 + (sc >> 4) as f32) * 0.25,
-        ];
+        let db = nibble_scales(d, b[66 + ib]);
         for l in 0..4 {
             let at = 2 + 2 * (4 * ib + l);
             let q = u16::from_le_bytes([b[at], b[at + 1]]);

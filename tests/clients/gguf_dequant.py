@@ -26,6 +26,10 @@ from gguf import GGMLQuantizationType as T
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "IQ4_NL": [0], "IQ4_XS": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ2_S": [0], "IQ2_XXS": [0],
+    "IQ2_XS": [0], "IQ1_S": [0],
+    # IQ1_M's f16 scale is the top nibbles of its four u16 sub-block scale words.
+    "IQ1_M": [],
 }
 QUANTIZABLE = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 ROWS, COLS = 4, 512
@@ -48,6 +52,9 @@ def random_blocks(rng, name):
     for off in F16_FIELDS[name]:
         scale = (rng.standard_normal(n_blocks) * 0.05).astype("<f2")
         b[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    if name == "IQ1_M":
+        # Bit 14 of that f16 (bit 6 of the last scale byte) clear: finite, below 2.
+        b[:, 55] &= 0xBF
     return b.reshape(-1)
 
 
