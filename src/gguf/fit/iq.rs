@@ -212,7 +212,7 @@ fn fit_block<const N: usize>(
     parity: bool,
 ) -> Fitted<N> {
     let g = grid(ty);
-    let mut t: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    let mut t: [f32; 256] = std::array::from_fn(|i| x[i].abs());
     let mut signs = [0u8; 32];
     for (i, s) in signs.iter_mut().enumerate() {
         let r = 8 * i..8 * i + 8;
