@@ -466,7 +466,8 @@ pub struct ConvertArgs {
     /// Round the tensors matching PATTERN (a --passthrough glob) into this ggml type
     /// instead of the one --bpw chooses; they count against the budget; the first
     /// matching rule wins (repeatable). Types: q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl, and
-    /// for widths that are a multiple of 256 q2_k q3_k q4_k q5_k q6_k iq4_xs. Example:
+    /// for widths that are a multiple of 256 q2_k q3_k q4_k q5_k q6_k iq4_xs iq3_xxs
+    /// iq3_s iq2_s. Example:
     /// --type-for '*.down_proj.weight=q5_0'.
     #[arg(long = "type-for", value_name = "PATTERN=TYPE")]
     pub type_for: Vec<String>,
