@@ -117,7 +117,7 @@ impl FuseAdapter {
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // The kernel caps this at 128 KiB here; the daemon raises the bdi read-ahead
-        // through sysfs after mounting (DESIGN.md, "FUSE facts").
+        // through sysfs after mounting (`mount::session`).
         let _ = config.set_max_readahead(1 << 20);
         // Whole files of the disk tier are handed to the kernel (docs/TIER.md).
         use std::sync::atomic::Ordering::Relaxed;

@@ -503,8 +503,9 @@ impl MountFs {
     }
 
     /// Like [`MountFs::read`], handing the bytes to `reply` from a per-thread buffer:
-    /// a fresh 1 MiB allocation per request is mmap-backed here (see `mount.rs`) and
-    /// its page faults halved warm-read throughput.
+    /// a fresh 1 MiB allocation per request, where the allocator maps buffers that
+    /// size (a low mmap threshold, see `mount::run`'s allocator tuning), page-faulted
+    /// on every request and halved warm-read throughput.
     pub fn read_with<R>(
         &self,
         ino: u64,
