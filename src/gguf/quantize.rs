@@ -1,5 +1,6 @@
 //! ggml quantizers: f32 values into ggml blocks, byte-identical to what llama.cpp's
-//! `llama-quantize` writes when it has no importance matrix. Pure functions over
+//! `llama-quantize` writes when it has no importance matrix (IQ4_NL and IQ4_XS: `iq4`,
+//! ggml's `quantize_iq4_nl`/`quantize_iq4_xs`, which it calls for them). Pure functions over
 //! slices; nothing here knows about files or caches. Block layouts, what is reproduced
 //! and how it is checked: docs/GGML.md.
 //!
@@ -29,6 +30,7 @@ use crate::gguf::quant::QuantError;
 use crate::gguf::GgmlType;
 
 mod fast;
+mod iq4;
 mod lanes;
 mod reference;
 
@@ -37,7 +39,20 @@ pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | IQ4_NL
+            | IQ4_XS
     )
 }
 
@@ -81,10 +96,10 @@ pub fn quantize(ty: GgmlType, src: &[f32], out: &mut [u8]) -> Result<(), QuantEr
         GgmlType::Q4_K => fast::q4_k(src, out),
         GgmlType::Q5_K => fast::q5_k(src, out),
         GgmlType::Q6_K => fast::q6_k(src, out),
+        GgmlType::IQ4_NL => iq4::iq4_nl(src, out),
+        GgmlType::IQ4_XS => iq4::iq4_xs(src, out),
         GgmlType::Q8_1
         | GgmlType::Q8_K
-        | GgmlType::IQ4_NL
-        | GgmlType::IQ4_XS
         | GgmlType::IQ3_XXS
         | GgmlType::IQ3_S
         | GgmlType::IQ2_S

@@ -492,6 +492,14 @@ pub fn fallback(ty: GgmlType, ncols: u64) -> GgmlType {
         return ty;
     }
     let to = match ty {
+        T::IQ4_XS
+        | T::IQ3_S
+        | T::IQ3_XXS
+        | T::IQ2_S
+        | T::IQ2_XS
+        | T::IQ2_XXS
+        | T::IQ1_S
+        | T::IQ1_M => T::IQ4_NL,
         T::Q2_K | T::Q3_K => T::Q4_0,
         T::Q4_K => T::Q5_0,
         T::Q5_K => T::Q5_1,

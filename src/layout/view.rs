@@ -30,7 +30,7 @@ pub enum GgufView {
 }
 
 /// `--gguf-type` spellings of the single types, in the order `--help` lists them.
-const TYPES: [(&str, GgmlType); 12] = [
+const TYPES: [(&str, GgmlType); 14] = [
     ("f32", GgmlType::F32),
     ("f16", GgmlType::F16),
     ("bf16", GgmlType::BF16),
@@ -42,6 +42,8 @@ const TYPES: [(&str, GgmlType); 12] = [
     ("q4_k", GgmlType::Q4_K),
     ("q4_1", GgmlType::Q4_1),
     ("q4_0", GgmlType::Q4_0),
+    ("iq4_xs", GgmlType::IQ4_XS),
+    ("iq4_nl", GgmlType::IQ4_NL),
     ("q3_k", GgmlType::Q3_K),
 ];
 

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 from conftest import ROOT, run
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 ROW = 256  # every type's block size divides it
 ROWS_PER_CASE = 128
 

@@ -113,7 +113,7 @@ def test_bad_view_names_are_one_line_errors(cawsfs, archives, work):
 
 # Single-type views and the llama-quantize file type that makes the same file with --pure.
 PURE = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K_S", "q5_1": "Q5_1", "q5_0": "Q5_0",
-        "q4_k": "Q4_K_S", "q4_1": "Q4_1", "q4_0": "Q4_0"}
+        "q4_k": "Q4_K_S", "q4_1": "Q4_1", "q4_0": "Q4_0", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
 MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
 
 
@@ -157,7 +157,7 @@ def test_quantized_views_are_llama_quantize_byte_for_byte(cawsfs, llama_bin, los
         ref.unlink()
         ours.unlink()
     # The K types themselves were compared, not only their 32-block fallbacks.
-    k = {int(gguf.GGMLQuantizationType[t]) for t in ("Q4_K", "Q5_K", "Q6_K")}
+    k = {int(gguf.GGMLQuantizationType[t]) for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")}
     assert k <= kinds, kinds
 
 
